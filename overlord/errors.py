@@ -1,0 +1,42 @@
+"""Errors raised by overlord.
+
+Every error names its cause and its place: the field path of a bad plan, the
+source, file and row of a bad record, the role and step where a worker failed.
+"""
+
+from __future__ import annotations
+
+
+class OverlordError(Exception):
+    """Base class of every error overlord raises on purpose."""
+
+
+class PlanError(OverlordError, ValueError):
+    """A data plan is invalid. Holds every problem found, each with its field path."""
+
+    def __init__(self, problems: list[tuple[str, str]], origin: str | None = None):
+        self.problems = problems
+        self.origin = origin
+        where = f" in {origin}" if origin else ""
+        lines = [f"the data plan{where} has {len(problems)} problem(s):"]
+        lines += [f"  - {path or '<plan>'}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class SourceError(OverlordError):
+    """A record or file of a source cannot be read or decoded."""
+
+    def __init__(self, source: str, file: str, row: int | None, reason: str):
+        self.source, self.file, self.row, self.reason = source, file, row, reason
+        place = f"source '{source}', file {file}"
+        if row is not None:
+            place += f", row {row}"
+        super().__init__(f"{place}: {reason}")
+
+
+class LoaderError(OverlordError):
+    """A role (source loader, planner, constructor) failed; says which and where."""
+
+
+class CheckpointError(OverlordError):
+    """A checkpoint cannot be read or does not fit the plan it is loaded into."""

@@ -1,0 +1,219 @@
+"""Assigning a step's items to DP ranks and rows, so that the most loaded rank costs least.
+
+Every rank has ``rows_per_rank`` rows of ``capacity`` tokens. A rank's cost is
+the sum of its items' costs (with document-masked attention a document costs
+the same whichever row of the rank holds it), so balancing is a partition of
+items into ranks whose items still pack into the rank's rows.
+
+- ``kk``: Karmarkar-Karp (largest differencing) over items, then a capacity
+  repair that moves items which do not fit to the least loaded rank with room.
+- ``lpt``: items by decreasing cost, each to the least loaded rank with room.
+- ``none``: what a per-rank loader does: rank r takes the r-th contiguous block
+  of rows of the reference packing, cost unseen. The baseline.
+
+``kk`` and ``lpt`` also compute the reference rows balanced as whole rows
+(always feasible) and keep whichever of the two has the smaller makespan, so
+neither is ever worse than balancing packed rows, and never infeasible.
+
+The lower bound on a step's makespan is ``max(total / dp, largest item)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from overlord.plan.spec import BalanceMethod
+
+
+def lower_bound(cost: np.ndarray, dp: int) -> float:
+    """``max(total / dp, largest item)``: no assignment does better."""
+    if len(cost) == 0:
+        return 0.0
+    return float(max(cost.sum() / dp, cost.max()))
+
+
+def rank_costs(cost: np.ndarray, row: np.ndarray, dp: int, rows_per_rank: int) -> np.ndarray:
+    """Cost of each rank, given each item's global row."""
+    return np.bincount(row // rows_per_rank, weights=cost, minlength=dp)
+
+
+def _pack_rows(
+    order: np.ndarray, tokens: np.ndarray, rank_of: np.ndarray, dp: int, rpr: int, cap: int
+) -> tuple[np.ndarray, list[int]]:
+    """First-fit decreasing of each rank's items into its rows; returns rows and overflow."""
+    free = np.full((dp, rpr), cap, dtype=np.int64)
+    row = np.full(len(tokens), -1, dtype=np.int64)
+    overflow = []
+    for i in order.tolist():
+        r = rank_of[i]
+        fits = np.flatnonzero(free[r] >= tokens[i])
+        if len(fits) == 0:
+            overflow.append(i)
+            continue
+        j = fits[np.argmin(free[r][fits])]  # best fit
+        free[r, j] -= tokens[i]
+        row[i] = r * rpr + j
+    return row, overflow
+
+
+def _place_least_loaded(
+    items: list[int],
+    tokens: np.ndarray,
+    cost: np.ndarray,
+    row: np.ndarray,
+    loads: np.ndarray,
+    free: np.ndarray,
+) -> bool:
+    """Put each item on the least loaded rank that has a row with room (best-fit row)."""
+    dp, rpr = free.shape
+    heap = [(float(loads[r]), r) for r in range(dp)]
+    heapq.heapify(heap)
+    for i in items:
+        t = tokens[i]
+        popped = []
+        while heap:
+            load, r = heapq.heappop(heap)
+            fits = np.flatnonzero(free[r] >= t)
+            if len(fits):
+                j = fits[np.argmin(free[r][fits])]
+                free[r, j] -= t
+                row[i] = r * rpr + j
+                loads[r] += cost[i]
+                heapq.heappush(heap, (float(loads[r]), r))
+                break
+            popped.append((load, r))
+        else:
+            return False
+        for p in popped:
+            heapq.heappush(heap, p)
+    return True
+
+
+def _lpt(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
+    order = np.lexsort((np.arange(len(cost)), -cost))
+    row = np.full(len(cost), -1, dtype=np.int64)
+    free = np.full((dp, rpr), cap, dtype=np.int64)
+    ok = _place_least_loaded(order.tolist(), tokens, cost, row, np.zeros(dp), free)
+    return row if ok else None
+
+
+def kk_partition(cost: np.ndarray, k: int) -> np.ndarray:
+    """Karmarkar-Karp k-way partition: the group (0..k-1) of each item.
+
+    Each item starts as a k-tuple ``(c, 0, ..., 0)``. The two tuples with the
+    largest spread are merged by pairing the largest sum of one with the
+    smallest of the other, until one tuple is left. Merges are recorded as
+    node pairs so that groups are recovered at the end without copying lists.
+
+    >>> kk_partition(np.array([8.0, 7, 6, 5, 4]), 2).tolist()
+    [0, 1, 1, 0, 0]
+    """
+    n = len(cost)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    empty = -1
+    # a tuple: (sums sorted descending, node id of each sum); leaves are items 0..n-1
+    tuples: list[tuple[np.ndarray, np.ndarray]] = []
+    heap: list[tuple[float, int]] = []
+    for i in range(n):
+        sums = np.zeros(k)
+        sums[0] = cost[i]
+        nodes = np.full(k, empty, dtype=np.int64)
+        nodes[0] = i
+        tuples.append((sums, nodes))
+        heap.append((-float(cost[i]), i))
+    heapq.heapify(heap)
+    left: list[np.ndarray] = []
+    right: list[np.ndarray] = []
+    next_node = n
+    while len(heap) > 1:
+        _, a = heapq.heappop(heap)
+        _, b = heapq.heappop(heap)
+        sa, na = tuples[a]
+        sb, nb = tuples[b]
+        sums = sa + sb[::-1]
+        order = np.argsort(-sums, kind="stable")
+        la, lb = na[order], nb[::-1][order]
+        new = np.arange(next_node, next_node + k)
+        # a merged node with one empty side is just the other side: no new node needed
+        nodes = np.where(la == empty, lb, np.where(lb == empty, la, new))
+        both = (la != empty) & (lb != empty)
+        left.append(np.where(both, la, empty))
+        right.append(np.where(both, lb, empty))
+        next_node += k
+        tuples[a] = (sums[order], nodes)
+        tuples[b] = (sa[:0], na[:0])  # free memory
+        heapq.heappush(heap, (-(float(sums.max() - sums.min())), a))
+    _, last = heap[0]
+    label = np.full(next_node, -1, dtype=np.int64)
+    final = tuples[last][1]
+    label[final[final != empty]] = np.flatnonzero(final != empty)
+    for m in range(len(left) - 1, -1, -1):
+        ids = np.arange(n + m * k, n + (m + 1) * k)
+        keep = left[m] != empty
+        label[left[m][keep]] = label[ids[keep]]
+        label[right[m][keep]] = label[ids[keep]]
+    return label[:n]
+
+
+def _kk(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
+    rank_of = kk_partition(cost, dp)
+    order = np.lexsort((np.arange(len(cost)), -tokens))
+    row, overflow = _pack_rows(order, tokens, rank_of, dp, rpr, cap)
+    if not overflow:
+        return row
+    placed = row >= 0
+    loads = np.bincount(row[placed] // rpr, weights=cost[placed], minlength=dp)
+    free = np.full((dp, rpr), cap, dtype=np.int64)
+    np.subtract.at(free.reshape(-1), row[placed], tokens[placed])
+    overflow.sort(key=lambda i: (-cost[i], i))
+    ok = _place_least_loaded(overflow, tokens, cost, row, loads, free)
+    return row if ok else None
+
+
+def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
+    """Whole rows to ranks, ``rpr`` each, costliest first to the least loaded rank."""
+    order = np.lexsort((np.arange(len(row_cost)), -row_cost))
+    target = np.empty(len(row_cost), dtype=np.int64)
+    heap = [(0.0, r) for r in range(dp)]
+    count = [0] * dp
+    for j in order.tolist():
+        load, r = heapq.heappop(heap)
+        target[j] = r * rpr + count[r]
+        count[r] += 1
+        if count[r] < rpr:
+            heapq.heappush(heap, (load + float(row_cost[j]), r))
+    return target
+
+
+def assign(
+    tokens: np.ndarray,
+    cost: np.ndarray,
+    ref_row: np.ndarray,
+    dp: int,
+    rows_per_rank: int,
+    capacity: int,
+    method: BalanceMethod,
+) -> np.ndarray:
+    """Global row (rank = row // rows_per_rank) of each item of a step.
+
+    ``ref_row`` is the DP-independent reference packing of the step (``dp *
+    rows_per_rank`` rows); it is the fallback and the ``none`` baseline.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    cost = np.asarray(cost, dtype=np.float64)
+    ref_row = np.asarray(ref_row, dtype=np.int64)
+    if method is BalanceMethod.NONE or len(tokens) == 0:
+        return ref_row
+    rows = dp * rows_per_rank
+    by_rows = _rows_balanced(np.bincount(ref_row, weights=cost, minlength=rows), dp, rows_per_rank)
+    fallback = by_rows[ref_row]
+    solver = _kk if method is BalanceMethod.KK else _lpt
+    row = solver(tokens, cost, dp, rows_per_rank, capacity)
+    if row is None:
+        return fallback
+    mine = rank_costs(cost, row, dp, rows_per_rank).max()
+    theirs = rank_costs(cost, fallback, dp, rows_per_rank).max()
+    return row if mine <= theirs else fallback

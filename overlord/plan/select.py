@@ -1,0 +1,112 @@
+"""Which items form a step: token-share mixing into a step's rows.
+
+This decides the *global* batch of a step and knows nothing of DP ranks, so
+the samples of a step are the same at any DP size (invariant 1). Balancing
+(:mod:`overlord.plan.balance`) later moves them between rows and ranks, never
+between steps (invariant 2).
+
+Mixing is by deficit: every placed token raises each source's target by its
+weight, and the next item comes from the source furthest below its target.
+The cumulative error of every source is so bounded by about one item, however
+the weights move. An item that fits in no row stays in its source's window
+for a later step; a source may skip at most ``lookahead`` such items per step
+before it counts as blocked. The step closes when its rows are full or every
+source with weight is blocked.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class Window(Protocol):
+    """A source's upcoming items, as the selector sees them."""
+
+    def peek(self, i: int) -> int:
+        """Tokens of the ``i``-th pending (not yet placed) item, fetching more if needed."""
+        ...
+
+
+@dataclass
+class MixState:
+    """Cumulative tokens per source: what the schedule asked for and what was placed."""
+
+    target: np.ndarray  # float64, per source in plan order
+    placed: np.ndarray  # float64
+
+    @classmethod
+    def zeros(cls, n: int) -> MixState:
+        """A fresh state for ``n`` sources."""
+        return cls(np.zeros(n), np.zeros(n))
+
+    def copy(self) -> MixState:
+        """An independent copy."""
+        return MixState(self.target.copy(), self.placed.copy())
+
+
+@dataclass
+class Selection:
+    """A step's items in the order they were chosen."""
+
+    source: list[int]  # source index of each item
+    pending_index: list[int]  # its index among its window's pending items at selection time
+    tokens: list[int]
+    ref_row: list[int]  # row in the DP-independent reference packing
+
+
+def select_step(
+    windows: list[Window],
+    weights: np.ndarray,
+    mix: MixState,
+    rows: int,
+    capacity: int,
+    lookahead: int,
+) -> Selection:
+    """Choose the items of one step and update ``mix`` in place."""
+    n = len(windows)
+    w = [float(x) for x in weights]
+    target = [float(x) for x in mix.target]
+    placed = [float(x) for x in mix.placed]
+    blocked = [wi <= 0.0 for wi in w]
+    scan = [0] * n  # next pending index to look at, per source
+    skips = [0] * n
+    free = [(capacity, r) for r in range(rows)]  # sorted (free tokens, row)
+    out = Selection([], [], [], [])
+    step_tokens = 0.0
+    while free[-1][0] > 0:
+        best, best_deficit = -1, -np.inf
+        for s in range(n):
+            if not blocked[s]:
+                d = target[s] + w[s] * step_tokens - placed[s]
+                if d > best_deficit:
+                    best, best_deficit = s, d
+        if best < 0:
+            break
+        room = free[-1][0]
+        win, i = windows[best], scan[best]
+        t = win.peek(i)
+        while t > room and skips[best] < lookahead:
+            skips[best] += 1
+            i += 1
+            t = win.peek(i)
+        if t > room:
+            blocked[best] = True
+            scan[best] = i
+            continue
+        k = bisect.bisect_left(free, (t, -1))
+        f, r = free.pop(k)
+        bisect.insort(free, (f - t, r))
+        out.source.append(best)
+        out.pending_index.append(i)
+        out.tokens.append(t)
+        out.ref_row.append(r)
+        scan[best] = i + 1
+        placed[best] += t
+        step_tokens += t
+    mix.target += np.asarray(w) * step_tokens
+    mix.placed[:] = placed
+    return out

@@ -1,0 +1,35 @@
+"""Client: what a training script holds, an iterator of one DP rank's batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from overlord.batch import Batch
+from overlord.runtime.base import Handle, Runtime
+
+
+class Client(Iterator[Batch]):
+    """Batches of one DP rank, step after step, from ``start_step`` (until ``stop_step``)."""
+
+    def __init__(
+        self,
+        rank: int,
+        constructor: Handle,
+        planner: Handle,
+        runtime: Runtime,
+        start_step: int,
+        stop_step: int | None = None,
+    ):
+        self.rank = rank
+        self._constructor, self._planner, self._runtime = constructor, planner, runtime
+        self.step = start_step
+        self.stop_step = stop_step
+
+    def __next__(self) -> Batch:
+        """The next step's batch; marks it consumed for checkpoints."""
+        if self.stop_step is not None and self.step >= self.stop_step:
+            raise StopIteration
+        batch: Batch = self._runtime.get(self._constructor.call("batch", self.step))
+        self._runtime.get(self._planner.call("mark_consumed", self.rank, self.step))
+        self.step += 1
+        return batch

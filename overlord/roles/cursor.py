@@ -1,0 +1,133 @@
+"""The planner's view of one source: its loaders' blocks merged back into source order.
+
+Items are identified by their position ``(epoch, shard_pos, index)``, which is
+the source order itself: lexicographic order of positions is the order in
+which the source yields them, whichever loader read them. The cursor keeps the
+*pending* items (read, not yet placed in a step) in that order.
+
+Its checkpoint is where the pending items start plus the runs of items after
+that start which were already placed (a source may place a small item ahead of
+a large one that did not fit, up to the plan's lookahead).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from overlord.errors import SourceError
+from overlord.runtime.base import Handle, Runtime
+
+Key = tuple[int, int, int]
+
+
+class SourceCursor:
+    """Pending items of one source, fetched from its loaders on demand."""
+
+    def __init__(
+        self,
+        name: str,
+        n_shards: int,
+        loaders: list[Handle],
+        runtime: Runtime,
+        timeout: float,
+        start: dict[str, Any] | None = None,
+    ):
+        self.name, self.n_shards = name, n_shards
+        self.loaders, self.runtime, self.timeout = loaders, runtime, timeout
+        start = start or {}
+        self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
+        self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
+        self._epoch_items = 0
+        self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]
+        # pending items, in source order: key, tokens, loader, file index, record row, chunk
+        self.keys: list[Key] = []
+        self.tokens: list[int] = []
+        self.loader: list[int] = []
+        self.file_index: list[int] = []
+        self.row: list[int] = []
+        self.chunk: list[int] = []
+        # placed items that lie after the first pending one (kept for the checkpoint)
+        self._placed_ahead: list[Key] = [
+            (e, p, i + j) for e, p, i, c in start.get("skip", []) for j in range(c)
+        ]
+
+    def peek(self, i: int) -> int:
+        """Tokens of the ``i``-th pending item."""
+        while i >= len(self.tokens):
+            self._fetch()
+        return self.tokens[i]
+
+    def _fetch(self) -> None:
+        epoch, pos = self._expect
+        k = pos % len(self.loaders)
+        queue = self._blocks[k]
+        if not queue:
+            ref = self.loaders[k].call("metadata", self.timeout)
+            queue.extend(self.runtime.get(ref))
+        block = queue.popleft()
+        got = (int(block["epoch"]), int(block["shard_pos"]))
+        assert got == (epoch, pos), f"loader {k} of '{self.name}' sent shard {got}, not {(epoch, pos)}"
+        n = len(block["index"])
+        self.keys += [(epoch, pos, int(i)) for i in block["index"].tolist()]
+        self.tokens += block["tokens"].tolist()
+        self.loader += [k] * n
+        self.file_index += [int(block["file_index"])] * n
+        self.row += block["row"].tolist()
+        self.chunk += block["chunk"].tolist()
+        self._epoch_items += n
+        pos += 1
+        if pos == self.n_shards:
+            if self._full_epoch and self._epoch_items == 0:
+                raise SourceError(
+                    self.name,
+                    f"all {self.n_shards} file(s)",
+                    None,
+                    "a whole epoch yielded no sample: every record is bad (skipped), empty, "
+                    "or dropped as longer than max_seq_len",
+                )
+            epoch, pos = epoch + 1, 0
+            self._full_epoch, self._epoch_items = True, 0
+        self._expect = (epoch, pos)
+
+    def take(self, indices: list[int]) -> dict[str, list[int]]:
+        """Remove pending items (by pending index) and return what the plan needs of them."""
+        if not indices:
+            return {"key": [], "tokens": [], "loader": [], "file_index": [], "row": [], "chunk": []}
+        taken = set(indices)
+        first_left = next((i for i in range(len(self.keys)) if i not in taken), len(self.keys))
+        out = {
+            "key": [self.keys[i] for i in indices],
+            "tokens": [self.tokens[i] for i in indices],
+            "loader": [self.loader[i] for i in indices],
+            "file_index": [self.file_index[i] for i in indices],
+            "row": [self.row[i] for i in indices],
+            "chunk": [self.chunk[i] for i in indices],
+        }
+        self._placed_ahead += [self.keys[i] for i in indices if i > first_left]
+        cols = (self.keys, self.tokens, self.loader, self.file_index, self.row, self.chunk)
+        for col in cols:
+            col[:] = [x for j, x in enumerate(col) if j not in taken]
+        start = self.keys[0] if self.keys else None
+        self._placed_ahead = sorted(k for k in self._placed_ahead if start is not None and k > start)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """Where to restart this source: the first pending item and the runs placed after it."""
+        if self.keys:
+            e, p, i = self.keys[0]
+        else:
+            (e, p), i = self._expect, 0
+        runs: list[list[int]] = []
+        for ke, kp, ki in self._placed_ahead:
+            if runs and runs[-1][:2] == [ke, kp] and runs[-1][2] + runs[-1][3] == ki:
+                runs[-1][3] += 1
+            else:
+                runs.append([ke, kp, ki, 1])
+        return {"epoch": e, "shard_pos": p, "index": i, "skip": runs}
+
+    def pending_tokens(self) -> int:
+        """Tokens read and not yet placed."""
+        return int(np.sum(self.tokens)) if self.tokens else 0

@@ -1,0 +1,63 @@
+"""The embedded runtime: every role is an object in this process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class InlineRef:
+    """A call that already ran: its value or its exception."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+class InlineHandle:
+    """A role object; calls run synchronously in the caller's thread."""
+
+    def __init__(self, obj: Any, name: str):
+        self.obj = obj
+        self.name = name
+
+    def call(self, method: str, *args: Any) -> InlineRef:
+        """Run the method now and keep what it returned or raised."""
+        try:
+            return InlineRef(getattr(self.obj, method)(*args))
+        except Exception as e:  # handed to the caller by InlineRuntime.get
+            return InlineRef(error=e)
+
+
+class InlineRuntime:
+    """Roles as plain objects. Loaders still read ahead on their own threads."""
+
+    name = "inline"
+
+    def __init__(self) -> None:
+        self._handles: list[InlineHandle] = []
+
+    def spawn(self, cls: type, *args: Any, name: str) -> InlineHandle:
+        """Construct the role here."""
+        h = InlineHandle(cls(*args), name)
+        self._handles.append(h)
+        return h
+
+    def get(self, ref: InlineRef, timeout: float | None = None) -> Any:
+        """Return the value or raise the error of a finished call."""
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, handle: InlineHandle) -> None:
+        """Close the role (stops its threads)."""
+        close = getattr(handle.obj, "close", None)
+        if close is not None:
+            close()
+        if handle in self._handles:
+            self._handles.remove(handle)
+
+    def shutdown(self) -> None:
+        """Close every role, newest first."""
+        for h in reversed(list(self._handles)):
+            self.kill(h)

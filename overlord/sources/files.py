@@ -1,0 +1,53 @@
+"""Finding a source's shards: globs relative to the plan's folder, or fsspec URLs."""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+from overlord.errors import PlanError
+from overlord.plan.spec import SourceSpec
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a source. ``name`` is how ids and errors refer to it."""
+
+    url: str  # what to open: a local path or an fsspec URL
+    name: str  # path relative to the plan's folder (local), else the URL
+
+
+def _patterns(spec: SourceSpec) -> list[str]:
+    return [spec.path] if isinstance(spec.path, str) else list(spec.path)
+
+
+def resolve_files(spec: SourceSpec, base_dir: Path) -> list[Shard]:
+    """Every shard of a source, sorted by name, so that the order is the same everywhere.
+
+    Raises :class:`PlanError` naming each pattern that matches nothing.
+    """
+    shards: dict[str, Shard] = {}
+    problems: list[tuple[str, str]] = []
+    for pattern in _patterns(spec):
+        if "://" in pattern:
+            fs, _, paths = fsspec.get_fs_token_paths(pattern)
+            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+            found = [p if "://" in p else f"{protocol}://{p}" for p in paths]
+            names = found
+        else:
+            full = pattern if os.path.isabs(pattern) else str(base_dir / pattern)
+            found = [p for p in _glob.glob(full, recursive=True) if os.path.isfile(p)]
+            names = [os.path.relpath(p, base_dir) for p in found]
+        if not found:
+            problems.append(
+                ("path", f"source '{spec.name}': '{pattern}' matches no file (looked in {base_dir})")
+            )
+        for url, name in zip(found, names):
+            shards[name] = Shard(url=url, name=name)
+    if problems:
+        raise PlanError(problems)
+    return [shards[k] for k in sorted(shards)]

@@ -1,0 +1,116 @@
+"""A source's deterministic order, and one shard turned into planner items.
+
+The order of a source in epoch ``e``: its shards in a permutation drawn from
+``(seed, source, e)``, and inside each shard its records in a permutation drawn
+from ``(seed, source, e, shard)``. Reading one shard at a time keeps I/O
+sequential; the order does not depend on how many loaders share the source,
+because a shard's items are the same whoever reads it.
+
+An *item* is what the planner places in a row: a whole document, or one chunk
+of a document longer than ``max_seq_len`` (``long_docs: split``). Its identity
+is its position ``(epoch, shard_pos, index)``: the shard's place in the epoch's
+order and the item's place in that shard's order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from overlord.errors import SourceError
+from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
+from overlord.sources.files import Shard
+from overlord.sources.formats import read_shard
+from overlord.sources.tokenizers import Tokenizer
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([k & 0xFFFFFFFF for k in keys]))
+
+
+def _name_key(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def shard_order(seed: int, source: str, epoch: int, n_shards: int) -> np.ndarray:
+    """File indexes of a source's shards in the order epoch ``epoch`` reads them.
+
+    >>> shard_order(0, "web", 0, 4).tolist() == shard_order(0, "web", 0, 4).tolist()
+    True
+    """
+    return _rng(seed, _name_key(source), epoch, 0x5A).permutation(n_shards)
+
+
+def record_order(seed: int, source: str, epoch: int, file_index: int, n: int) -> np.ndarray:
+    """Permutation of a shard's records for one epoch."""
+    return _rng(seed, _name_key(source), epoch, file_index + 1).permutation(n)
+
+
+@dataclass
+class ShardItems:
+    """Items of one shard in epoch order, with their tokens (payloads)."""
+
+    epoch: int
+    shard_pos: int
+    file_index: int
+    tokens: np.ndarray  # int32: the shard's documents back to back
+    start: np.ndarray  # int64 per item: first token in ``tokens``
+    length: np.ndarray  # int32 per item: tokens
+    row: np.ndarray  # int64 per item: row of the record in its file
+    chunk: np.ndarray  # int32 per item: k for the k-th chunk of a split document, else -1
+    skipped: list[SourceError] = field(default_factory=list)
+    dropped: int = 0  # documents dropped as too long (long_docs: drop) or empty
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+def load_shard_items(
+    plan: Plan,
+    spec: SourceSpec,
+    shards: list[Shard],
+    tokenizer: Tokenizer,
+    epoch: int,
+    shard_pos: int,
+) -> ShardItems:
+    """Read, tokenize, order and cut one shard into items."""
+    file_index = int(shard_order(plan.seed, spec.name, epoch, len(shards))[shard_pos])
+    shard = shards[file_index]
+    texts = read_shard(spec.name, shard, spec.format, spec.text_field, plan.on_error is OnError.SKIP)
+    tokens, offsets = tokenizer.encode(texts.texts)
+    perm = record_order(plan.seed, spec.name, epoch, file_index, len(texts.rows))
+    doc_start = offsets[:-1][perm]
+    doc_len = np.diff(offsets)[perm]
+    rows = texts.rows[perm]
+
+    cap = plan.batch.max_seq_len
+    keep = doc_len > 0
+    policy = plan.batch.long_docs
+    if policy is LongDocs.DROP:
+        keep &= doc_len <= cap
+    elif policy is LongDocs.TRUNCATE:
+        doc_len = np.minimum(doc_len, cap)
+    dropped = int(len(keep) - keep.sum())
+    doc_start, doc_len, rows = doc_start[keep], doc_len[keep], rows[keep]
+
+    n_chunks = np.maximum(1, -(-doc_len // cap)) if policy is LongDocs.SPLIT else np.ones_like(doc_len)
+    doc_of = np.repeat(np.arange(len(doc_len)), n_chunks)
+    first = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
+    k = np.arange(len(doc_of)) - np.repeat(first, n_chunks)
+    start = doc_start[doc_of] + k * cap
+    length = np.minimum(cap, doc_len[doc_of] - k * cap).astype(np.int32)
+    chunk = np.where(n_chunks[doc_of] > 1, k, -1).astype(np.int32)
+    return ShardItems(
+        epoch=epoch,
+        shard_pos=shard_pos,
+        file_index=file_index,
+        tokens=tokens,
+        start=start.astype(np.int64),
+        length=length,
+        row=rows[doc_of].astype(np.int64),
+        chunk=chunk,
+        skipped=texts.skipped,
+        dropped=dropped,
+    )

@@ -1,0 +1,104 @@
+"""Tokenizers: a whole shard of texts in, one flat int32 token array and offsets out."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from overlord.plan.spec import TokenizerKind, TokenizerSpec
+
+
+class Tokenizer(Protocol):
+    """Turns many texts into tokens at once: ``tokens[offsets[i]:offsets[i+1]]`` is text i."""
+
+    vocab_size: int
+    pad_id: int
+
+    def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens (int32) and offsets (int64, one more than there are texts)."""
+        ...
+
+
+class BytesTokenizer:
+    """UTF-8 bytes (ids 0-255) and one end-of-document id, 256. Padding is 257.
+
+    >>> toks, offs = BytesTokenizer().encode(pa.array(["hi", "é"], pa.large_string()))
+    >>> toks.tolist(), offs.tolist()
+    ([104, 105, 256, 195, 169, 256], [0, 3, 6])
+    """
+
+    eod_id = 256
+    pad_id = 257
+    vocab_size = 258
+
+    def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Arrow strings are UTF-8 already: the bytes are the data buffer, sliced by offsets."""
+        texts = texts.cast(pa.large_string())
+        n = len(texts)
+        if n == 0:
+            return np.zeros(0, np.int32), np.zeros(1, np.int64)
+        _, off_buf, data_buf = texts.buffers()
+        offs = np.frombuffer(off_buf, dtype=np.int64)[texts.offset : texts.offset + n + 1]
+        data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0)
+        data = data[offs[0] : offs[-1]]
+        offs = offs - offs[0]
+        lengths = np.diff(offs)
+        out_offs = np.empty(n + 1, np.int64)
+        out_offs[0] = 0
+        np.cumsum(lengths + 1, out=out_offs[1:])
+        tokens = np.empty(out_offs[-1], np.int32)
+        # every byte moves right by the number of documents before it
+        shift = np.repeat(np.arange(n, dtype=np.int64), lengths)
+        tokens[np.arange(len(data), dtype=np.int64) + shift] = data
+        tokens[out_offs[1:] - 1] = self.eod_id
+        return tokens, out_offs
+
+
+class HFTokenizer:
+    """A ``tokenizers`` tokenizer.json; ``eos`` (if given) ends every document."""
+
+    def __init__(self, path: str, eos: str | None = None):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "tokenizer kind 'hf' needs the tokenizers package: pip install 'overlord[hf]'"
+            ) from e
+        self._tok = _Tok.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eos_id: int | None = None
+        if eos is not None:
+            eos_id = self._tok.token_to_id(eos)
+            if eos_id is None:
+                raise ValueError(f"tokenizer {path} has no token '{eos}' (tokenizer.eos)")
+            self.eos_id = eos_id
+        self.pad_id = self.eos_id if self.eos_id is not None else 0
+
+    def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Encode a batch on the Rust side, which runs in parallel and releases the GIL."""
+        batch = texts.to_pylist()
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        ids = [e.ids for e in encode(batch, add_special_tokens=False)]
+        extra = 0 if self.eos_id is None else 1
+        lengths = np.fromiter((len(x) + extra for x in ids), np.int64, len(ids))
+        offs = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=offs[1:])
+        tokens = np.empty(offs[-1], np.int32)
+        for i, x in enumerate(ids):
+            tokens[offs[i] : offs[i] + len(x)] = x
+        if self.eos_id is not None:
+            tokens[offs[1:] - 1] = self.eos_id
+        return tokens, offs
+
+
+def make_tokenizer(spec: TokenizerSpec, base_dir: str | None = None) -> Tokenizer:
+    """The tokenizer a plan asks for; a relative ``path`` is taken from the plan's folder."""
+    if spec.kind is TokenizerKind.BYTES:
+        return BytesTokenizer()
+    import os
+
+    assert spec.path is not None  # checked by plan validation
+    path = spec.path if os.path.isabs(spec.path) or base_dir is None else f"{base_dir}/{spec.path}"
+    return HFTokenizer(path, spec.eos)
