@@ -48,8 +48,7 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
         raise CheckpointError(
             "the checkpoint was written for a plan that reads these sources differently "
             "(seed, files, format, text field, tokenizer, max_seq_len, long_docs or on_error "
-            "changed), so its positions mean other samples here:\n  "
-            + "\n  ".join(problems)
+            "changed), so its positions mean other samples here:\n  " + "\n  ".join(problems)
         )
 
 

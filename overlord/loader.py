@@ -24,7 +24,9 @@ class Loader:
     ...     state = loader.state_dict()              # save it with your checkpoint
 
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
-    rank had consumed it, on any DP size.
+    rank had consumed it, on any DP size. With ``build_batches=False`` the
+    loaders keep no payloads and only :meth:`dry_run` is available: planning
+    statistics without batches.
     """
 
     def __init__(
@@ -32,6 +34,7 @@ class Loader:
         plan: Plan | str | Path,
         runtime: str = "inline",
         state: dict[str, Any] | None = None,
+        build_batches: bool = True,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
@@ -46,7 +49,14 @@ class Loader:
                 start = saved.get(spec.name, {}).get("cursor")
                 self.loaders[spec.name] = [
                     self.runtime.spawn(
-                        SourceLoader, data, base, spec.name, k, spec.loaders, start,
+                        SourceLoader,
+                        data,
+                        base,
+                        spec.name,
+                        k,
+                        spec.loaders,
+                        start,
+                        build_batches,
                         name=f"loader-{spec.name}-{k}",
                     )
                     for k in range(spec.loaders)
@@ -56,10 +66,16 @@ class Loader:
             )
             self.constructors = [
                 self.runtime.spawn(
-                    DataConstructor, data, base, self.planner, self.loaders, self.runtime, r,
+                    DataConstructor,
+                    data,
+                    base,
+                    self.planner,
+                    self.loaders,
+                    self.runtime,
+                    r,
                     name=f"constructor-{r}",
                 )
-                for r in range(self.plan.world.dp)
+                for r in range(self.plan.world.dp if build_batches else 0)
             ]
         except BaseException:
             self.runtime.shutdown()
@@ -69,11 +85,18 @@ class Loader:
     def client(self, rank: int, stop_step: int | None = None) -> Client:
         """Iterator of batches for DP rank ``rank``, from the resumed step on."""
         dp = self.plan.world.dp
+        if not self.constructors:
+            raise ValueError("this Loader was made with build_batches=False: it has no clients")
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
         return Client(
             rank, self.constructors[rank], self.planner, self.runtime, self.start_step, stop_step
         )
+
+    def dry_run(self, steps: int) -> list[dict[str, Any]]:
+        """Plan ``steps`` steps from the start state without building batches."""
+        history: list[dict[str, Any]] = self.runtime.get(self.planner.call("dry_run", steps))
+        return history
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state as of the last step every rank has consumed."""

@@ -108,7 +108,7 @@ def kk_partition(cost: np.ndarray, k: int) -> np.ndarray:
     node pairs so that groups are recovered at the end without copying lists.
 
     >>> kk_partition(np.array([8.0, 7, 6, 5, 4]), 2).tolist()
-    [0, 1, 1, 0, 0]
+    [1, 0, 1, 0, 0]
     """
     n = len(cost)
     if n == 0:

@@ -17,6 +17,7 @@ source with weight is blocked.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +60,7 @@ class Selection:
 
 
 def select_step(
-    windows: list[Window],
+    windows: Sequence[Window],
     weights: np.ndarray,
     mix: MixState,
     rows: int,

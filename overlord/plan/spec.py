@@ -214,7 +214,6 @@ class Plan(_Model):
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-
     def source_fingerprint(self, name: str) -> str:
         """Hash of what decides one source's items and their order (checked on resume)."""
         spec = next(s for s in self.sources if s.name == name)

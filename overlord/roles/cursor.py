@@ -69,7 +69,9 @@ class SourceCursor:
             queue.extend(self.runtime.get(ref))
         block = queue.popleft()
         got = (int(block["epoch"]), int(block["shard_pos"]))
-        assert got == (epoch, pos), f"loader {k} of '{self.name}' sent shard {got}, not {(epoch, pos)}"
+        assert got == (epoch, pos), (
+            f"loader {k} of '{self.name}' sent shard {got}, not {(epoch, pos)}"
+        )
         n = len(block["index"])
         self.keys += [(epoch, pos, int(i)) for i in block["index"].tolist()]
         self.tokens += block["tokens"].tolist()
@@ -92,13 +94,13 @@ class SourceCursor:
             self._full_epoch, self._epoch_items = True, 0
         self._expect = (epoch, pos)
 
-    def take(self, indices: list[int]) -> dict[str, list[int]]:
+    def take(self, indices: list[int]) -> dict[str, list[Any]]:
         """Remove pending items (by pending index) and return what the plan needs of them."""
         if not indices:
             return {"key": [], "tokens": [], "loader": [], "file_index": [], "row": [], "chunk": []}
         taken = set(indices)
         first_left = next((i for i in range(len(self.keys)) if i not in taken), len(self.keys))
-        out = {
+        out: dict[str, list[Any]] = {
             "key": [self.keys[i] for i in indices],
             "tokens": [self.tokens[i] for i in indices],
             "loader": [self.loader[i] for i in indices],
@@ -107,11 +109,17 @@ class SourceCursor:
             "chunk": [self.chunk[i] for i in indices],
         }
         self._placed_ahead += [self.keys[i] for i in indices if i > first_left]
-        cols = (self.keys, self.tokens, self.loader, self.file_index, self.row, self.chunk)
-        for col in cols:
-            col[:] = [x for j, x in enumerate(col) if j not in taken]
+        keep = [j for j in range(len(self.keys)) if j not in taken]
+        self.keys = [self.keys[j] for j in keep]
+        self.tokens = [self.tokens[j] for j in keep]
+        self.loader = [self.loader[j] for j in keep]
+        self.file_index = [self.file_index[j] for j in keep]
+        self.row = [self.row[j] for j in keep]
+        self.chunk = [self.chunk[j] for j in keep]
         start = self.keys[0] if self.keys else None
-        self._placed_ahead = sorted(k for k in self._placed_ahead if start is not None and k > start)
+        self._placed_ahead = sorted(
+            k for k in self._placed_ahead if start is not None and k > start
+        )
         return out
 
     def state(self) -> dict[str, Any]:

@@ -191,6 +191,16 @@ class Planner:
             self._plan_next()
         return self.plans[step][rank]
 
+    def dry_run(self, steps: int) -> list[dict[str, Any]]:
+        """Plan ``steps`` steps without building batches; returns their statistics."""
+        out = []
+        for _ in range(steps):
+            self._plan_next()
+            self.plans.pop(self.next_step - 1)
+            self.snapshots.pop(self.next_step - 1, None)
+            out.append(self.history[-1])
+        return out
+
     def mark_consumed(self, rank: int, step: int) -> None:
         """Record that ``rank`` received step ``step``; free what every rank has consumed."""
         self.consumed[rank] = max(self.consumed[rank], step)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -55,7 +56,9 @@ class SourceLoader:
         index: int,
         count: int,
         start: dict[str, Any] | None = None,
+        keep_payloads: bool = True,
     ):
+        self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan = validate_plan(plan_data, base_dir=base_dir)
         self.spec = next(s for s in self.plan.sources if s.name == source)
         self.source, self.index, self.count = source, index, count
@@ -84,7 +87,7 @@ class SourceLoader:
 
     # ---- reader thread -------------------------------------------------------------------
 
-    def _positions(self):  # type: ignore[no-untyped-def]
+    def _positions(self) -> Iterator[tuple[int, int]]:
         epoch, pos = self._start
         n = len(self.shards)
         while True:
@@ -114,10 +117,11 @@ class SourceLoader:
             try:
                 while not self._closed:
                     while len(pending) < self.plan.loading.threads:
-                        pos = next(positions)
-                        pending.append((pos, pool.submit(self._load, *pos)))
+                        at = next(positions)
+                        pending.append((at, pool.submit(self._load, *at)))
                     (epoch, pos), fut = pending.popleft()
-                    file_index = shard_order(self.plan.seed, self.source, epoch, len(self.shards))[pos]
+                    order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
+                    file_index = order[pos]
                     self._reading = self.shards[file_index].name
                     items, seconds = fut.result()
                     self._publish(items, seconds)
@@ -126,7 +130,7 @@ class SourceLoader:
                     self._error = e
                     self._lock.notify_all()
             finally:
-                for f in pending:
+                for _, f in pending:
                     f.cancel()
 
     def _publish(self, items: ShardItems, seconds: float) -> None:
@@ -149,11 +153,11 @@ class SourceLoader:
                 self._lock.wait(0.5)
             if self._closed:
                 return
-            if len(idx):
+            if len(idx) and self.keep_payloads:
                 remaining = np.zeros(len(items), dtype=bool)
                 remaining[idx] = True
                 self._held[(items.epoch, items.shard_pos)] = (items, remaining)
-            self._held_tokens += tokens
+            self._held_tokens += tokens if self.keep_payloads else 0
             self._queue.append(block)
             s = self._stats
             s["shards"] += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from overlord.runtime.base import Handle
+
 
 @dataclass
 class InlineRef:
@@ -43,14 +45,16 @@ class InlineRuntime:
         self._handles.append(h)
         return h
 
-    def get(self, ref: InlineRef, timeout: float | None = None) -> Any:
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
         """Return the value or raise the error of a finished call."""
+        assert isinstance(ref, InlineRef)
         if ref.error is not None:
             raise ref.error
         return ref.value
 
-    def kill(self, handle: InlineHandle) -> None:
+    def kill(self, handle: Handle) -> None:
         """Close the role (stops its threads)."""
+        assert isinstance(handle, InlineHandle)
         close = getattr(handle.obj, "close", None)
         if close is not None:
             close()

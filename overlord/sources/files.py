@@ -44,7 +44,10 @@ def resolve_files(spec: SourceSpec, base_dir: Path) -> list[Shard]:
             names = [os.path.relpath(p, base_dir) for p in found]
         if not found:
             problems.append(
-                ("path", f"source '{spec.name}': '{pattern}' matches no file (looked in {base_dir})")
+                (
+                    "path",
+                    f"source '{spec.name}': '{pattern}' matches no file (looked in {base_dir})",
+                )
             )
         for url, name in zip(found, names):
             shards[name] = Shard(url=url, name=name)

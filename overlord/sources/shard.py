@@ -78,7 +78,9 @@ def load_shard_items(
     """Read, tokenize, order and cut one shard into items."""
     file_index = int(shard_order(plan.seed, spec.name, epoch, len(shards))[shard_pos])
     shard = shards[file_index]
-    texts = read_shard(spec.name, shard, spec.format, spec.text_field, plan.on_error is OnError.SKIP)
+    texts = read_shard(
+        spec.name, shard, spec.format, spec.text_field, plan.on_error is OnError.SKIP
+    )
     tokens, offsets = tokenizer.encode(texts.texts)
     perm = record_order(plan.seed, spec.name, epoch, file_index, len(texts.rows))
     doc_start = offsets[:-1][perm]
@@ -95,9 +97,11 @@ def load_shard_items(
     dropped = int(len(keep) - keep.sum())
     doc_start, doc_len, rows = doc_start[keep], doc_len[keep], rows[keep]
 
-    n_chunks = np.maximum(1, -(-doc_len // cap)) if policy is LongDocs.SPLIT else np.ones_like(doc_len)
+    n_chunks = (
+        np.maximum(1, -(-doc_len // cap)) if policy is LongDocs.SPLIT else np.ones_like(doc_len)
+    )
     doc_of = np.repeat(np.arange(len(doc_len)), n_chunks)
-    first = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
+    first = np.cumsum(n_chunks) - n_chunks  # index of each document's first item
     k = np.arange(len(doc_of)) - np.repeat(first, n_chunks)
     start = doc_start[doc_of] + k * cap
     length = np.minimum(cap, doc_len[doc_of] - k * cap).astype(np.int32)

@@ -1,0 +1,269 @@
+"""``overlord``: demo, validate, run, plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from overlord import checkpoint
+from overlord.errors import OverlordError
+from overlord.loader import Loader
+from overlord.plan.spec import Plan, load_plan
+
+
+def _progress(total: int | None, initial: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    # on a terminal only: a bar in CI logs is noise
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=None, leave=False)
+
+
+def _with_dp(plan: Plan, dp: int | None) -> Plan:
+    return plan if dp is None else plan.with_dp(dp)
+
+
+def dump_line(batch: Any) -> str:
+    """One JSON line of ``--dump``: a rank's samples of a step."""
+    return json.dumps(
+        {
+            "step": batch.step,
+            "rank": batch.rank,
+            "samples": [
+                {"source": s.source, "id": s.id, "tokens": s.tokens} for s in batch.samples
+            ],
+            "tokens": batch.num_tokens,
+            "cost": batch.cost,
+        },
+        separators=(",", ":"),
+    )
+
+
+def run_plan(
+    plan: Plan,
+    steps: int,
+    runtime: str = "inline",
+    dump: TextIO | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    state: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Consume ``plan`` as a trainer with every DP rank would, up to global step ``steps``.
+
+    Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
+    """
+    t0 = time.perf_counter()
+    ckpt_bytes = 0
+    with Loader(plan, runtime=runtime, state=state) as loader:
+        first = loader.start_step
+        clients = [loader.client(r, stop_step=steps) for r in range(plan.world.dp)]
+        tokens = 0
+        bar = _progress(steps, first, "overlord run") if progress else None
+        for step in range(first, steps):
+            for c in clients:
+                batch = next(c)
+                tokens += batch.num_tokens
+                if dump is not None:
+                    dump.write(dump_line(batch) + "\n")
+            done = step + 1
+            if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0:
+                ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        seconds = time.perf_counter() - t0
+        if checkpoint_dir:
+            ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
+        stats = loader.stats()
+    return summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
+
+
+def summarize(
+    plan: Plan,
+    stats: dict[str, Any],
+    first: int,
+    last: int,
+    tokens: int,
+    seconds: float,
+    ckpt_bytes: int,
+) -> dict[str, Any]:
+    """Figures of a run: throughput, balance against the per-rank baseline, mixture."""
+    hist = stats["history"]
+    names = stats["sources"]
+    ratio = [h["max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
+    base = [h["baseline_max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
+    tok = np.array([h["tokens"] for h in hist]) if hist else np.zeros((0, len(names)))
+    want = np.array([h["weights"] for h in hist]) if hist else np.zeros((0, len(names)))
+    steps_tokens = tok.sum(axis=1, keepdims=True)
+    realized = tok.sum(axis=0) / max(tok.sum(), 1)
+    target = (want * steps_tokens).sum(axis=0) / max(steps_tokens.sum(), 1)
+    skipped = sum(s["skipped"] for s in stats["loaders"])
+    return {
+        "steps": [first, last],
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "balance_method": stats["method"],
+        "balance_mean": float(np.mean(ratio)) if ratio else 1.0,
+        "balance_p95": float(np.percentile(ratio, 95)) if ratio else 1.0,
+        "baseline_balance_mean": float(np.mean(base)) if base else 1.0,
+        "fill_mean": float(np.mean([h["fill"] for h in hist])) if hist else 0.0,
+        "mixture": {
+            n: {"realized": float(realized[i]), "target": float(target[i])}
+            for i, n in enumerate(names)
+        },
+        "skipped_records": skipped,
+        "skipped_examples": [e for s in stats["loaders"] for e in s["skipped_examples"]][:5],
+        "dropped_docs": sum(s["dropped"] for s in stats["loaders"]),
+        "checkpoint_bytes": ckpt_bytes,
+    }
+
+
+def print_summary(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    """The run summary, for people."""
+    a, b = s["steps"]
+    print(
+        f"steps {a}..{b - 1}: {s['tokens']:,} tokens in {s['seconds']:.2f} s "
+        f"({s['tokens_per_s']:,.0f} tokens/s), rows {100 * s['fill_mean']:.1f}% full",
+        file=out,
+    )
+    print(
+        f"balance ({s['balance_method']}): most loaded rank / lower bound = "
+        f"{s['balance_mean']:.4f} mean, {s['balance_p95']:.4f} p95; "
+        f"per-rank loader without balancing: {s['baseline_balance_mean']:.4f}",
+        file=out,
+    )
+    for name, m in s["mixture"].items():
+        real, want = 100 * m["realized"], 100 * m["target"]
+        print(f"  {name:>16}: {real:6.2f}% of tokens (target {want:6.2f}%)", file=out)
+    if s["skipped_records"]:
+        print(f"skipped {s['skipped_records']} bad record(s) (on_error: skip), e.g.:", file=out)
+        for e in s["skipped_examples"]:
+            print(f"  {e}", file=out)
+    if s["dropped_docs"]:
+        print(f"dropped {s['dropped_docs']} document(s) (too long or empty)", file=out)
+    if s["checkpoint_bytes"]:
+        print(f"checkpoint: {s['checkpoint_bytes']} bytes", file=out)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    print(
+        f"{args.plan}: valid: {len(plan.sources)} source(s), {plan.rows_per_step} rows of "
+        f"{plan.batch.max_seq_len} tokens per step, dp={plan.world.dp} "
+        f"({plan.rows_per_rank} row(s) per rank), balance={plan.balance.method.value}"
+    )
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    plan = _with_dp(load_plan(args.plan), args.dp)
+    state = checkpoint.load(args.resume) if args.resume else None
+    if state is not None and int(state["step"]) >= args.steps:
+        print(
+            f"the checkpoint is at step {state['step']}, nothing to do up to --steps {args.steps}"
+        )
+        return 0
+    dump = open(args.dump, "w") if args.dump else None  # noqa: SIM115
+    try:
+        summary = run_plan(
+            plan,
+            args.steps,
+            runtime=args.runtime,
+            dump=dump,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            state=state,
+        )
+    finally:
+        if dump is not None:
+            dump.close()
+    print_summary(summary)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    plan = _with_dp(load_plan(args.plan), args.dp)
+    with Loader(plan, build_batches=False) as loader:
+        hist = loader.dry_run(args.steps)
+    names = plan.source_names
+    print("step  max/LB  none/LB  fill   " + "  ".join(f"{n[:10]:>10}" for n in names))
+    for h in hist:
+        lb = h["lower_bound"] or 1.0
+        total = sum(h["tokens"]) or 1
+        shares = "  ".join(f"{100 * t / total:9.1f}%" for t in h["tokens"])
+        print(
+            f"{h['step']:>4}  {h['max_cost'] / lb:6.4f}  {h['baseline_max_cost'] / lb:7.4f}  "
+            f"{100 * h['fill']:5.1f}%  {shares}"
+        )
+    ratio = np.mean([h["max_cost"] / h["lower_bound"] for h in hist])
+    base = np.mean([h["baseline_max_cost"] / h["lower_bound"] for h in hist])
+    print(f"mean max/LB {ratio:.4f} ({plan.balance.method.value}); without balancing {base:.4f}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from overlord.demo import run_demo
+
+    return run_demo(Path(args.out), steps=args.steps, dp=args.dp)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``overlord``."""
+    p = argparse.ArgumentParser(prog="overlord", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="build a corpus from Python's own files and run a plan on it")
+    d.add_argument("--out", default="overlord-demo", help="folder for corpus, plan and report")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--dp", type=int, default=4)
+    d.set_defaults(func=_cmd_demo)
+
+    v = sub.add_parser("validate", help="check a plan; print every problem")
+    v.add_argument("plan")
+    v.set_defaults(func=_cmd_validate)
+
+    r = sub.add_parser("run", help="consume a plan as a trainer with every DP rank would")
+    r.add_argument("plan")
+    r.add_argument("--steps", type=int, default=100, help="stop after global step N (steps 0..N-1)")
+    r.add_argument("--dp", type=int, help="override world.dp")
+    r.add_argument("--dump", help="write one JSON line per (step, rank)")
+    r.add_argument("--checkpoint-dir", help="write checkpoints here")
+    r.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps")
+    r.add_argument("--resume", help="continue from the newest checkpoint in this folder")
+    r.add_argument("--runtime", default="inline", choices=["inline"])
+    r.set_defaults(func=_cmd_run)
+
+    q = sub.add_parser("plan", help="per-step balance and mixture, without building batches")
+    q.add_argument("plan")
+    q.add_argument("--steps", type=int, required=True)
+    q.add_argument("--dp", type=int, help="override world.dp")
+    q.set_defaults(func=_cmd_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``overlord`` command."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "checkpoint_every", None) is not None and not args.checkpoint_dir:
+        print("overlord: --checkpoint-every needs --checkpoint-dir", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args))
+    except OverlordError as e:
+        print(f"overlord: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("overlord: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
