@@ -20,6 +20,7 @@ from typing import Any
 from overlord.errors import CheckpointError
 from overlord.plan.spec import Plan
 from overlord.roles.planner import STATE_VERSION
+from overlord.sources.files import resolve_files
 
 _NAME = re.compile(r"^step-(\d{8,})\.json$")
 
@@ -41,14 +42,19 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
         saved = state["sources"].get(name)
         if saved is None:
             continue  # a source added since: it starts from its beginning
-        want, found = plan.source_fingerprint(name), saved.get("fingerprint")
+        files = [
+            sh.name
+            for sh in resolve_files(plan.sources[plan.source_names.index(name)], plan.base_dir)
+        ]
+        want, found = plan.source_fingerprint(name, files), saved.get("fingerprint")
         if want != found:
             problems.append(f"source '{name}': expected fingerprint {want}, found {found}")
     if problems:
         raise CheckpointError(
             "the checkpoint was written for a plan that reads these sources differently "
-            "(seed, files, format, text field, tokenizer, max_seq_len, long_docs or on_error "
-            "changed), so its positions mean other samples here:\n  " + "\n  ".join(problems)
+            "(its files, seed, format, text field, tokenizer, max_seq_len, long_docs or "
+            "on_error changed), so its positions mean other samples here:\n  "
+            + "\n  ".join(problems)
         )
 
 
@@ -62,6 +68,9 @@ def save(directory: str | Path, state: dict[str, Any]) -> Path:
         json.dump(state, f, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is shared data
     os.replace(tmp, path)
     return path
 

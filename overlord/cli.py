@@ -15,6 +15,7 @@ from overlord import checkpoint
 from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan, load_plan
+from overlord.runtime import RUNTIMES
 
 
 def _progress(total: int | None, initial: int, desc: str) -> Any:
@@ -126,8 +127,9 @@ def summarize(
     }
 
 
-def print_summary(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
-    """The run summary, for people."""
+def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
+    """The run summary, for people (on stdout by default)."""
+    out = out or sys.stdout
     a, b = s["steps"]
     print(
         f"steps {a}..{b - 1}: {s['tokens']:,} tokens in {s['seconds']:.2f} s "
@@ -203,10 +205,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{h['step']:>4}  {h['max_cost'] / lb:6.4f}  {h['baseline_max_cost'] / lb:7.4f}  "
             f"{100 * h['fill']:5.1f}%  {shares}"
         )
-    ratio = np.mean([h["max_cost"] / h["lower_bound"] for h in hist])
-    base = np.mean([h["baseline_max_cost"] / h["lower_bound"] for h in hist])
-    print(f"mean max/LB {ratio:.4f} ({plan.balance.method.value}); without balancing {base:.4f}")
+    if hist:
+        lbs = [h["lower_bound"] or 1.0 for h in hist]
+        ratio = np.mean([h["max_cost"] / lb for h, lb in zip(hist, lbs)])
+        base = np.mean([h["baseline_max_cost"] / lb for h, lb in zip(hist, lbs)])
+        method = plan.balance.method.value
+        print(f"mean max/LB {ratio:.4f} ({method}); without balancing {base:.4f}")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from overlord.serve import serve
+
+    plan = _with_dp(load_plan(args.plan), args.dp)
+
+    def ready(loader: Loader) -> None:
+        print(
+            f"overlord: job '{args.name}' is ready: dp={plan.world.dp}, "
+            f"{sum(len(v) for v in loader.loaders.values())} source loader(s), "
+            f"{len(loader.constructors)} data constructor(s), from step {loader.start_step}. "
+            f"Trainers: overlord.connect('{args.name}', rank=r). Ctrl-C stops it.",
+            flush=True,
+        )
+
+    code = serve(plan, args.name, address=args.address, resume=args.resume, ready=ready)
+    print(f"overlord: job '{args.name}' stopped", flush=True)
+    return code
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -238,8 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-dir", help="write checkpoints here")
     r.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps")
     r.add_argument("--resume", help="continue from the newest checkpoint in this folder")
-    r.add_argument("--runtime", default="inline", choices=["inline"])
+    r.add_argument("--runtime", default="inline", choices=list(RUNTIMES))
     r.set_defaults(func=_cmd_run)
+
+    sv = sub.add_parser("serve", help="run a plan's roles as named Ray actors for trainers")
+    sv.add_argument("plan")
+    sv.add_argument("--name", required=True, help="job name that trainers connect to")
+    sv.add_argument("--address", help="Ray cluster address (default: start a local instance)")
+    sv.add_argument("--resume", help="start from the newest checkpoint in this folder")
+    sv.add_argument("--dp", type=int, help="override world.dp")
+    sv.set_defaults(func=_cmd_serve)
 
     q = sub.add_parser("plan", help="per-step balance and mixture, without building batches")
     q.add_argument("plan")

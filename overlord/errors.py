@@ -26,9 +26,11 @@ class PlanError(OverlordError, ValueError):
 class SourceError(OverlordError):
     """A record or file of a source cannot be read or decoded."""
 
-    def __init__(self, source: str, file: str, row: int | None, reason: str):
+    def __init__(self, source: str, file: str | None, row: int | None, reason: str):
         self.source, self.file, self.row, self.reason = source, file, row, reason
-        place = f"source '{source}', file {file}"
+        place = f"source '{source}'"
+        if file is not None:
+            place += f", file {file}"
         if row is not None:
             place += f", row {row}"
         super().__init__(f"{place}: {reason}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +15,34 @@ from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import make_runtime
 from overlord.runtime.base import Handle
 
+# a SourceLoader answers the planner (which may wait for data) and constructors at once
+LOADER_CONCURRENCY = 16
+
+
+def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
+    """DP ranks of each DataConstructor: consecutive groups of ``per_constructor``.
+
+    >>> constructor_ranks(5, 2)
+    [[0, 1], [2, 3], [4]]
+    """
+    return [list(range(r, min(r + per_constructor, dp))) for r in range(0, dp, per_constructor)]
+
 
 class Loader:
-    """Runs a data plan: source loaders, a planner and one constructor per DP rank.
+    """Runs a data plan: source loaders, a planner and the data constructors.
 
-    >>> with Loader("plan.yaml") as loader:          # doctest: +SKIP
-    ...     batches = loader.client(rank=0)
-    ...     batch = next(batches)
-    ...     state = loader.state_dict()              # save it with your checkpoint
+    Example::
+
+        with overlord.Loader("plan.yaml") as loader:
+            batches = loader.client(rank=0)
+            batch = next(batches)
+            state = loader.state_dict()  # save it with the trainer's checkpoint
 
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
-    rank had consumed it, on any DP size. With ``build_batches=False`` the
-    loaders keep no payloads and only :meth:`dry_run` is available: planning
-    statistics without batches.
+    rank had consumed it, on any DP size. ``runtime`` is ``inline`` (every role
+    in this process) or ``ray`` (every role a Ray actor of job ``job``, on the
+    cluster at ``address`` or a local instance). With ``build_batches=False``
+    the loaders keep no payloads and only :meth:`dry_run` is available.
     """
 
     def __init__(
@@ -35,48 +51,48 @@ class Loader:
         runtime: str = "inline",
         state: dict[str, Any] | None = None,
         build_batches: bool = True,
+        job: str | None = None,
+        address: str | None = None,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
             check_state(state, self.plan)
-        self.runtime = make_runtime(runtime)
+        self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
+        self.runtime = make_runtime(runtime, self.plan, self.job, address)
+        distributed = runtime != "inline"
         data = self.plan.model_dump(mode="json")
         base = str(self.plan.base_dir)
         saved = (state or {}).get("sources", {})
+        spawn = self.runtime.spawn
         self.loaders: dict[str, list[Handle]] = {}
+        self.constructors: list[Handle] = []
+        self._constructor_of: dict[int, Handle] = {}
         try:
             for spec in self.plan.sources:
                 start = saved.get(spec.name, {}).get("cursor")
                 self.loaders[spec.name] = [
-                    self.runtime.spawn(
+                    spawn(
                         SourceLoader,
-                        data,
-                        base,
-                        spec.name,
-                        k,
-                        spec.loaders,
-                        start,
-                        build_batches,
+                        *(data, base, spec.name, k, spec.loaders, start, build_batches),
                         name=f"loader-{spec.name}-{k}",
                     )
                     for k in range(spec.loaders)
                 ]
-            self.planner = self.runtime.spawn(
-                Planner, data, base, self.loaders, self.runtime, state, name="planner"
+            self.planner = spawn(
+                Planner, data, base, self.loaders, self.runtime, state, distributed, name="planner"
             )
-            self.constructors = [
-                self.runtime.spawn(
+            groups = constructor_ranks(
+                self.plan.world.dp, self.plan.placement.ranks_per_constructor
+            )
+            prefetch = self.plan.batch.prefetch_steps if distributed else 0
+            for i, ranks in enumerate(groups if build_batches else []):
+                h = spawn(
                     DataConstructor,
-                    data,
-                    base,
-                    self.planner,
-                    self.loaders,
-                    self.runtime,
-                    r,
-                    name=f"constructor-{r}",
+                    *(data, base, self.planner, self.loaders, self.runtime, ranks, prefetch),
+                    name=f"constructor-{i}",
                 )
-                for r in range(self.plan.world.dp if build_batches else 0)
-            ]
+                self.constructors.append(h)
+                self._constructor_of.update({r: h for r in ranks})
         except BaseException:
             self.runtime.shutdown()
             raise
@@ -90,7 +106,7 @@ class Loader:
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
         return Client(
-            rank, self.constructors[rank], self.planner, self.runtime, self.start_step, stop_step
+            rank, self._constructor_of[rank], self.planner, self.runtime, self.start_step, stop_step
         )
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:

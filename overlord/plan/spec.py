@@ -161,6 +161,25 @@ class LoadingSpec(_Model):
     timeout_s: float = Field(300.0, gt=0, description="longest wait for a source before failing")
 
 
+class LoaderPlacement(str, Enum):
+    """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
+
+    DEFAULT = "default"
+    SPREAD = "spread"
+
+
+class PlacementSpec(_Model):
+    """Where roles run and what they reserve (Ray runtime)."""
+
+    loader_cpus: float = Field(0.0, ge=0, description="CPUs reserved per SourceLoader actor")
+    planner_cpus: float = Field(0.0, ge=0)
+    constructor_cpus: float = Field(0.0, ge=0)
+    loader_strategy: LoaderPlacement = LoaderPlacement.DEFAULT
+    ranks_per_constructor: int = Field(
+        1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
+    )
+
+
 class Plan(_Model):
     """A whole data plan. Build one with :func:`load_plan` or ``Plan.model_validate``."""
 
@@ -173,6 +192,7 @@ class Plan(_Model):
     balance: BalanceSpec = BalanceSpec()
     on_error: OnError = OnError.FAIL
     loading: LoadingSpec = LoadingSpec()
+    placement: PlacementSpec = PlacementSpec()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -208,16 +228,21 @@ class Plan(_Model):
         The world and the balance method are left out: they decide only who
         gets a sample, so a checkpoint resumes across them (elastic resume).
         """
-        data = self.model_dump(mode="json", exclude={"world", "balance", "loading"})
+        data = self.model_dump(mode="json", exclude={"world", "balance", "loading", "placement"})
         for s in data["sources"]:
             s.pop("loaders")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def source_fingerprint(self, name: str) -> str:
-        """Hash of what decides one source's items and their order (checked on resume)."""
+    def source_fingerprint(self, name: str, files: list[str]) -> str:
+        """Hash of what decides one source's items and their order (checked on resume).
+
+        ``files`` are the source's shard names: a file added to or removed from
+        a glob changes the order, so it changes the fingerprint too.
+        """
         spec = next(s for s in self.sources if s.name == name)
         data = {
+            "files": files,
             "seed": self.seed,
             "source": spec.model_dump(mode="json", exclude={"loaders"}),
             "tokenizer": self.tokenizer.model_dump(mode="json"),
@@ -239,90 +264,149 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _semantic_problems(plan: Plan) -> list[tuple[str, str]]:
-    """Problems that involve several fields, all of them."""
-    problems: list[tuple[str, str]] = []
-    names = plan.source_names
-    seen: set[str] = set()
-    for i, n in enumerate(names):
-        if n in seen:
-            problems.append((f"sources[{i}].name", f"'{n}' is used by more than one source"))
-        seen.add(n)
+def _get(data: Any, *path: str) -> Any:
+    """``data[path[0]][path[1]]...`` or None where a level is missing or not a mapping."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
 
-    b = plan.batch
-    if b.tokens_per_step % b.max_seq_len:
+
+def _int(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Problems that involve several fields, all of them.
+
+    Works on plain data, and skips a check whose fields are themselves invalid,
+    so that it runs even when the schema has problems and both are reported.
+    """
+    problems: list[tuple[str, str]] = []
+    sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
+    seen: set[str] = set()
+    for i, src in enumerate(sources):
+        name = _get(src, "name")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append((f"sources[{i}].name", f"'{name}' is used by more than one source"))
+            seen.add(name)
+
+    tokens, seq = (
+        _int(_get(data, "batch", "tokens_per_step")),
+        _int(_get(data, "batch", "max_seq_len")),
+    )
+    dp = _int(_get(data, "world", "dp")) if _get(data, "world", "dp") is not None else 1
+    if tokens and seq and tokens % seq:
         problems.append(
             (
                 "batch.tokens_per_step",
-                f"must be a whole number of rows of max_seq_len={b.max_seq_len} tokens, "
-                f"found {b.tokens_per_step} ({b.tokens_per_step / b.max_seq_len:.3f} rows)",
+                f"must be a whole number of rows of max_seq_len={seq} tokens, "
+                f"found {tokens} ({tokens / seq:.3f} rows)",
             )
         )
-    elif plan.rows_per_step % plan.world.dp:
+    elif tokens and seq and dp and (tokens // seq) % dp:
         problems.append(
             (
                 "world.dp",
-                f"a step has {plan.rows_per_step} rows, which do not split evenly over "
-                f"dp={plan.world.dp} ranks: choose tokens_per_step = k * dp * max_seq_len",
+                f"a step has {tokens // seq} rows, which do not split evenly over "
+                f"dp={dp} ranks: choose tokens_per_step = k * dp * max_seq_len",
             )
         )
 
-    if plan.mixture is not None:
-        steps = [p.step for p in plan.mixture.schedule]
-        for i in range(1, len(steps)):
-            if steps[i] <= steps[i - 1]:
+    schedule = _get(data, "mixture", "schedule")
+    schedule = schedule if isinstance(schedule, list) else []
+    steps = [_get(p, "step") for p in schedule]
+    for i in range(1, len(steps)):
+        a, b = steps[i - 1], steps[i]
+        if isinstance(a, int) and isinstance(b, int) and b <= a:
+            problems.append(
+                (f"mixture.schedule[{i}].step", f"steps must increase, found {b} after {a}")
+            )
+    for i, point in enumerate(schedule):
+        weights = _get(point, "weights")
+        if not isinstance(weights, dict) or not seen:
+            continue
+        for name in weights:
+            if name not in seen:
                 problems.append(
                     (
-                        f"mixture.schedule[{i}].step",
-                        f"steps must increase, found {steps[i]} after {steps[i - 1]}",
+                        f"mixture.schedule[{i}].weights.{name}",
+                        f"unknown source '{name}'; the plan's sources are {sorted(seen)}",
                     )
                 )
-        for i, point in enumerate(plan.mixture.schedule):
-            for name in point.weights:
-                if name not in seen:
-                    problems.append(
-                        (
-                            f"mixture.schedule[{i}].weights.{name}",
-                            f"unknown source '{name}'; the plan's sources are {sorted(seen)}",
-                        )
-                    )
-            if point.weights and not any(point.weights.get(n, 0) > 0 for n in seen):
-                problems.append(
-                    (f"mixture.schedule[{i}].weights", "gives no weight to any known source")
-                )
+        known = [weights.get(n) for n in seen]
+        if weights and not any(isinstance(w, (int, float)) and w > 0 for w in known):
+            problems.append(
+                (f"mixture.schedule[{i}].weights", "gives no weight to any known source")
+            )
 
-    tok = plan.tokenizer
-    if tok.kind is TokenizerKind.HF and not tok.path:
+    kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))
+    if kind == TokenizerKind.HF.value and not path:
         problems.append(("tokenizer.path", "kind 'hf' needs the path of a tokenizer.json"))
-    if tok.kind is TokenizerKind.BYTES and (tok.path or tok.eos):
+    if kind in (None, TokenizerKind.BYTES.value) and (path or eos):
         problems.append(("tokenizer", "kind 'bytes' takes no path or eos"))
 
-    cost = plan.balance.cost
-    direct = cost.alpha is not None or cost.beta is not None
-    if cost.model is not None and direct:
-        problems.append(("balance.cost", "give either alpha/beta or model, not both"))
-    if cost.model is None and (cost.alpha is None or cost.beta is None):
-        problems.append(("balance.cost", "give both alpha and beta, or model"))
+    cost = _get(data, "balance", "cost")
+    if isinstance(cost, dict):
+        direct = cost.get("alpha") is not None or cost.get("beta") is not None
+        if cost.get("model") is not None and direct:
+            problems.append(("balance.cost", "give either alpha/beta or model, not both"))
+        if cost.get("model") is None and (cost.get("alpha") is None or cost.get("beta") is None):
+            problems.append(("balance.cost", "give both alpha and beta, or model"))
     return problems
 
 
-def validate_plan(data: Any, base_dir: str | Path | None = None, origin: str | None = None) -> Plan:
-    """Validate a plan from plain data (a dict as read from YAML) or return a Plan as is.
+def _glob_problems(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]]:
+    """Every source pattern that matches no file (sources with a usable name and path)."""
+    from overlord.sources.files import find_shards
 
-    Raises :class:`PlanError` listing every problem with its field path.
+    problems: list[tuple[str, str]] = []
+    sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
+    for i, src in enumerate(sources):
+        name, path = _get(src, "name"), _get(src, "path")
+        patterns = [path] if isinstance(path, str) else path
+        if not isinstance(name, str) or not isinstance(patterns, list):
+            continue
+        try:
+            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir)
+        except PlanError as e:
+            problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
+    return problems
+
+
+def validate_plan(
+    data: Any,
+    base_dir: str | Path | None = None,
+    origin: str | None = None,
+    check_files: bool = False,
+) -> Plan:
+    """Validate a plan from plain data (a dict as read from YAML) or a Plan.
+
+    Raises :class:`PlanError` listing every problem with its field path: schema
+    problems, problems between fields and, with ``check_files``, source
+    patterns that match no file under ``base_dir``, all in one message.
     """
     if isinstance(data, Plan):
-        plan = data
-    else:
-        if not isinstance(data, dict):
-            raise PlanError([("", f"a plan is a mapping, found {type(data).__name__}")], origin)
+        plan: Plan | None = data
+        raw = data.model_dump(mode="json")
+    elif isinstance(data, dict):
+        raw = data
         try:
             plan = Plan.model_validate(data)
         except ValidationError as e:
+            plan = None
             problems = [(_loc(err["loc"]), err["msg"]) for err in e.errors()]
-            raise PlanError(problems, origin) from None
-    problems = _semantic_problems(plan)
-    if problems:
+    else:
+        raise PlanError([("", f"a plan is a mapping, found {type(data).__name__}")], origin)
+    if plan is not None:
+        problems = []
+        raw = plan.model_dump(mode="json")
+    problems += [p for p in _semantic_problems(raw) if p not in problems]
+    if check_files:
+        problems += _glob_problems(raw, Path(base_dir) if base_dir is not None else Path.cwd())
+    if problems or plan is None:
         raise PlanError(problems, origin)
     if base_dir is not None:
         plan._base_dir = Path(base_dir).resolve()
@@ -344,16 +428,4 @@ def load_plan(path: str | Path, check_files: bool = True) -> Plan:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise PlanError([("", f"not valid YAML: {e}")], str(path)) from None
-    plan = validate_plan(data, base_dir=path.parent, origin=str(path))
-    if check_files:
-        from overlord.sources.files import resolve_files
-
-        problems = []
-        for i, src in enumerate(plan.sources):
-            try:
-                resolve_files(src, plan.base_dir)
-            except PlanError as e:
-                problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
-        if problems:
-            raise PlanError(problems, str(path))
-    return plan
+    return validate_plan(data, base_dir=path.parent, origin=str(path), check_files=check_files)

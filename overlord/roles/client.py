@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from overlord.batch import Batch
 from overlord.runtime.base import Handle, Runtime
@@ -29,7 +30,17 @@ class Client(Iterator[Batch]):
         """The next step's batch; marks it consumed for checkpoints."""
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
-        batch: Batch = self._runtime.get(self._constructor.call("batch", self.step))
-        self._runtime.get(self._planner.call("mark_consumed", self.rank, self.step))
+        batch: Batch = self._runtime.get(self._constructor.call("batch", self.step, self.rank))
+        # no need to wait: calls from one process reach the planner in order
+        self._planner.call("mark_consumed", self.rank, self.step)
         self.step += 1
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state as of this rank's position: what a resumed job starts from.
+
+        Call it where the trainer checkpoints, once every rank has trained on
+        the same step (as synchronous data-parallel training does).
+        """
+        state: dict[str, Any] = self._runtime.get(self._planner.call("state_dict", self.step))
+        return state

@@ -1,12 +1,23 @@
-"""DataConstructor: pulls one rank's payloads from the loaders and packs its batch."""
+"""DataConstructor: pulls its ranks' payloads from the loaders and packs their batches.
+
+One constructor serves one DP rank, or several (the ranks of a node). With
+``prefetch`` it builds the next steps of each rank on a background thread, so
+a trainer's request is answered from memory; built batches of the current
+step are kept until the next one is asked for, so that TP/PP peers of a rank
+receive the very same batch.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from overlord.batch import Batch, Sample
+from overlord.errors import LoaderError
 from overlord.plan.packing import pack
 from overlord.plan.spec import validate_plan
 from overlord.runtime.base import Handle, Runtime
@@ -15,7 +26,7 @@ from overlord.sources.tokenizers import make_tokenizer
 
 
 class DataConstructor:
-    """Builds the batches of one DP rank from its part of each step plan."""
+    """Builds the batches of some DP ranks from their parts of each step plan."""
 
     def __init__(
         self,
@@ -24,10 +35,15 @@ class DataConstructor:
         planner: Handle,
         loaders: dict[str, list[Handle]],
         runtime: Runtime,
-        rank: int,
+        ranks: list[int],
+        prefetch: int = 0,
     ):
         self.plan = validate_plan(plan_data, base_dir=base_dir)
-        self.planner, self.runtime, self.rank = planner, runtime, rank
+        self.planner, self.runtime, self.ranks = planner, runtime, list(ranks)
+        self.prefetch = prefetch
+        self._lock = threading.Lock()
+        self._built: dict[tuple[int, int], Future[Batch]] = {}
+        self._pool = ThreadPoolExecutor(1, "overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = [loaders[n] for n in self.names]
         self.file_names = [
@@ -35,9 +51,42 @@ class DataConstructor:
         ]
         self.pad_id = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir)).pad_id
 
-    def batch(self, step: int) -> Batch:
-        """The packed batch of this rank for ``step``."""
-        rp = self.runtime.get(self.planner.call("rank_plan", step, self.rank))
+    def batch(self, step: int, rank: int) -> Batch:
+        """The packed batch of ``rank`` for ``step`` (built ahead when prefetching)."""
+        if rank not in self.ranks:
+            raise LoaderError(f"this DataConstructor serves ranks {self.ranks}, not rank {rank}")
+        if self._pool is None:
+            return self._build(step, rank)
+        with self._lock:
+            fut = self._built.get((step, rank))
+            if fut is None:
+                fut = self._built[(step, rank)] = self._pool.submit(self._build, step, rank)
+            for ahead in range(step + 1, step + 1 + self.prefetch):
+                if (ahead, rank) not in self._built:
+                    self._built[(ahead, rank)] = self._pool.submit(self._build, ahead, rank)
+            # keep this step for the rank's TP/PP peers; older steps are done with
+            for key in [k for k in self._built if k[1] == rank and k[0] < step]:
+                del self._built[key]
+        return fut.result()
+
+    def _rank_plan(self, step: int, rank: int) -> dict[str, Any]:
+        """The planner answers None while other ranks are too far behind: wait for them."""
+        deadline = time.monotonic() + self.plan.loading.timeout_s
+        pause = 0.001
+        while True:
+            rp = self.runtime.get(self.planner.call("rank_plan", step, rank))
+            if rp is not None:
+                return dict(rp)
+            if time.monotonic() > deadline:
+                raise LoaderError(
+                    f"rank {rank} waited {self.plan.loading.timeout_s:.0f} s (loading.timeout_s) "
+                    f"for step {step}: other DP ranks stopped consuming"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _build(self, step: int, rank: int) -> Batch:
+        rp = self._rank_plan(step, rank)
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
         n = len(src)
         # ask every (source, loader) that holds some of the items at once, then gather
@@ -74,7 +123,12 @@ class DataConstructor:
                 rp["row"].tolist(),
             )
         ]
-        return Batch(step=step, rank=self.rank, samples=samples, cost=rp["cost"], **arrays)
+        return Batch(step=step, rank=rank, samples=samples, cost=rp["cost"], **arrays)
+
+    def close(self) -> None:
+        """Stop building ahead."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _sample_id(file: str, row: int, chunk: int) -> str:

@@ -85,10 +85,10 @@ class SourceCursor:
             if self._full_epoch and self._epoch_items == 0:
                 raise SourceError(
                     self.name,
-                    f"all {self.n_shards} file(s)",
                     None,
-                    "a whole epoch yielded no sample: every record is bad (skipped), empty, "
-                    "or dropped as longer than max_seq_len",
+                    None,
+                    f"a whole epoch of its {self.n_shards} file(s) yielded no sample: every "
+                    "record is bad (skipped), empty, or dropped as longer than max_seq_len",
                 )
             epoch, pos = epoch + 1, 0
             self._full_epoch, self._epoch_items = True, 0

@@ -39,7 +39,11 @@ class Planner:
         loaders: dict[str, list[Handle]],
         runtime: Runtime,
         state: dict[str, Any] | None = None,
+        wait_for_ranks: bool = False,
     ):
+        # False: a rank too far ahead of the others is an error (one process consumes
+        # every rank, so waiting would never end). True: it is told to wait (None).
+        self.wait_for_ranks = wait_for_ranks
         self.plan = validate_plan(plan_data, base_dir=base_dir)
         self.names = self.plan.source_names
         self.schedule = Schedule(self.plan)
@@ -79,7 +83,7 @@ class Planner:
             "step": self.next_step,
             "sources": {
                 n: {
-                    "fingerprint": self.plan.source_fingerprint(n),
+                    "fingerprint": self.plan.source_fingerprint(n, self.file_names[n]),
                     "cursor": c.state(),
                     "target": float(self.mix.target[i]),
                     "placed": float(self.mix.placed[i]),
@@ -88,9 +92,21 @@ class Planner:
             },
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """State as of the last step every rank consumed (JSON-serializable)."""
-        step = min(self.consumed) + 1
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """State before ``step`` (JSON-serializable).
+
+        By default ``step`` is the one after the last step every rank consumed.
+        A rank may ask for the state at its own position (synchronous training
+        has every rank there when it checkpoints), which does not wait for the
+        other ranks' consumption notices to arrive.
+        """
+        if step is None:
+            step = min(self.consumed) + 1
+        if step not in self.snapshots:
+            raise LoaderError(
+                f"no state for step {step}: states are kept from step {min(self.snapshots)} "
+                f"to {max(self.snapshots)} (steps not yet consumed by every rank)"
+            )
         return {
             "version": STATE_VERSION,
             "fingerprint": self.plan.stream_fingerprint(),
@@ -171,14 +187,19 @@ class Planner:
         self.next_step += 1
         self.snapshots[self.next_step] = self._snapshot()
 
-    def rank_plan(self, step: int, rank: int) -> dict[str, Any]:
-        """The plan of one rank for one step, planning up to it if needed."""
+    def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
+        """The plan of one rank for one step, planning up to it if needed.
+
+        None means "ask again later": other ranks must consume first.
+        """
         dp = self.plan.world.dp
         if not 0 <= rank < dp:
             raise LoaderError(f"rank {rank} is outside the plan's world (dp={dp})")
         lag = min(self.consumed)
         ahead = self.plan.batch.prefetch_steps + 1
         if step > lag + ahead:
+            if self.wait_for_ranks:
+                return None
             slow = self.consumed.index(lag)
             raise LoaderError(
                 f"rank {rank} asked for step {step} while rank {slow} has consumed only up to "
@@ -190,6 +211,14 @@ class Planner:
         while self.next_step <= step:
             self._plan_next()
         return self.plans[step][rank]
+
+    def layout(self) -> tuple[int, int]:
+        """DP size and ranks per DataConstructor, for trainers that connect."""
+        return self.plan.world.dp, self.plan.placement.ranks_per_constructor
+
+    def position(self, rank: int) -> int:
+        """The next step ``rank`` should consume."""
+        return self.consumed[rank] + 1
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps without building batches; returns their statistics."""

@@ -80,6 +80,7 @@ class SourceLoader:
         self._stats = {"shards": 0, "items": 0, "tokens": 0, "read_s": 0.0, "skipped": 0}
         self._skipped: list[str] = []
         self._dropped = 0
+        self._counted: set[int] = set()  # files whose bad records are counted (once, not per epoch)
         self._thread = threading.Thread(
             target=self._run, name=f"overlord-loader-{source}-{index}", daemon=True
         )
@@ -111,6 +112,12 @@ class SourceLoader:
         return keep
 
     def _run(self) -> None:
+        if self.index >= len(self.shards):
+            # more loaders than shards: this one owns none, and waits to be closed
+            with self._lock:
+                while not self._closed:
+                    self._lock.wait(0.5)
+            return
         positions = self._positions()
         pending: deque[tuple[tuple[int, int], Future[tuple[ShardItems, float]]]] = deque()
         with ThreadPoolExecutor(self.plan.loading.threads) as pool:
@@ -164,9 +171,11 @@ class SourceLoader:
             s["items"] += len(idx)
             s["tokens"] += tokens
             s["read_s"] += seconds
-            s["skipped"] += len(items.skipped)
-            self._skipped += [str(e) for e in items.skipped[: max(0, 20 - len(self._skipped))]]
-            self._dropped += items.dropped
+            if items.file_index not in self._counted:
+                self._counted.add(items.file_index)
+                s["skipped"] += len(items.skipped)
+                self._skipped += [str(e) for e in items.skipped[: max(0, 20 - len(self._skipped))]]
+                self._dropped += items.dropped
             self._lock.notify_all()
 
     # ---- calls ---------------------------------------------------------------------------

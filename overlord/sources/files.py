@@ -21,18 +21,20 @@ class Shard:
     name: str  # path relative to the plan's folder (local), else the URL
 
 
-def _patterns(spec: SourceSpec) -> list[str]:
-    return [spec.path] if isinstance(spec.path, str) else list(spec.path)
-
-
 def resolve_files(spec: SourceSpec, base_dir: Path) -> list[Shard]:
     """Every shard of a source, sorted by name, so that the order is the same everywhere.
 
     Raises :class:`PlanError` naming each pattern that matches nothing.
     """
+    patterns = [spec.path] if isinstance(spec.path, str) else list(spec.path)
+    return find_shards(spec.name, patterns, base_dir)
+
+
+def find_shards(source: str, patterns: list[str], base_dir: Path) -> list[Shard]:
+    """The files matching ``patterns`` (globs relative to ``base_dir``, or URLs), sorted."""
     shards: dict[str, Shard] = {}
     problems: list[tuple[str, str]] = []
-    for pattern in _patterns(spec):
+    for pattern in patterns:
         if "://" in pattern:
             fs, _, paths = fsspec.get_fs_token_paths(pattern)
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -46,7 +48,7 @@ def resolve_files(spec: SourceSpec, base_dir: Path) -> list[Shard]:
             problems.append(
                 (
                     "path",
-                    f"source '{spec.name}': '{pattern}' matches no file (looked in {base_dir})",
+                    f"source '{source}': '{pattern}' matches no file (looked in {base_dir})",
                 )
             )
         for url, name in zip(found, names):

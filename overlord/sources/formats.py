@@ -24,6 +24,7 @@ from overlord.plan.spec import Format
 from overlord.sources.files import Shard
 
 _CODECS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_SPACE = np.array([9, 11, 12, 13, 32], dtype=np.uint8)  # what bytes.strip() removes, but "\n"
 
 
 @dataclass
@@ -59,18 +60,21 @@ def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 def _read_jsonl(source: str, shard: Shard, text_field: str, skip: bool) -> ShardTexts:
     data = _read_bytes(shard)
     starts, ends = _line_bounds(data)
-    # a line holding only "\r" or spaces is blank too; Arrow skips those, so do we
+    # a line holding only "\r", tabs or spaces is blank too; Arrow skips those, so do we.
+    # Only a line that starts with whitespace can be one: check just those.
     lengths = ends - starts
     nonblank = np.flatnonzero(lengths > 0)
-    if len(nonblank) and (lengths[nonblank] <= 2).any():
-        nonblank = np.array(
-            [i for i in nonblank if data[starts[i] : ends[i]].strip()], dtype=np.int64
-        )
+    buf = np.frombuffer(data, dtype=np.uint8)
+    maybe = nonblank[np.isin(buf[starts[nonblank]], _SPACE)]
+    blank = [i for i in maybe.tolist() if not data[starts[i] : ends[i]].strip()]
+    if blank:
+        nonblank = np.setdiff1d(nonblank, blank)
     schema = pa.schema([(text_field, pa.large_string())])
     opts = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
         table = pa_json.read_json(io.BytesIO(data), parse_options=opts)
         col = table.column(text_field).combine_chunks()
+        col.validate(full=True)  # Arrow's JSON reader lets invalid UTF-8 through
         if len(col) == len(nonblank) and col.null_count == 0:
             return ShardTexts(rows=nonblank, texts=col)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):

@@ -1,0 +1,190 @@
+"""The Ray runtime: every role is a named Ray actor; payloads travel through Ray's object store.
+
+Actors are named ``<job>.<role>`` in the ``overlord`` namespace, so that trainer
+processes started elsewhere (``torchrun``) find them with :func:`overlord.connect`.
+overlord adds no RPC layer of its own: a call is ``actor.method.remote()``, a
+wait is ``ray.get``.
+
+Security: anyone who can reach a Ray cluster can run code on it. The local
+instance overlord starts has its dashboard off and is asked to use 127.0.0.1;
+Ray may still listen on the machine's interface address (it maps loopback to
+the node address), so keep a shared machine's Ray inside a private network
+or a network namespace, and keep Ray's token authentication on (its default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from overlord.errors import LoaderError, OverlordError
+from overlord.runtime.base import Handle
+
+NAMESPACE = "overlord"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("the ray runtime needs Ray: pip install 'overlord[ray]'") from e
+    return ray
+
+
+@dataclass(frozen=True)
+class RoleOptions:
+    """Ray actor options of one role."""
+
+    num_cpus: float = 0.0
+    max_concurrency: int = 1
+    scheduling_strategy: str | None = None  # "SPREAD", or None for Ray's default
+
+
+class RayHandle:
+    """A role running as a Ray actor."""
+
+    def __init__(self, actor: Any, name: str):
+        self.actor = actor
+        self.name = name
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Start ``method(*args)`` on the actor; returns an ObjectRef."""
+        return getattr(self.actor, method).remote(*args)
+
+
+def _unwrap(err: BaseException, what: str) -> BaseException:
+    """Turn Ray's wrappers back into the error the role raised, or say which actor died."""
+    ray = _ray()
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, OverlordError):
+            return cause
+        return LoaderError(f"{what} failed: {cause!r}" if cause else f"{what} failed: {err}")
+    if isinstance(err, ray.exceptions.RayActorError):
+        return LoaderError(f"{what}: the actor died ({type(err).__name__}); see the Ray logs")
+    if isinstance(err, ray.exceptions.GetTimeoutError):
+        return LoaderError(f"{what}: no answer within the timeout")
+    return err
+
+
+class RayRuntime:
+    """Spawns roles as named actors of job ``job``; waits with ``ray.get``.
+
+    ``address`` is a Ray cluster address (``auto``, ``ray://host:10001``); None
+    starts a local instance (bound to 127.0.0.1, dashboard off) unless Ray is
+    already initialized in this process.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        job: str,
+        address: str | None = None,
+        options: dict[str, RoleOptions] | None = None,
+        connect: bool = True,
+    ):
+        self.job = job
+        self.options = options or {}
+        self._handles: list[RayHandle] = []
+        self._started_ray = False
+        if connect:
+            self._started_ray = init_ray(address)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # inside an actor the runtime only calls and waits; it owns no actor there
+        return (RayRuntime, (self.job, None, self.options, False))
+
+    def actor_name(self, role: str) -> str:
+        """The name of a role's actor in Ray."""
+        return f"{self.job}.{role}"
+
+    def spawn(self, cls: type, *args: Any, name: str) -> RayHandle:
+        """Create ``cls(*args)`` as a named actor; fails if the name is taken."""
+        ray = _ray()
+        role = name.split("-")[0]
+        opts = self.options.get(role, RoleOptions())
+        kwargs: dict[str, Any] = {
+            "name": self.actor_name(name),
+            "namespace": NAMESPACE,
+            "num_cpus": opts.num_cpus,
+            "max_concurrency": opts.max_concurrency,
+        }
+        if opts.scheduling_strategy:
+            kwargs["scheduling_strategy"] = opts.scheduling_strategy
+        try:
+            ray.get_actor(kwargs["name"], namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise LoaderError(
+                f"a job named '{self.job}' is already running (actor '{kwargs['name']}' exists): "
+                "stop it first, or choose another --name"
+            )
+        actor = ray.remote(cls).options(**kwargs).remote(*args)
+        handle = RayHandle(actor, name)
+        self._handles.append(handle)
+        return handle
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        """The result of a call, with the role's own error raised here."""
+        ray = _ray()
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayError as e:
+            raise _unwrap(e, "an overlord actor") from None
+
+    def kill(self, handle: Handle) -> None:
+        """Stop one actor."""
+        assert isinstance(handle, RayHandle)
+        _ray().kill(handle.actor, no_restart=True)
+        if handle in self._handles:
+            self._handles.remove(handle)
+
+    def shutdown(self) -> None:
+        """Stop every actor this runtime spawned, and the local Ray instance if it started one."""
+        ray = _ray()
+        for h in reversed(list(self._handles)):
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(h.actor, no_restart=True)
+        self._handles.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def init_ray(address: str | None) -> bool:
+    """Connect to Ray (or start a local instance); True if this call started one."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    common = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
+    if address:
+        try:
+            ray.init(address=address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise LoaderError(
+                f"cannot reach the Ray cluster at '{address}': {e}. Check the address, that the "
+                "cluster is up, and RAY_AUTH_MODE=token if it uses token authentication"
+            ) from None
+        return False
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **common)
+    return True
+
+
+def lookup(job: str, role: str) -> RayHandle:
+    """A named actor of a running job, with a clear error if there is none."""
+    ray = _ray()
+    name = f"{job}.{role}"
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise LoaderError(
+            f"no overlord job '{job}' on this Ray cluster (actor '{name}' not found): start it "
+            f"with 'overlord serve PLAN --name {job}', and connect to the same cluster "
+            "(RAY_ADDRESS)"
+        ) from None
+    return RayHandle(actor, role)

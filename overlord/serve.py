@@ -1,0 +1,83 @@
+"""A job served on Ray, and trainer processes that connect to it.
+
+``overlord serve PLAN --name JOB`` starts the roles as named actors and waits;
+each trainer process calls :func:`connect` with its DP rank and iterates.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from overlord import checkpoint
+from overlord.errors import LoaderError
+from overlord.loader import Loader
+from overlord.plan.spec import Plan
+from overlord.roles.client import Client
+
+
+def serve(
+    plan: Plan,
+    name: str,
+    address: str | None = None,
+    resume: str | None = None,
+    ready: Callable[[Loader], None] | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Run job ``name`` until ``stop`` is set or SIGINT/SIGTERM; stop every actor on the way out."""
+    state = checkpoint.load(resume) if resume else None
+    stop = stop or threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        with Loader(plan, runtime="ray", state=state, job=name, address=address) as loader:
+            if ready is not None:
+                ready(loader)
+            while not stop.wait(0.5):
+                pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def connect(
+    job: str, rank: int, address: str | None = None, stop_step: int | None = None
+) -> Client:
+    """The batches of DP rank ``rank`` from the running job ``job``.
+
+    Reads ``RAY_ADDRESS`` when ``address`` is None; a job started by
+    ``overlord serve`` on a local instance is found with ``address="auto"``.
+    """
+    from overlord.runtime.ray_runtime import RayRuntime, init_ray, lookup
+
+    init_ray(address or "auto")
+    planner = lookup(job, "planner")
+    runtime = RayRuntime(job, connect=False)
+    dp, per_constructor = runtime.get(planner.call("layout"))
+    if not 0 <= rank < dp:
+        raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
+    constructor = lookup(job, f"constructor-{rank // per_constructor}")
+    start = runtime.get(planner.call("position", rank))
+    return Client(rank, constructor, planner, runtime, start, stop_step)
+
+
+def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:
+    """Block until job ``job`` can be connected to (for scripts that start serve alongside)."""
+    from overlord.runtime.ray_runtime import init_ray, lookup
+
+    init_ray(address or "auto")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lookup(job, "planner")
+            return
+        except LoaderError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

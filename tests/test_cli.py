@@ -1,0 +1,328 @@
+"""The ``overlord`` command line (issue 2, point 5): validate, run, plan.
+
+Commands run in-process through ``overlord.cli.main``; one test runs the
+installed console script to prove the entry point works.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_corpus
+
+from overlord.cli import main
+
+integration = pytest.mark.integration
+
+ID = re.compile(r"^(?P<file>[^:]+):(?P<row>\d+)(?:#(?P<chunk>\d+))?$")
+LONG_DOCS = [{"text": f"long {i} " + "0123456789" * (7 + 5 * i)} for i in range(4)]  # 79..229 B
+ALPHA, BETA = 1.0, 0.01
+
+
+def corpus(root: Path, **overrides: Any) -> Path:
+    """Two sources, three JSONL shards (one of documents longer than a row), one Parquet shard."""
+    sources = {
+        "web": {
+            "files": {
+                "data/web/part-0.jsonl": 12,
+                "data/web/part-1.jsonl": 12,
+                "data/web/long.jsonl": LONG_DOCS,
+            }
+        },
+        "code": {"files": {"data/code/part-0.parquet": 14}, "text_field": "content"},
+    }
+    plan: dict[str, Any] = {
+        "mixture": {
+            "schedule": [
+                {"step": 0, "weights": {"web": 0.7, "code": 0.3}},
+                {"step": 6, "weights": {"web": 0.3, "code": 0.7}},
+            ]
+        },
+        "balance": {"cost": {"alpha": ALPHA, "beta": BETA}},
+        **overrides,
+    }
+    return make_corpus(root, sources, **plan)
+
+
+def read_dump(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_samples(lines: list[dict[str, Any]]) -> dict[int, Counter[tuple[str, str, int]]]:
+    """The samples of each step, whichever rank got them."""
+    out: dict[int, Counter[tuple[str, str, int]]] = {}
+    for line in lines:
+        c = out.setdefault(line["step"], Counter())
+        c.update((s["source"], s["id"], s["tokens"]) for s in line["samples"])
+    return out
+
+
+def record_text(root: Path, file: str, row: int) -> str:
+    if file.endswith(".parquet"):
+        return str(pq.read_table(root / file).column("content")[row].as_py())
+    return str(json.loads((root / file).read_text().splitlines()[row])["text"])
+
+
+# ---- validate ----------------------------------------------------------------------------------
+
+
+def test_validate_valid_plan_prints_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path)
+    assert main(["validate", str(plan)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.count("\n") == 1
+    assert out.startswith(f"{plan}: valid: 2 source(s), 4 rows of 64 tokens per step, dp=2 ")
+    assert "balance=kk" in out
+
+
+def test_validate_invalid_plan_prints_every_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(
+        tmp_path,
+        batch={"tokens_per_step": 300},
+        mixture={"schedule": [{"step": 0, "weights": {"web": 1.0, "wbe": 1.0}}]},
+        tokenizer={"kind": "hf"},
+    )
+    assert main(["validate", str(plan)]) != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "has 3 problem(s)" in err
+    for path in ("batch.tokens_per_step", "mixture.schedule[0].weights.wbe", "tokenizer.path"):
+        assert f"  - {path}: " in err
+
+
+def test_validate_glob_that_matches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": 2}, "path": "web/*.jsonl"}})
+    assert main(["validate", str(plan)]) == 1
+    err = capsys.readouterr().err
+    assert "sources[0].path: source 'web': 'web/*.jsonl' matches no file" in err
+
+
+def test_validate_missing_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read the plan file" in capsys.readouterr().err
+
+
+# ---- run ---------------------------------------------------------------------------------------
+
+
+@integration
+def test_run_dump_format(tmp_path: Path) -> None:
+    plan = corpus(tmp_path)
+    dump = tmp_path / "dump.jsonl"
+    assert main(["run", str(plan), "--steps", "5", "--dump", str(dump)]) == 0
+
+    raw = dump.read_text().splitlines()
+    lines = [json.loads(x) for x in raw]
+    assert [(x["step"], x["rank"]) for x in lines] == [(s, r) for s in range(5) for r in range(2)]
+    chunked = 0
+    for x in lines:
+        assert list(x) == ["step", "rank", "samples", "tokens", "cost"]
+        assert isinstance(x["step"], int) and isinstance(x["rank"], int)
+        assert isinstance(x["tokens"], int) and isinstance(x["cost"], float)
+        assert x["samples"], "every rank gets samples"
+        for s in x["samples"]:
+            assert list(s) == ["source", "id", "tokens"]
+            assert isinstance(s["tokens"], int) and s["tokens"] > 0
+            m = ID.match(s["id"])
+            assert m, s["id"]
+            file, row, chunk = m["file"], int(m["row"]), m["chunk"]
+            assert file.startswith(f"data/{s['source']}/")
+            doc = len(record_text(tmp_path, file, row).encode()) + 1  # bytes + end of document
+            if chunk is None:
+                assert s["tokens"] == doc <= 64
+            else:
+                chunked += 1
+                assert doc > 64 and s["tokens"] == min(64, doc - 64 * int(chunk))
+        assert x["tokens"] == sum(s["tokens"] for s in x["samples"])
+        want = sum(ALPHA * s["tokens"] + BETA * s["tokens"] ** 2 for s in x["samples"])
+        assert x["cost"] == pytest.approx(want)
+    assert chunked > 0, "the long documents were split into '#k' chunks"
+
+    # the same plan gives the same dump
+    again = tmp_path / "again.jsonl"
+    assert main(["run", str(plan), "--steps", "5", "--dump", str(again)]) == 0
+    assert again.read_text().splitlines() == raw
+
+
+@integration
+def test_run_dp_changes_only_who_gets_a_sample(tmp_path: Path) -> None:
+    plan = corpus(tmp_path)
+    dumps = {}
+    for dp in (1, 2, 4):
+        dumps[dp] = tmp_path / f"dp{dp}.jsonl"
+        assert (
+            main(["run", str(plan), "--steps", "6", "--dp", str(dp), "--dump", str(dumps[dp])]) == 0
+        )
+    lines = {dp: read_dump(p) for dp, p in dumps.items()}
+    for dp, got in lines.items():
+        assert [(x["step"], x["rank"]) for x in got] == [
+            (s, r) for s in range(6) for r in range(dp)
+        ]
+    assert step_samples(lines[1]) == step_samples(lines[2]) == step_samples(lines[4])
+
+
+def test_run_dp_that_does_not_divide_the_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path)
+    assert main(["run", str(plan), "--steps", "1", "--dp", "3"]) == 1
+    assert "world.dp" in capsys.readouterr().err
+
+
+@integration
+def test_checkpoint_and_resume_continue_the_same_stream(tmp_path: Path) -> None:
+    plan = corpus(tmp_path)
+    full, a, b, c = (tmp_path / f"{n}.jsonl" for n in ("full", "a", "b", "c"))
+    ck = tmp_path / "ck"
+    assert main(["run", str(plan), "--steps", "8", "--dump", str(full)]) == 0
+
+    args = ["run", str(plan), "--checkpoint-dir", str(ck)]
+    assert main([*args, "--steps", "2", "--checkpoint-every", "1", "--dump", str(a)]) == 0
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000001.json", "step-00000002.json"]
+    # resumed on another DP size (elastic): the global stream goes on unchanged
+    cmd = [*args, "--steps", "5", "--resume", str(ck), "--checkpoint-every", "2", "--dp", "4"]
+    assert main([*cmd, "--dump", str(b)]) == 0
+    names = ["step-00000001.json", "step-00000002.json", "step-00000004.json", "step-00000005.json"]
+    assert sorted(p.name for p in ck.iterdir()) == names
+    for name in names:
+        state = json.loads((ck / name).read_text())
+        assert state["step"] == int(name[5:13])
+    assert main(["run", str(plan), "--steps", "8", "--resume", str(ck), "--dump", str(c)]) == 0
+    assert len(list(ck.iterdir())) == 4  # no --checkpoint-dir: nothing written
+
+    parts = read_dump(a) + read_dump(b) + read_dump(c)
+    assert [x["step"] for x in read_dump(b)] == [s for s in range(2, 5) for _ in range(4)]
+    assert sorted({x["step"] for x in parts}) == list(range(8))
+    assert step_samples(parts) == step_samples(read_dump(full))
+    # with the same DP size, each rank gets exactly what it got in the uninterrupted run
+    assert read_dump(a) + read_dump(c) == [
+        x for x in read_dump(full) if x["step"] in (0, 1, 5, 6, 7)
+    ]
+
+
+@integration
+def test_resume_at_or_past_the_last_step_does_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path)
+    ck = tmp_path / "ck"
+    assert main(["run", str(plan), "--steps", "3", "--checkpoint-dir", str(ck)]) == 0
+    assert [p.name for p in ck.iterdir()] == ["step-00000003.json"]
+    capsys.readouterr()
+    assert main(["run", str(plan), "--steps", "3", "--resume", str(ck)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_resume_from_a_folder_without_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert main(["run", str(plan), "--steps", "2", "--resume", str(tmp_path / "empty")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+@integration
+def test_resume_into_a_plan_that_reads_sources_differently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path)
+    ck = tmp_path / "ck"
+    assert main(["run", str(plan), "--steps", "2", "--checkpoint-dir", str(ck)]) == 0
+    other = corpus(tmp_path, plan_name="other.yaml", seed=99)
+    capsys.readouterr()
+    assert main(["run", str(other), "--steps", "4", "--resume", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "source 'web': expected fingerprint" in err and "source 'code'" in err
+
+
+def test_checkpoint_every_needs_a_checkpoint_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(corpus(tmp_path)), "--checkpoint-every", "2"]) == 2
+    assert "--checkpoint-every needs --checkpoint-dir" in capsys.readouterr().err
+
+
+@integration
+def test_run_prints_its_summary_to_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(corpus(tmp_path)), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("steps 0..2: ")
+    assert "balance (kk)" in out and "web:" in out and "code:" in out
+
+
+# ---- plan --------------------------------------------------------------------------------------
+
+
+@integration
+def test_plan_prints_a_line_per_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(corpus(tmp_path)), "--steps", "8", "--dp", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "max/LB", "none/LB", "fill", "web", "code"]
+    rows = lines[1:-1]
+    assert [int(r.split()[0]) for r in rows] == list(range(8))
+    for r in rows:
+        f = r.split()
+        assert float(f[1]) >= 1.0 - 1e-9 and float(f[2]) >= 1.0 - 1e-9  # max/LB, none/LB
+        shares = [float(x.rstrip("%")) for x in f[4:]]
+        assert len(shares) == 2 and sum(shares) == pytest.approx(100, abs=0.2)
+    assert lines[-1].startswith("mean max/LB ")
+    # the curriculum moves from web to code
+    web = [float(r.split()[4].rstrip("%")) for r in rows]
+    assert web[0] > 50 > web[-1]
+
+
+def test_plan_needs_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(corpus(tmp_path))])
+    assert e.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+# ---- the installed console script --------------------------------------------------------------
+
+
+def console_script() -> str:
+    local = Path(sys.executable).parent / "overlord"
+    found = str(local) if local.exists() else shutil.which("overlord")
+    assert found, "the overlord console script is not installed (pip install -e .)"
+    return found
+
+
+@integration
+def test_console_script_entry_point(tmp_path: Path) -> None:
+    exe = console_script()
+    plan = corpus(tmp_path)
+    ok = subprocess.run([exe, "validate", str(plan)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"{plan}: valid: 2 source(s)")
+
+    bad = corpus(tmp_path / "bad", world={"dp": 3})
+    no = subprocess.run([exe, "validate", str(bad)], capture_output=True, text=True, timeout=60)
+    assert no.returncode == 1
+    assert "world.dp" in no.stderr and no.stdout == ""
+
+    ran = subprocess.run(
+        [exe, "run", str(plan), "--steps", "3"], capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("steps 0..2: ")
+    assert "balance (kk)" in ran.stdout and "web:" in ran.stdout and "code:" in ran.stdout
