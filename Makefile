@@ -23,7 +23,7 @@ demo: $(VENV)/.demo
 test: $(VENV)/.dev
 	$(BIN)/ruff check overlord tests benchmarks
 	$(BIN)/mypy overlord
-	$(BIN)/pytest -q
+	tools/loopback $(BIN)/pytest -q
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/planner.py

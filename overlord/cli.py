@@ -220,11 +220,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     plan = _with_dp(load_plan(args.plan), args.dp)
 
     def ready(loader: Loader) -> None:
+        import ray
+
+        address = ray.get_runtime_context().gcs_address
         print(
-            f"overlord: job '{args.name}' is ready: dp={plan.world.dp}, "
+            f"overlord: job '{args.name}' is ready on Ray at {address}: dp={plan.world.dp}, "
             f"{sum(len(v) for v in loader.loaders.values())} source loader(s), "
-            f"{len(loader.constructors)} data constructor(s), from step {loader.start_step}. "
-            f"Trainers: overlord.connect('{args.name}', rank=r). Ctrl-C stops it.",
+            f"{len(loader.constructors)} data constructor(s), from step {loader.start_step}.\n"
+            f"Trainers: RAY_ADDRESS={address} and overlord.connect('{args.name}', rank=r). "
+            "Ctrl-C stops the job.",
             flush=True,
         )
 

@@ -22,6 +22,9 @@ class PlanError(OverlordError, ValueError):
         lines += [f"  - {path or '<plan>'}: {msg}" for path, msg in problems]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self) -> tuple[type, tuple[list[tuple[str, str]], str | None]]:
+        return (PlanError, (self.problems, self.origin))
+
 
 class SourceError(OverlordError):
     """A record or file of a source cannot be read or decoded."""
@@ -34,6 +37,10 @@ class SourceError(OverlordError):
         if row is not None:
             place += f", row {row}"
         super().__init__(f"{place}: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, int | None, str]]:
+        # rebuilt from its fields when it crosses a process boundary (a Ray actor's error)
+        return (SourceError, (self.source, self.file, self.row, self.reason))
 
 
 class LoaderError(OverlordError):

@@ -6,6 +6,7 @@ each trainer process calls :func:`connect` with its DP rank and iterates.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -56,7 +57,7 @@ def connect(
     """
     from overlord.runtime.ray_runtime import RayRuntime, init_ray, lookup
 
-    init_ray(address or "auto")
+    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
     planner = lookup(job, "planner")
     runtime = RayRuntime(job, connect=False)
     dp, per_constructor = runtime.get(planner.call("layout"))
@@ -71,7 +72,7 @@ def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) ->
     """Block until job ``job`` can be connected to (for scripts that start serve alongside)."""
     from overlord.runtime.ray_runtime import init_ray, lookup
 
-    init_ray(address or "auto")
+    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
     deadline = time.monotonic() + timeout
     while True:
         try:

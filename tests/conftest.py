@@ -176,3 +176,27 @@ def overlord_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
 def _overlord_cli_fixture() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``overlord_cli(*args) -> CompletedProcess`` (stdout and stderr as text)."""
     return overlord_cli
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Ray tests run only inside tools/loopback, where Ray cannot leave 127.0.0.1."""
+    import os
+
+    if not os.environ.get("OVERLORD_NO_NETNS"):
+        return
+    skip = pytest.mark.skip(reason="needs a loopback-only network namespace (tools/loopback)")
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Any:
+    """One local Ray instance for every Ray test of the session."""
+    ray = pytest.importorskip("ray")
+    from overlord.runtime.ray_runtime import init_ray
+
+    started = init_ray(None)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,14 +156,56 @@ class RayRuntime:
             self._started_ray = False
 
 
+def _resolve_auto() -> str:
+    """What ``address="auto"`` means: the one Ray instance running on this machine, if any."""
+    try:
+        # Ray's own lookup (its address file, else its running GCS processes)
+        from ray._private.services import canonicalize_bootstrap_address
+
+        found = canonicalize_bootstrap_address("auto")
+    except ImportError:  # a Ray without it: let ray.init judge "auto" itself
+        return "auto"
+    except (ConnectionError, ValueError) as e:
+        raise LoaderError(f"cannot find the Ray cluster of this machine: {e}") from None
+    if not found:
+        raise LoaderError(
+            "no Ray cluster runs on this machine (address 'auto'): start the job first "
+            "('overlord serve PLAN --name JOB'), or give the cluster's address (RAY_ADDRESS)"
+        )
+    return str(found)
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """Fail fast when nothing listens at ``address``: Ray itself retries for minutes."""
+    target = address.split("://", 1)[-1]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # a form we do not parse: let Ray judge it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise LoaderError(
+            f"cannot reach the Ray cluster at '{address}' ({e.strerror or e}): check the address "
+            "and that the cluster is up"
+        ) from None
+
+
 def init_ray(address: str | None) -> bool:
     """Connect to Ray (or start a local instance); True if this call started one."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    token = os.path.expanduser("~/.ray/auth_token")
+    if address and "RAY_AUTH_MODE" not in os.environ and os.path.exists(token):
+        # a cluster started on this machine uses Ray's token authentication (its default),
+        # and a client finds the token only in token mode, set before Ray is imported
+        os.environ["RAY_AUTH_MODE"] = "token"
     ray = _ray()
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
     common = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
     if address:
+        if address == "auto":
+            address = _resolve_auto()
+        _probe(address)
         try:
             ray.init(address=address, **common)
         except (ConnectionError, RuntimeError, ValueError) as e:

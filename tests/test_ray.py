@@ -1,0 +1,175 @@
+"""The Ray runtime: same roles, same stream, named actors that trainer processes connect to."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from overlord import Loader, LoaderError, SourceError, connect, load_plan
+from overlord.cli import dump_line, run_plan
+
+pytestmark = [pytest.mark.ray, pytest.mark.integration]
+
+
+@pytest.fixture
+def plan_path(tmp_path: Path, make_corpus) -> Path:
+    return make_corpus(
+        tmp_path,
+        sources={
+            "web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(3)}, "loaders": 2},
+            "code": {"files": {"data/code/part-0.parquet": 25}, "text_field": "content"},
+        },
+        batch={"tokens_per_step": 512, "max_seq_len": 64},
+        world={"dp": 4},
+        loading={"timeout_s": 20},
+    )
+
+
+def _dump(plan, steps, runtime, **kw) -> str:
+    out = io.StringIO()
+    run_plan(plan, steps, runtime=runtime, dump=out, progress=False, **kw)
+    return out.getvalue()
+
+
+def test_ray_dump_equals_the_embedded_dump_byte_for_byte(ray_session, plan_path):
+    plan = load_plan(plan_path)
+    assert _dump(plan, 12, "ray") == _dump(plan, 12, "inline")
+
+
+def test_connected_clients_get_the_embedded_batches(ray_session, plan_path):
+    plan = load_plan(plan_path)
+    with Loader(plan, runtime="ray", job="t-connect"):
+        clients = [connect("t-connect", rank=r, stop_step=6) for r in range(4)]
+        got = [dump_line(b) for _ in range(6) for b in (next(c) for c in clients)]
+        state = clients[0].state_dict()
+    with Loader(plan) as loader:
+        local = [loader.client(r) for r in range(4)]
+        want = [dump_line(b) for _ in range(6) for b in (next(c) for c in local)]
+    assert got == want
+    assert state["step"] == 6
+
+
+def test_a_ray_checkpoint_resumes_embedded_with_another_dp(ray_session, plan_path):
+    plan = load_plan(plan_path)
+    first = io.StringIO()
+    with Loader(plan, runtime="ray") as loader:
+        clients = [loader.client(r) for r in range(4)]
+        for _ in range(5):
+            for c in clients:
+                first.write(dump_line(next(c)) + "\n")
+        state = loader.state_dict()
+    rest = _dump(plan.with_dp(2), 10, "inline", state=state)
+    whole = _dump(plan, 10, "inline")
+
+    def per_step(text):
+        import json
+
+        out = {}
+        for line in text.splitlines():
+            r = json.loads(line)
+            out.setdefault(r["step"], []).extend(s["id"] for s in r["samples"])
+        return {k: sorted(v) for k, v in out.items()}
+
+    assert per_step(first.getvalue() + rest) == per_step(whole)
+
+
+def test_a_bad_record_raises_in_the_trainer_with_its_place(ray_session, tmp_path, make_corpus):
+    plan_path = make_corpus(
+        tmp_path,
+        sources={"web": {"files": {"data/web/a.jsonl": ['{"text": "ok"}', "{broken"]}}},
+        world={"dp": 1},
+        batch={"tokens_per_step": 64, "max_seq_len": 64},
+    )
+    with Loader(load_plan(plan_path), runtime="ray") as loader, pytest.raises(SourceError) as e:
+        next(loader.client(0))
+    assert e.value.source == "web" and e.value.file == "data/web/a.jsonl" and e.value.row == 1
+
+
+def test_connect_errors_are_clear(ray_session, plan_path):
+    with pytest.raises(LoaderError, match="no overlord job 'nope'"):
+        connect("nope", rank=0)
+    with Loader(load_plan(plan_path), runtime="ray", job="t-errors"):
+        with pytest.raises(LoaderError, match="outside job 't-errors'"):
+            connect("t-errors", rank=4)
+        with pytest.raises(LoaderError, match="already running"):
+            Loader(load_plan(plan_path), runtime="ray", job="t-errors")
+
+
+def test_an_unreachable_cluster_fails_fast():
+    # no Ray here: a child process with a fresh interpreter
+    code = (
+        "from overlord.runtime.ray_runtime import init_ray\n"
+        "try:\n    init_ray('127.0.0.1:9')\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "LoaderError cannot reach the Ray cluster at '127.0.0.1:9'" in out.stdout
+    assert time.monotonic() - t0 < 30
+
+
+def _ray_processes() -> set[int]:
+    found = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ray::" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
+                found.add(int(pid))
+    return found
+
+
+def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
+    """`overlord serve` in its own process, two trainer processes, then Ctrl-C stops it all."""
+    before = _ray_processes()
+    bin_dir = Path(sys.executable).parent
+    serve = subprocess.Popen(
+        [str(bin_dir / "overlord"), "serve", str(plan_path), "--name", "t-serve", "--dp", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while "is ready" not in line:
+            line = serve.stdout.readline()
+            assert line or serve.poll() is None, "serve exited before it was ready"
+            assert time.monotonic() < deadline, "serve did not get ready"
+        address = line.split(" on Ray at ")[1].split(":")[0:2]
+        env = {**os.environ, "RAY_ADDRESS": ":".join(address)}
+        trainer = (
+            "import sys, overlord\n"
+            "from overlord.cli import dump_line\n"
+            "c = overlord.connect('t-serve', rank=int(sys.argv[1]), stop_step=5)\n"
+            "print('\\n'.join(dump_line(b) for b in c))\n"
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", trainer, str(r)], stdout=subprocess.PIPE, text=True, env=env
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        served = sorted(line for out in outs for line in out.splitlines())
+        local = sorted(_dump(load_plan(plan_path).with_dp(2), 5, "inline").splitlines())
+        assert served == local
+    finally:
+        serve.send_signal(signal.SIGINT)
+        rest = serve.communicate(timeout=60)[0]
+    assert serve.returncode == 0, rest
+    assert "stopped" in rest
+    deadline = time.monotonic() + 30
+    while _ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (_ray_processes() - before), "Ray processes outlived `overlord serve`"
