@@ -115,22 +115,37 @@ def test_an_unreachable_cluster_fails_fast():
     assert time.monotonic() - t0 < 30
 
 
-def _ray_processes() -> set[int]:
-    found = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Ray's own processes started by it included)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if b"ray::" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
-                found.add(int(pid))
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
     return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(p)
+    return out
 
 
 def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
     """`overlord serve` in its own process, two trainer processes, then Ctrl-C stops it all."""
-    before = _ray_processes()
     bin_dir = Path(sys.executable).parent
     serve = subprocess.Popen(
         [str(bin_dir / "overlord"), "serve", str(plan_path), "--name", "t-serve", "--dp", "2"],
@@ -165,11 +180,13 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
         local = sorted(_dump(load_plan(plan_path).with_dp(2), 5, "inline").splitlines())
         assert served == local
     finally:
+        started = _descendants(serve.pid)
         serve.send_signal(signal.SIGINT)
         rest = serve.communicate(timeout=60)[0]
     assert serve.returncode == 0, rest
     assert "stopped" in rest
+    assert started, "serve started no process of its own (no local Ray instance?)"
     deadline = time.monotonic() + 30
-    while _ray_processes() - before and time.monotonic() < deadline:
+    while _alive(started) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not (_ray_processes() - before), "Ray processes outlived `overlord serve`"
+    assert not _alive(started), "processes started by `overlord serve` outlived it"

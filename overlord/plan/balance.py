@@ -158,8 +158,25 @@ def kk_partition(cost: np.ndarray, k: int) -> np.ndarray:
     return label[:n]
 
 
+# Karmarkar-Karp runs on this many of a step's costliest items per rank (at least
+# KK_MIN_ITEMS); the rest, small items, go to the least loaded rank. KK's merges cost
+# O(dp) each, and small items gain nothing from differencing.
+KK_ITEMS_PER_RANK = 4
+KK_MIN_ITEMS = 256
+
+
 def _kk(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
-    rank_of = kk_partition(cost, dp)
+    by_cost = np.lexsort((np.arange(len(cost)), -cost))
+    head = by_cost[: max(KK_MIN_ITEMS, KK_ITEMS_PER_RANK * dp)]
+    rank_of = np.empty(len(cost), dtype=np.int64)
+    rank_of[head] = kk_partition(cost[head], dp)
+    loads = np.bincount(rank_of[head], weights=cost[head], minlength=dp)
+    heap = [(float(loads[r]), r) for r in range(dp)]
+    heapq.heapify(heap)
+    for i in by_cost[len(head) :].tolist():
+        load, r = heapq.heappop(heap)
+        rank_of[i] = r
+        heapq.heappush(heap, (load + float(cost[i]), r))
     order = np.lexsort((np.arange(len(cost)), -tokens))
     row, overflow = _pack_rows(order, tokens, rank_of, dp, rpr, cap)
     if not overflow:
@@ -171,6 +188,68 @@ def _kk(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np
     overflow.sort(key=lambda i: (-cost[i], i))
     ok = _place_least_loaded(overflow, tokens, cost, row, loads, free)
     return row if ok else None
+
+
+def _improve(
+    row: np.ndarray, tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int
+) -> np.ndarray:
+    """Local search on the most loaded rank: moves, then swaps, that lower it and fit the rows.
+
+    Every accepted change lowers the most loaded rank and leaves every other rank
+    below its old load, so the sorted loads decrease and the search ends.
+    """
+    row = row.copy()
+    row_rank = np.arange(dp * rpr) // rpr
+    rank = row // rpr
+    loads = np.bincount(rank, weights=cost, minlength=dp)
+    free = cap - np.bincount(row, weights=tokens, minlength=dp * rpr).astype(np.int64)
+    for _ in range(min(4 * dp, 512)):
+        top = int(np.argmax(loads))
+        peak = loads[top]
+        mine = np.flatnonzero(rank == top)
+        mine = mine[np.argsort(-cost[mine], kind="stable")][:32]
+        changed = False
+        for i in mine.tolist():  # move an item to a row with room on a lighter rank
+            ok = (free >= tokens[i]) & (loads[row_rank] + cost[i] < peak) & (row_rank != top)
+            if ok.any():
+                cand = np.flatnonzero(ok)
+                j = int(cand[np.argmin(loads[row_rank[cand]])])
+                free[row[i]] += tokens[i]
+                free[j] -= tokens[i]
+                loads[top] -= cost[i]
+                loads[row_rank[j]] += cost[i]
+                row[i], rank[i] = j, row_rank[j]
+                changed = True
+                break
+        if changed:
+            continue
+        others = np.flatnonzero(rank != top)
+        for i in mine.tolist():  # swap it with a cheaper item of another rank
+            delta = cost[i] - cost[others]
+            other_rank = rank[others]
+            ok = (
+                (delta > 0)
+                & (loads[other_rank] + delta < peak)
+                & (free[row[i]] + tokens[i] >= tokens[others])
+                & (free[row[others]] + tokens[others] >= tokens[i])
+            )
+            if not ok.any():
+                continue
+            cand = np.flatnonzero(ok)
+            after = np.maximum(peak - delta[cand], loads[other_rank[cand]] + delta[cand])
+            j = int(others[cand[np.argmin(after)]])
+            ri, rj = row[i], row[j]
+            free[ri] += tokens[i] - tokens[j]
+            free[rj] += tokens[j] - tokens[i]
+            loads[top] -= cost[i] - cost[j]
+            loads[rank[j]] += cost[i] - cost[j]
+            row[i], row[j] = rj, ri
+            rank[i], rank[j] = rank[j], top
+            changed = True
+            break
+        if not changed:
+            break
+    return row
 
 
 def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
@@ -210,10 +289,18 @@ def assign(
     rows = dp * rows_per_rank
     by_rows = _rows_balanced(np.bincount(ref_row, weights=cost, minlength=rows), dp, rows_per_rank)
     fallback = by_rows[ref_row]
+    bound = lower_bound(cost, dp) * (1 + 1e-9)
+    span = rank_costs(cost, fallback, dp, rows_per_rank).max()
+    if span <= bound:
+        return fallback  # already optimal (e.g. one full chunk per rank sets the bound)
+    best = _improve(fallback, tokens, cost, dp, rows_per_rank, capacity)
+    span = rank_costs(cost, best, dp, rows_per_rank).max()
+    if span <= bound:
+        return best
     solver = _kk if method is BalanceMethod.KK else _lpt
     row = solver(tokens, cost, dp, rows_per_rank, capacity)
-    if row is None:
-        return fallback
-    mine = rank_costs(cost, row, dp, rows_per_rank).max()
-    theirs = rank_costs(cost, fallback, dp, rows_per_rank).max()
-    return row if mine <= theirs else fallback
+    if row is not None:
+        row = _improve(row, tokens, cost, dp, rows_per_rank, capacity)
+        if rank_costs(cost, row, dp, rows_per_rank).max() < span:
+            best = row
+    return best

@@ -1,0 +1,229 @@
+"""Balance: the most loaded DP rank's cost over the lower bound, per (DP, context length).
+
+For DP 8, 32, 128, 512 and ``max_seq_len`` 4096 to 32768, each step holds
+``dp * rows_per_rank`` rows (``--rows-per-rank``, default 2): 4096 rows of
+8192 tokens at DP 512 is a 32M-token step, 16 rows of 4096 at DP 8 is 64K.
+Steps are selected by overlord's ``select_step`` from four synthetic sources
+with long-tailed lengths (``synthetic.py``: web, code, papers, books; split at
+``max_seq_len``), costed with the 7B model (alpha = 6 * 7e9, beta = 6 * 32 *
+4096) and assigned by ``assign`` with ``kk``, ``lpt`` and ``none``. ``none``
+is what a per-rank loader of packed rows does: equal tokens per rank, costs
+unseen; so every speed-up below is against a packing loader, not against one
+that gives every rank the same number of documents.
+
+Reported per setting, over N steps: mean and p95 of makespan / LB, where LB is
+overlord's ``lower_bound``, ``max(total / dp, largest item)``; the mean of
+LB_cap / LB and of kk's makespan / LB_cap, where LB_cap is the capacity-aware
+bound below; how often ``kk`` fell back to balancing whole reference rows;
+and kk's speed-up over none (none's mean makespan over kk's).
+
+The capacity-aware bound. A rank holds at most Q = rows_per_rank * max_seq_len
+tokens, and its cost is alpha * tokens + beta * S, S the sum of its items'
+squared lengths. Under a makespan M, a rank with S can hold at most
+g(S) = min(Q, (M - beta * S) / alpha) tokens, which is Q - (beta / alpha) *
+max(0, S - s*) with s* = (M - alpha * Q) / beta. M is feasible only if the
+ranks can hold every token: T <= dp * Q - (beta / alpha) * E, where E, the
+total excess sum over ranks of max(0, S_r - s*), is at least
+sum(L_i^2) - dp * s* and at least sum over items with L_i^2 > s* of L_i^2,
+minus min(their count, dp) * s* (each rank that holds such an item has
+excess at least its items' squares minus s*). LB_cap is the least M that
+passes, and at least ``max(total / dp, largest item)``; it ignores how rows
+split a rank, so it is still a lower bound. It is tighter than LB when rows
+are nearly full and items are long: a rank that holds a full-length chunk
+(large S) must still carry about Q tokens, because the other ranks have no
+room for them.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/balance.py            # about two minutes
+    .venv/bin/python benchmarks/balance.py --quick    # about 30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from synthetic import model_7b, weights, windows  # noqa: E402
+
+from overlord.plan import balance as bal  # noqa: E402
+from overlord.plan.select import MixState, select_step  # noqa: E402
+from overlord.plan.spec import BalanceMethod  # noqa: E402
+
+METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
+DPS = (8, 32, 128, 512)
+SEQ_LENS = (4096, 8192, 16384, 32768)
+LOOKAHEAD = 64
+TARGET = 1.02
+
+
+def capacity_bound(
+    tokens: np.ndarray, cost: np.ndarray, alpha: float, beta: float, dp: int, q: int
+) -> float:
+    """The capacity-aware lower bound on the makespan (see the module docstring)."""
+    base = float(max(cost.sum() / dp, cost.max()))
+    if alpha <= 0 or beta <= 0 or len(tokens) == 0:
+        return base
+    length = np.asarray(tokens, dtype=np.float64)
+    total = float(length.sum())
+    sq = np.sort(length * length)[::-1]
+    prefix = np.concatenate(([0.0], np.cumsum(sq)))
+    s2 = float(prefix[-1])
+
+    def feasible(m: float) -> bool:
+        s_star = (m - alpha * q) / beta
+        excess = s2 - dp * s_star
+        if s_star >= 0:
+            big = int(np.searchsorted(-sq, -s_star, side="left"))  # items with L^2 > s*
+            excess = max(excess, float(prefix[big]) - min(big, dp) * s_star)
+        return total <= dp * q - beta / alpha * max(excess, 0.0)
+
+    if feasible(base):
+        return base
+    lo, hi = base, 2.0 * base
+    while not feasible(hi):
+        lo, hi = hi, 2.0 * hi
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def whole_rows_fallback(cost: np.ndarray, ref_row: np.ndarray, dp: int, rpr: int) -> np.ndarray:
+    """The rows ``assign`` falls back to (reference rows balanced whole), if it still can."""
+    if not hasattr(bal, "_rows_balanced"):
+        return np.full(len(cost), -1)
+    by_rows = np.bincount(ref_row, weights=cost, minlength=dp * rpr)
+    return bal._rows_balanced(by_rows, dp, rpr)[ref_row]
+
+
+def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
+    """Select and assign ``steps`` steps; the balance figures of each method."""
+    cm = model_7b()
+    wins, w = windows(cap, seed), weights()
+    mix = MixState.zeros(len(wins))
+    rows = dp * rpr
+    ratio: dict[BalanceMethod, list[float]] = {m: [] for m in METHODS}
+    makespan: dict[BalanceMethod, list[float]] = {m: [] for m in METHODS}
+    seconds: dict[BalanceMethod, float] = {m: 0.0 for m in METHODS}
+    cap_over_lb, kk_over_cap, fill, attn, items = [], [], [], [], []
+    kk_fallback = 0
+    violations = 0  # steps where a method beat LB_cap: there must be none
+    for _ in range(steps):
+        sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
+        for s, win in enumerate(wins):
+            win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+        tok = np.asarray(sel.tokens, dtype=np.int64)
+        ref_row = np.asarray(sel.ref_row, dtype=np.int64)
+        cost = cm.cost(tok)
+        lb = bal.lower_bound(cost, dp)
+        lb_cap = capacity_bound(tok, cost, cm.alpha, cm.beta, dp, rpr * cap)
+        for m in METHODS:
+            t0 = time.perf_counter()
+            row = bal.assign(tok, cost, ref_row, dp, rpr, cap, m)
+            seconds[m] += time.perf_counter() - t0
+            mk = float(bal.rank_costs(cost, row, dp, rpr).max())
+            makespan[m].append(mk)
+            ratio[m].append(mk / lb)
+            violations += bool(mk < lb_cap * (1 - 1e-9))
+            if m is BalanceMethod.KK:
+                kk_over_cap.append(mk / lb_cap)
+                fallback = whole_rows_fallback(cost, ref_row, dp, rpr)
+                kk_fallback += bool(np.array_equal(row, fallback))
+        cap_over_lb.append(lb_cap / lb)
+        fill.append(tok.sum() / (rows * cap))
+        attn.append(cm.beta * float((tok.astype(np.float64) ** 2).sum()) / float(cost.sum()))
+        items.append(len(tok))
+    return {
+        "dp": dp,
+        "cap": cap,
+        "rpr": rpr,
+        "items": float(np.mean(items)),
+        "fill": float(np.mean(fill)),
+        "attn": float(np.mean(attn)),
+        "mean": {m: float(np.mean(ratio[m])) for m in METHODS},
+        "p95": {m: float(np.percentile(ratio[m], 95)) for m in METHODS},
+        "cap_over_lb": float(np.mean(cap_over_lb)),
+        "kk_over_cap": float(np.mean(kk_over_cap)),
+        "kk_over_cap_p95": float(np.percentile(kk_over_cap, 95)),
+        "kk_fallback": kk_fallback / steps,
+        "speedup": float(np.mean(makespan[METHODS[2]]) / np.mean(makespan[METHODS[0]])),
+        "violations": violations,
+        "ms": {m: 1e3 * seconds[m] / steps for m in METHODS},
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    print(
+        "| DP | max_seq_len | rows/rank | items/step | fill | attn share "
+        "| kk mean | kk p95 | lpt mean | lpt p95 | none mean | none p95 "
+        "| LB_cap/LB | kk/LB_cap mean | kk/LB_cap p95 | kk fell back to rows | kk speed-up vs none "
+        "| kk ms | lpt ms |"
+    )
+    print("|" + "---:|" * 19)
+    kk, lpt, none = METHODS
+    for r in results:
+        mean, p95 = r["mean"], r["p95"]
+        print(
+            f"| {r['dp']} | {r['cap']} | {r['rpr']} | {r['items']:.0f} | {100 * r['fill']:.2f}% "
+            f"| {100 * r['attn']:.1f}% "
+            f"| {mean[kk]:.4f} | {p95[kk]:.4f} | {mean[lpt]:.4f} | {p95[lpt]:.4f} "
+            f"| {mean[none]:.4f} | {p95[none]:.4f} "
+            f"| {r['cap_over_lb']:.4f} | {r['kk_over_cap']:.4f} | {r['kk_over_cap_p95']:.4f} "
+            f"| {100 * r['kk_fallback']:.0f}% | {r['speedup']:.3f}x "
+            f"| {r['ms'][kk]:.0f} | {r['ms'][lpt]:.0f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 steps per setting instead of 10")
+    ap.add_argument("--steps", type=int, help="steps per setting")
+    ap.add_argument("--rows-per-rank", type=int, default=2, help="rows of each rank per step")
+    ap.add_argument("--dp", type=int, nargs="+", default=list(DPS), help="DP sizes")
+    ap.add_argument("--seq-len", type=int, nargs="+", default=list(SEQ_LENS), help="max_seq_len")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    steps = args.steps or (3 if args.quick else 10)
+
+    results = [
+        bench(dp, cap, args.rows_per_rank, steps, args.seed)
+        for dp in args.dp
+        for cap in args.seq_len
+    ]
+    print("# Balance: most loaded rank's cost / lower bound (7B cost model)\n")
+    print(
+        f"{steps} steps per setting, {args.rows_per_rank} rows of max_seq_len per rank; "
+        "LB = max(total/dp, largest item); LB_cap = the capacity-aware bound (see docstring). "
+        "'attn share' is the attention term's share of the step's cost; 'kk fell back to rows' "
+        "is how often assign's kk result is the whole-reference-rows fallback.\n"
+    )
+    print_table(results)
+
+    bad = sum(r["violations"] for r in results)
+    if bad:
+        print(f"\nWARNING: in {bad} (step, method) pairs a makespan was below LB_cap: a bug.")
+    kk = BalanceMethod.KK
+    print(f"\nTarget: kk within {100 * (TARGET - 1):.0f}% of the lower bound on average, DP 8-512:")
+    for r in results:
+        m = r["mean"][kk]
+        verdict = "meets" if m <= TARGET else "MISSES"
+        cap_verdict = "meets" if r["kk_over_cap"] <= TARGET else "misses"
+        print(
+            f"- DP {r['dp']}, {r['cap']}: kk/LB {m:.4f} {verdict}; "
+            f"kk/LB_cap {r['kk_over_cap']:.4f} ({cap_verdict} against the capacity-aware bound)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""What the Ray runtime costs against the embedded one, on the same plan and the same cores.
+
+Embedded: one process consumes every DP rank's batches (the inline runtime).
+Ray: the job's roles are Ray actors, and 2 to 4 trainer processes connect to it
+(``overlord.connect``), each consuming its own rank, as under ``torchrun``.
+
+Reported per setting: tokens/s delivered to the trainers (all ranks together),
+and the wait per batch a trainer sees (p50, p99), after a warm-up. Target: Ray
+at least 0.7 of the embedded tokens/s on a 2-core machine, p99 wait under 10 ms.
+
+Settings: the bytes tokenizer (almost free: the embedded runtime then delivers
+tens of millions of tokens/s and every Ray call shows) and a byte-level BPE
+trained on the corpus (what a real run pays per token), each at 4 and 16 rows
+of 8192 tokens per rank and step.
+
+Run (Ray must stay on loopback):  tools/loopback .venv/bin/python benchmarks/ray_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from overlord import Loader, load_plan
+from overlord.demo import build_corpus
+
+TRAINER = """
+import json, sys, time
+import overlord
+job, rank, steps, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+client = overlord.connect(job, rank=rank, stop_step=steps)
+waits, tokens, t0 = [], 0, None
+for step in range(steps):
+    t = time.perf_counter()
+    batch = next(client)
+    waits.append(time.perf_counter() - t)
+    if step == warm:
+        t0 = time.perf_counter()
+    if step >= warm:
+        tokens += batch.num_tokens
+print(json.dumps({"waits": waits[warm:], "tokens": tokens, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def write_plan(root: Path, dp: int, seq: int, rows_per_rank: int, tokenizer: dict) -> Path:
+    plan = {
+        "seed": 3,
+        "sources": [
+            {"name": "stdlib", "path": "data/stdlib/*", "format": "jsonl"},
+            {"name": "tests", "path": "data/tests/*", "format": "jsonl"},
+            {"name": "docs", "path": "data/docs/*", "format": "parquet", "text_field": "content"},
+            {"name": "licenses", "path": "data/licenses/*", "format": "jsonl"},
+        ],
+        "mixture": {
+            "schedule": [
+                {"step": 0, "weights": {"stdlib": 4, "tests": 3, "docs": 2, "licenses": 1}}
+            ]
+        },
+        "batch": {"tokens_per_step": dp * rows_per_rank * seq, "max_seq_len": seq},
+        "world": {"dp": dp},
+        "balance": {
+            "method": "kk",
+            "cost": {"model": {"params": 7e9, "layers": 32, "hidden": 4096}},
+        },
+    }
+    path = root / f"plan-dp{dp}-{rows_per_rank}-{tokenizer['kind']}.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def embedded(plan_path: Path, steps: int, warm: int) -> dict:
+    plan = load_plan(plan_path)
+    waits, tokens = [], 0
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for step in range(steps):
+            if step == warm:
+                t0 = time.perf_counter()
+            for c in clients:
+                t = time.perf_counter()
+                b = next(c)
+                if step >= warm:
+                    waits.append(time.perf_counter() - t)
+                    tokens += b.num_tokens
+        seconds = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / seconds, "waits": waits}
+
+
+def on_ray(plan_path: Path, steps: int, warm: int) -> dict:
+    import ray
+
+    plan = load_plan(plan_path)
+    job = f"bench-{plan.world.dp}"
+    with Loader(plan, runtime="ray", job=job):
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", TRAINER, job, str(r), str(steps), str(warm)],
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
+            )
+            for r in range(plan.world.dp)
+        ]
+        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    tokens = sum(o["tokens"] for o in outs)
+    seconds = max(o["seconds"] for o in outs)
+    return {"tokens_per_s": tokens / seconds, "waits": [w for o in outs for w in o["waits"]]}
+
+
+def bpe(root: Path) -> dict | None:
+    """A BPE tokenizer trained on the corpus, as benchmarks/throughput.py trains it."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return None
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import train_bpe
+
+    shards = {p.name: sorted(p.iterdir()) for p in (root / "data").iterdir() if p.is_dir()}
+    jsonl = {k: [f for f in v if ".jsonl" in f.name] for k, v in shards.items()}
+    path = train_bpe({k: v for k, v in jsonl.items() if v}, root / "bpe.json", 8000)
+    return {"kind": "hf", "path": str(path)} if path else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps, bytes tokenizer only")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        build_corpus(root / "data")
+        tokenizers = [{"kind": "bytes"}] + ([] if args.quick else [t for t in [bpe(root)] if t])
+        print(f"{os.cpu_count()} CPU cores\n")
+        print(
+            "| tokenizer | rows/rank | dp (trainers) | runtime | tokens/s | p50 wait ms "
+            "| p99 wait ms | Ray / embedded |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for tok in tokenizers:
+            fast = tok["kind"] == "bytes"
+            steps, warm = (30, 5) if args.quick else ((60, 10) if fast else (16, 4))
+            for rows in (4, 16):
+                for dp in (2, 4):
+                    path = write_plan(root, dp, 8192, rows, tok)
+                    base = embedded(path, steps, warm)
+                    ray_ = on_ray(path, steps, warm)
+                    speed = ray_["tokens_per_s"] / base["tokens_per_s"]
+                    for name, r in (("embedded", base), ("ray", ray_)):
+                        p50, p99 = np.percentile(np.array(r["waits"]) * 1e3, [50, 99])
+                        ratio = f"{speed:.2f}" if name == "ray" else ""
+                        print(
+                            f"| {tok['kind']} | {rows} | {dp} | {name} | {r['tokens_per_s']:,.0f} "
+                            f"| {p50:.2f} | {p99:.2f} | {ratio} |",
+                            flush=True,
+                        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
