@@ -21,7 +21,7 @@ demo: $(VENV)/.demo
 	$(BIN)/overlord demo
 
 test: $(VENV)/.dev
-	$(BIN)/ruff check overlord tests benchmarks
+	$(BIN)/ruff check overlord tests benchmarks examples
 	$(BIN)/mypy overlord
 	tools/loopback $(BIN)/pytest -q
 

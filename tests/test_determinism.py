@@ -246,3 +246,13 @@ def test_a_source_added_on_resume_starts_from_its_beginning(corpus):
     lines, _, _ = run(grown, start=3, stop=6, state=state)
     sources = {s["source"] for line in lines for s in json.loads(line)["samples"]}
     assert "more" in sources
+
+
+def test_a_state_taken_before_reading_anything_resumes_where_it_was(corpus, reference):
+    """Resume, checkpoint at once (nothing read yet), resume again: no sample replayed."""
+    _, state, _ = run(corpus, stop=5)
+    with Loader(load_plan(corpus), state=state) as loader:
+        again = loader.state_dict()
+    assert again["sources"] == state["sources"]
+    rest, _, _ = run(corpus, start=5, state=again)
+    assert rest == [x for x in reference[0] if json.loads(x)["step"] >= 5]

@@ -190,3 +190,17 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
     while _alive(started) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(started), "processes started by `overlord serve` outlived it"
+
+
+def test_loaders_pinned_to_a_node(ray_session, plan_path):
+    import yaml
+
+    data = yaml.safe_load(plan_path.read_text())
+    data["placement"] = {"loader_nodes": {"web": ray_session.get_runtime_context().get_node_id()}}
+    plan_path.write_text(yaml.safe_dump(data))
+    with Loader(load_plan(plan_path), runtime="ray") as loader:
+        assert next(loader.client(0)).samples
+    data["placement"] = {"loader_nodes": {"web": "f" * 56}}
+    plan_path.write_text(yaml.safe_dump(data))
+    with pytest.raises(LoaderError, match="not an alive node"):
+        Loader(load_plan(plan_path), runtime="ray")

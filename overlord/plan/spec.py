@@ -175,6 +175,9 @@ class PlacementSpec(_Model):
     planner_cpus: float = Field(0.0, ge=0)
     constructor_cpus: float = Field(0.0, ge=0)
     loader_strategy: LoaderPlacement = LoaderPlacement.DEFAULT
+    loader_nodes: dict[str, str] = Field(
+        default_factory=dict, description="source name -> Ray node id its loaders must run on"
+    )
     ranks_per_constructor: int = Field(
         1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
     )
@@ -340,6 +343,16 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
         if weights and not any(isinstance(w, (int, float)) and w > 0 for w in known):
             problems.append(
                 (f"mixture.schedule[{i}].weights", "gives no weight to any known source")
+            )
+
+    nodes = _get(data, "placement", "loader_nodes")
+    for name in nodes if isinstance(nodes, dict) and seen else []:
+        if name not in seen:
+            problems.append(
+                (
+                    f"placement.loader_nodes.{name}",
+                    f"unknown source '{name}'; sources: {sorted(seen)}",
+                )
             )
 
     kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))

@@ -39,6 +39,7 @@ class SourceCursor:
         self.loaders, self.runtime, self.timeout = loaders, runtime, timeout
         start = start or {}
         self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
+        self._start_index = int(start.get("index", 0))  # where the first shard resumes
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
         self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]
@@ -93,6 +94,7 @@ class SourceCursor:
             epoch, pos = epoch + 1, 0
             self._full_epoch, self._epoch_items = True, 0
         self._expect = (epoch, pos)
+        self._start_index = 0
 
     def take(self, indices: list[int]) -> dict[str, list[Any]]:
         """Remove pending items (by pending index) and return what the plan needs of them."""
@@ -127,7 +129,7 @@ class SourceCursor:
         if self.keys:
             e, p, i = self.keys[0]
         else:
-            (e, p), i = self._expect, 0
+            (e, p), i = self._expect, self._start_index
         runs: list[list[int]] = []
         for ke, kp, ki in self._placed_ahead:
             if runs and runs[-1][:2] == [ke, kp] and runs[-1][2] + runs[-1][3] == ki:

@@ -19,8 +19,9 @@ def make_runtime(name: str, plan: Plan, job: str, address: str | None = None) ->
 
         p = plan.placement
         spread = "SPREAD" if p.loader_strategy is LoaderPlacement.SPREAD else None
+        nodes = tuple((f"loader-{src}-", node) for src, node in sorted(p.loader_nodes.items()))
         options = {
-            "loader": RoleOptions(p.loader_cpus, LOADER_CONCURRENCY, spread),
+            "loader": RoleOptions(p.loader_cpus, LOADER_CONCURRENCY, spread, nodes),
             "planner": RoleOptions(p.planner_cpus, 1),
             "constructor": RoleOptions(p.constructor_cpus, 1),
         }

@@ -36,11 +36,12 @@ def _ray() -> Any:
 
 @dataclass(frozen=True)
 class RoleOptions:
-    """Ray actor options of one role."""
+    """Ray actor options of one role (``nodes``: actor name prefix -> node id)."""
 
     num_cpus: float = 0.0
     max_concurrency: int = 1
     scheduling_strategy: str | None = None  # "SPREAD", or None for Ray's default
+    nodes: tuple[tuple[str, str], ...] = ()
 
 
 class RayHandle:
@@ -115,6 +116,17 @@ class RayRuntime:
         }
         if opts.scheduling_strategy:
             kwargs["scheduling_strategy"] = opts.scheduling_strategy
+        for prefix, node in opts.nodes:
+            if name.startswith(prefix):
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                if node not in alive:
+                    raise LoaderError(
+                        f"placement.loader_nodes puts '{name}' on node {node}, which is not an "
+                        f"alive node of this Ray cluster (alive: {sorted(alive)})"
+                    )
+                kwargs["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         try:
             ray.get_actor(kwargs["name"], namespace=NAMESPACE)
         except ValueError:

@@ -1,0 +1,338 @@
+"""Train a tiny GPT on CPU with ``torchrun`` and DDP, from an overlord job on Ray.
+
+Run it (Ray kept on loopback, as on any shared machine)::
+
+    unshare -n sh -c 'ip link set lo up && \
+        torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 30 --checkpoint-dir ckpt'
+    unshare -n sh -c 'ip link set lo up && \
+        torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 60 --checkpoint-dir ckpt \
+            --resume ckpt'
+
+What happens:
+
+- Rank 0 starts the overlord job in its own process: ``overlord.Loader(plan,
+  runtime="ray", job=JOB, state=...)`` starts a local Ray instance and the
+  Planner, SourceLoader and one DataConstructor per DP rank as Ray actors; they
+  live as long as rank 0 does. Every rank (rank 0 too) then connects to the job
+  with ``OverlordIterableDataset.from_job`` (``overlord.connect``) and reads its
+  own rank's batches through a ``DataLoader(num_workers=0)``.
+- Attention is causal inside each document only: the mask is built from the
+  batch's ``cu_seqlens`` (:func:`document_causal_mask`), and positions restart
+  at every document (the batch's ``position_ids``).
+- Every ``--checkpoint-every`` steps and at the end, rank 0 writes
+  ``CKPT/step-NNNNNNNN/`` with ``trainer.pt`` (model, optimizer, step) and the
+  job's state (``overlord.checkpoint.save``). ``--resume`` restores the model
+  and the optimizer on every rank and starts the job from that state, so the
+  data stream continues exactly where the checkpoint was taken.
+
+Without ``--plan`` it trains on ``examples/tiny_plan.yaml`` over a corpus it
+writes once from Python's standard library into ``--data-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+import overlord
+from overlord import checkpoint
+from overlord.serve import wait_for_job
+from overlord.torch import OverlordIterableDataset
+
+HERE = Path(__file__).resolve().parent
+TINY_PLAN = HERE / "tiny_plan.yaml"
+CORPUS_BYTES = 400_000  # far more than 30 steps of 2048 tokens read
+SHARDS = 2
+VOCAB = 258  # the bytes tokenizer: 256 bytes, end of document, padding
+TRAINER_FILE = "trainer.pt"
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+def write_corpus(folder: Path) -> Path:
+    """Write the tiny plan and its corpus into ``folder`` once; returns the plan's path.
+
+    Documents are paragraphs of the standard library's top-level modules, in
+    sorted order, so the corpus is the same on every run of one Python version.
+    """
+    plan = folder / "plan.yaml"
+    if plan.exists():
+        return plan
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs, size = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for para in text.split("\n\n"):
+            para = para.strip("\n")
+            if len(para) >= 40:
+                docs.append(para)
+                size += len(para)
+        if size >= CORPUS_BYTES:
+            break
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    (tmp / "data").mkdir()
+    for k in range(SHARDS):
+        part = docs[k * len(docs) // SHARDS : (k + 1) * len(docs) // SHARDS]
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in part)
+        (tmp / "data" / f"stdlib-{k}.jsonl").write_text(lines)
+    shutil.copyfile(TINY_PLAN, tmp / "plan.yaml")
+    try:
+        tmp.rename(folder)  # atomic: a folder that exists is complete
+    except OSError:
+        shutil.rmtree(tmp)  # another run wrote it first
+    return plan
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, rows: int, seq_len: int) -> torch.Tensor:
+    """Boolean mask (rows, 1, seq_len, seq_len): True where token i may attend to token j.
+
+    ``cu_seqlens`` holds the segment boundaries over the flattened rows (each
+    row's padding tail is a segment of its own), so a token attends to the
+    tokens of its own segment up to itself: block-diagonal and causal.
+    """
+    flat = torch.arange(rows * seq_len, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    segment = torch.searchsorted(cu_seqlens, flat, right=True).view(rows, seq_len)
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One block over ``x`` (rows, seq, d_model) with attention mask ``mask``."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (rows, heads, seq, head_dim)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A small decoder: token and (per-document) position embeddings, blocks, tied head."""
+
+    def __init__(self, max_seq_len: int, d_model: int, layers: int, heads: int):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Embedding(max_seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits (rows, seq, vocab) of an overlord batch."""
+        ids = batch["input_ids"]
+        mask = document_causal_mask(batch["cu_seqlens"], *ids.shape)
+        x = self.tok(ids) + self.pos(batch["position_ids"])
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.ln(x) @ self.tok.weight.T
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: OverlordIterableDataset,
+) -> Path:
+    """Write ``root/step-NNNNNNNN/`` (trainer state and the job's state) atomically.
+
+    The job's state is a small JSON file that ``overlord serve --resume`` reads too.
+    """
+    final = root / f"step-{step:08d}"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-"))
+    trainer = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(trainer, tmp / TRAINER_FILE)
+    state = data.overlord_state()  # the job's state as of this rank's position
+    assert state["step"] == step, (state["step"], step)
+    checkpoint.save(tmp, state)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A step folder: ``path`` itself, or the newest ``step-*`` folder in it."""
+    if (path / TRAINER_FILE).exists():
+        return path
+    steps = sorted(p for p in path.glob("step-*") if (p / TRAINER_FILE).exists())
+    if not steps:
+        sys.exit(
+            f"--resume {path}: no checkpoint there (a step-NNNNNNNN folder with {TRAINER_FILE}); "
+            "pass the --checkpoint-dir of an earlier run"
+        )
+    return steps[-1]
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", type=Path, help="data plan (default: tiny_plan.yaml, generated)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "overlord-tiny-gpt-py{}{}".format(*sys.version_info),
+        help="where the default plan's corpus is written once",
+    )
+    p.add_argument("--steps", type=int, default=30, help="train up to this global step")
+    p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--resume", type=Path, help="a checkpoint dir (newest step) or step folder")
+    p.add_argument("--job", help="name of the overlord job (default: a fresh one)")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--average", type=int, default=5, help="steps averaged for first/last loss")
+    return p.parse_args(argv)
+
+
+def start_job(args: argparse.Namespace, dp: int, state: dict[str, Any] | None) -> Any:
+    """Rank 0: the job's roles as Ray actors, alive while the returned Loader is open."""
+    plan = overlord.load_plan(args.plan or write_corpus(args.data_dir))
+    if plan.world.dp != dp:
+        plan = plan.with_dp(dp)  # the stream does not depend on dp: any size resumes
+    job = args.job or f"tiny-gpt-{uuid.uuid4().hex[:8]}"
+    return overlord.Loader(plan, runtime="ray", job=job, state=state)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train; rank 0 prints the log."""
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    topology = overlord.World.detect()  # from torchrun's WORLD_SIZE: all data parallel here
+    dp, dp_rank = topology.dp, topology.dp_rank(rank)
+    torch.manual_seed(args.seed)
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    resume = find_checkpoint(args.resume) if args.resume else None
+    data_state = checkpoint.load(resume) if resume else None
+    loader = None
+    info: list[Any] = [None]
+    if rank == 0:
+        import ray  # only for the address that the other ranks connect to
+
+        loader = start_job(args, dp, data_state)
+        address = os.environ.get("RAY_ADDRESS") or ray.get_runtime_context().gcs_address
+        info = [{"job": loader.job, "address": address, "seq": loader.plan.batch.max_seq_len}]
+    dist.broadcast_object_list(info, src=0)
+    job, address, seq_len = info[0]["job"], info[0]["address"], info[0]["seq"]
+    if rank != 0:
+        wait_for_job(job, address=address)
+    ds = OverlordIterableDataset.from_job(job, dp_rank, address=address, stop_step=args.steps)
+
+    model = TinyGPT(seq_len, args.d_model, args.layers, args.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if resume is not None and data_state is not None:
+        saved = torch.load(resume / TRAINER_FILE, weights_only=True)
+        if saved["step"] != data_state["step"]:
+            sys.exit(f"{resume}: trainer step {saved['step']} != data step {data_state['step']}")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        ds.load_state_dict(data_state)  # checks that the job started from this state
+        say(f"resumed from step {saved['step']}: model, optimizer and data ({resume})")
+    ddp = DistributedDataParallel(model)
+    say(
+        f"job {job}: {dp} ranks, {sum(p.numel() for p in model.parameters())} parameters, "
+        f"steps {ds.step}..{args.steps - 1}",
+        flush=True,
+    )
+
+    losses: list[float] = []
+    last_saved = ds.step
+    t_train = time.perf_counter()
+    for batch in DataLoader(ds, batch_size=None, num_workers=0):
+        step = ds.step - 1  # the step of the batch just received
+        logits = ddp(batch)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        # for the log: the loss averaged over ranks, and a digest of every rank's tokens
+        digest = zlib.crc32(batch["input_ids"].numpy().tobytes())
+        stats = torch.tensor([loss.item(), float(digest)], dtype=torch.float64)
+        dist.all_reduce(stats)
+        losses.append(stats[0].item() / dp)
+        say(f"step {step} loss {losses[-1]:.4f} data {int(stats[1].item()):09x}", flush=True)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            if rank == 0:
+                path = save_checkpoint(args.checkpoint_dir, step + 1, model, opt, ds)
+                say(f"checkpoint {path}", flush=True)
+            last_saved = step + 1
+    if args.checkpoint_dir and ds.step != last_saved and rank == 0:
+        say(f"checkpoint {save_checkpoint(args.checkpoint_dir, ds.step, model, opt, ds)}")
+    train_s = time.perf_counter() - t_train
+
+    # every rank leaves the Ray cluster before rank 0 stops the job (and its Ray instance)
+    dist.barrier()
+    if rank != 0:
+        import ray
+
+        ray.shutdown()
+    dist.barrier()
+    if loader is not None:
+        loader.close()
+    dist.destroy_process_group()
+    if losses:
+        k = min(args.average, len(losses))
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        say(
+            f"loss first {first:.4f} last {last:.4f} (mean of {k} steps each); "
+            f"{len(losses)} steps in {train_s:.1f} s, {time.perf_counter() - t0:.1f} s in all"
+        )
+        if not math.isfinite(last):
+            sys.exit("the loss is not finite")
+
+
+if __name__ == "__main__":
+    main()

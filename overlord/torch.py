@@ -1,0 +1,361 @@
+"""PyTorch adapter: batches as tensors, and an ``IterableDataset`` of one DP rank's batches.
+
+Needs PyTorch (``pip install 'overlord[torch]'``); the rest of overlord does not import it.
+
+Tensors (:func:`to_torch`): ``position_ids``, ``segment_ids`` and ``cu_seqlens``
+stay int32 and share the batch's memory (``torch.from_numpy``, no copy; varlen
+attention kernels take int32 ``cu_seqlens``). ``input_ids`` and ``labels`` become
+int64, a copy, because ``cross_entropy`` wants long targets and most model code
+indexes embeddings with long ids. Batches that come from the Ray runtime live in
+Ray's object store, which is read-only: do not write into the shared int32
+tensors in place.
+
+Dataset (:class:`OverlordIterableDataset`)::
+
+    ds = OverlordIterableDataset.from_job("my-job", rank=dp_rank)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    for batch in loader:  # {"input_ids": ..., "labels": ..., ...}
+        ...
+
+overlord already builds batches outside the trainer, so ``num_workers`` stays 0
+(anything else is refused) and ``batch_size=None`` (a batch is one step of one
+rank). Iterating again continues the stream where it stopped: it is a stream of
+steps, not an epoch.
+
+State: ``state_dict()`` is ``{"overlord": "<JSON of the job's state>"}``, the state
+of what this rank received (never of what was built ahead), as of this rank's
+position. A single string leaf has the same shape at every step and on every
+plan, which is what ``torch.distributed.checkpoint`` needs (it loads in place
+into the structure ``state_dict()`` returns on the fresh object, and saves a
+string as a plain object, no pickle of overlord data). The state is the same on
+every DP rank at a synchronous checkpoint and does not depend on the DP size, so
+one key serves every rank and an elastic resume. torchdata's
+``StatefulDataLoader`` calls the dataset's ``state_dict()`` from its own and, on
+resume, ``load_state_dict()`` before it calls ``iter()`` on the dataset again,
+which is the order this class expects. ``load_state_dict`` also takes the plain
+state dict that :func:`overlord.checkpoint.load` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from overlord.batch import Batch
+from overlord.checkpoint import check_state
+from overlord.errors import CheckpointError, LoaderError
+from overlord.plan.spec import Plan, load_plan
+from overlord.roles.client import Client
+
+STATE_KEY = "overlord"
+LONG_KEYS = frozenset({"input_ids", "labels"})  # int64 (a copy); the other arrays stay int32
+
+
+def _share(array: Any) -> torch.Tensor:
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    # Ray's object store hands out read-only arrays; sharing them is the point (the
+    # module docstring says not to write into them), so torch's warning is noise here
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def to_torch(
+    batch: Batch, pin_memory: bool = False, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """The batch's arrays as tensors, by name (see the module docstring for dtypes).
+
+    ``pin_memory`` pins the host tensors for fast, asynchronous copies to a GPU; it
+    is ignored, without a warning, where CUDA is not available, so that one script
+    runs on CPU-only machines too. ``device`` moves every tensor there
+    (``non_blocking`` when pinned).
+    """
+    pin = pin_memory and torch.cuda.is_available()
+    out: dict[str, torch.Tensor] = {}
+    for name, array in batch.arrays().items():
+        t = _share(array)
+        if name in LONG_KEYS:
+            long = torch.empty(t.shape, dtype=torch.int64, pin_memory=pin)
+            t = long.copy_(t)  # one copy, straight into (pinned) int64 memory
+        elif pin:
+            t = t.pin_memory()
+        if device is not None:
+            t = t.to(device, non_blocking=pin)
+        out[name] = t
+    return out
+
+
+def decode_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The overlord state inside ``state_dict``: ``{"overlord": JSON}`` or the plain state."""
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointError(
+            f"expected a mapping {{'{STATE_KEY}': <JSON string>}}, found "
+            f"{type(state_dict).__name__}"
+        )
+    if STATE_KEY not in state_dict:
+        if "version" in state_dict and "sources" in state_dict:
+            return dict(state_dict)  # what overlord.checkpoint.load returns
+        raise CheckpointError(
+            f"expected {{'{STATE_KEY}': <JSON string>}} (what state_dict() returns) or an "
+            f"overlord checkpoint, found keys {sorted(map(str, state_dict))}"
+        )
+    blob = state_dict[STATE_KEY]
+    if not isinstance(blob, (str, bytes)):
+        raise CheckpointError(
+            f"state_dict['{STATE_KEY}'] must be a JSON string, found {type(blob).__name__}"
+        )
+    try:
+        state = json.loads(blob)  # bytes too: UTF-8
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CheckpointError(f"state_dict['{STATE_KEY}'] is not valid JSON: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state_dict['{STATE_KEY}'] must hold a JSON object")
+    return state
+
+
+def encode_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``{"overlord": JSON}``: the form :meth:`OverlordIterableDataset.state_dict` returns."""
+    return {STATE_KEY: json.dumps(state, sort_keys=True, separators=(",", ":"))}
+
+
+class _Source(Protocol):
+    """Where a dataset's batches come from: an embedded Loader or a served job."""
+
+    def client(self) -> Client: ...
+
+    def position(self) -> int: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _EmbeddedSource:
+    """A Loader of its own, built on first use (so that a state loaded before then applies)."""
+
+    def __init__(self, plan: Plan, rank: int, stop_step: int | None, state: dict[str, Any] | None):
+        if not 0 <= rank < plan.world.dp:
+            raise ValueError(
+                f"rank {rank} is outside the plan's world: dp={plan.world.dp}, "
+                f"ranks 0..{plan.world.dp - 1}"
+            )
+        self.plan, self.rank, self.stop_step = plan, rank, stop_step
+        self._pending = state
+        self._loader: Any = None  # overlord.Loader, imported lazily (it pulls in the roles)
+        self._client: Client | None = None
+        if state is not None:
+            check_state(state, plan)
+
+    def client(self) -> Client:
+        if self._client is None:
+            from overlord.loader import Loader
+
+            self._loader = Loader(self.plan, state=self._pending)
+            self._client = self._loader.client(self.rank, stop_step=self.stop_step)
+            self._pending = None
+        return self._client
+
+    def position(self) -> int:
+        if self._client is None:
+            return int((self._pending or {}).get("step", 0))
+        return self._client.step
+
+    def state(self) -> dict[str, Any]:
+        if self._client is None and self._pending is not None:
+            return self._pending  # not started yet: exactly what it will start from
+        return self.client().state_dict()
+
+    def load(self, state: dict[str, Any]) -> None:
+        check_state(state, self.plan)
+        self._stop()
+        self._pending = state
+
+    def close(self) -> None:
+        # remember the position: used again, the dataset restarts where it stopped
+        try:
+            if self._client is not None:
+                self._pending = self._client.state_dict()
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+        self._loader, self._client = None, None
+
+
+class _JobSource:
+    """A rank of a job served elsewhere (``overlord serve``, or a trainer's own Loader)."""
+
+    def __init__(self, job: str, rank: int, address: str | None, stop_step: int | None):
+        from overlord.serve import connect
+
+        self.job = job
+        self._client = connect(job, rank, address=address, stop_step=stop_step)
+
+    def client(self) -> Client:
+        return self._client
+
+    def position(self) -> int:
+        return self._client.step
+
+    def state(self) -> dict[str, Any]:
+        return self._client.state_dict()
+
+    def load(self, state: dict[str, Any]) -> None:
+        # the job owns the stream: it was resumed (or not) by whoever started it
+        here = self._client.state_dict()
+        problems = []
+        if state.get("fingerprint") != here.get("fingerprint"):
+            problems.append(
+                f"stream fingerprint: expected {state.get('fingerprint')} (checkpoint), "
+                f"found {here.get('fingerprint')} (job): the job runs another plan"
+            )
+        if state.get("step") != self._client.step:
+            problems.append(
+                f"step: expected {state.get('step')} (checkpoint), found {self._client.step} "
+                f"(this rank's position in the job)"
+            )
+        if problems:
+            raise CheckpointError(
+                f"job '{self.job}' is not where the checkpoint resumes (rank "
+                f"{self._client.rank}):\n  " + "\n  ".join(problems) + "\nA job is resumed "
+                "when it starts, not by its trainers: start it from this checkpoint "
+                f"('overlord serve PLAN --name {self.job} --resume DIR', or "
+                "Loader(plan, runtime='ray', job=..., state=...)), then connect again."
+            )
+
+    def close(self) -> None:
+        pass  # the job is not ours to stop
+
+
+class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
+    """One DP rank's batches as :func:`to_torch` dicts; build it with a ``from_*`` method.
+
+    Use it in ``DataLoader(ds, batch_size=None, num_workers=0)``, or iterate it
+    directly. See the module docstring for the state it saves.
+    """
+
+    def __init__(
+        self, source: _Source, pin_memory: bool = False, device: torch.device | str | None = None
+    ):
+        super().__init__()
+        self._source = source
+        self.pin_memory = pin_memory
+        self.device = device
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan | str | Path,
+        rank: int = 0,
+        state: Mapping[str, Any] | None = None,
+        stop_step: int | None = None,
+        pin_memory: bool = False,
+        device: torch.device | str | None = None,
+    ) -> OverlordIterableDataset:
+        """Batches of ``rank`` from an embedded Loader of its own (inline runtime).
+
+        For ``world.dp == 1``, and for tests. An embedded Loader serves every DP
+        rank in one process and needs every rank's batch of a step consumed
+        before it runs ahead (``batch.prefetch_steps``), so one rank alone stops
+        with an error after a few steps when dp > 1: serve the plan
+        (``overlord serve``) and use :meth:`from_job` for real data parallelism.
+        The Loader starts on first use; ``state`` (or :meth:`load_state_dict`
+        before that) resumes the stream exactly.
+        """
+        plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        start = decode_state(state) if state is not None else None
+        return cls(_EmbeddedSource(plan, rank, stop_step, start), pin_memory, device)
+
+    @classmethod
+    def from_job(
+        cls,
+        job: str,
+        rank: int,
+        address: str | None = None,
+        stop_step: int | None = None,
+        pin_memory: bool = False,
+        device: torch.device | str | None = None,
+    ) -> OverlordIterableDataset:
+        """Batches of DP rank ``rank`` of the running job ``job`` (:func:`overlord.connect`).
+
+        The job holds the stream's state: it resumes when it is started from a
+        checkpoint, and :meth:`load_state_dict` only checks that it did.
+        """
+        return cls(_JobSource(job, rank, address, stop_step), pin_memory, device)
+
+    @property
+    def step(self) -> int:
+        """The step of the next batch this rank will receive."""
+        return self._source.position()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches from the current position on, until the stream's ``stop_step``."""
+        info = get_worker_info()
+        if info is not None:
+            raise LoaderError(
+                f"OverlordIterableDataset is being iterated in DataLoader worker {info.id} of "
+                f"{info.num_workers}: expected num_workers=0, because overlord builds batches "
+                "outside the trainer already and every worker would receive the same rank's "
+                "stream. Use DataLoader(ds, batch_size=None, num_workers=0)."
+            )
+        return self._batches()
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        # the source's client is looked up at every step: load_state_dict replaces it
+        while True:
+            try:
+                batch = next(self._source.client())
+            except StopIteration:
+                return
+            yield to_torch(batch, self.pin_memory, self.device)
+
+    def overlord_state(self) -> dict[str, Any]:
+        """The plain overlord state (for :func:`overlord.checkpoint.save`, ``serve --resume``)."""
+        return self._source.state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"overlord": JSON}``: the stream's state as of this rank's position."""
+        return encode_state(self._source.state())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s output (or an overlord checkpoint dict).
+
+        From a plan: the Loader restarts from that state, so iteration continues
+        exactly there. From a job: raises :class:`~overlord.CheckpointError`
+        unless the job is at that state's step (the job is resumed when it starts).
+        """
+        self._source.load(decode_state(state_dict))
+
+    def close(self) -> None:
+        """Stop the embedded Loader, if any (a served job keeps running).
+
+        A dataset from a plan remembers its position: used again, it starts a
+        new Loader from there.
+        """
+        self._source.close()
+
+    def __enter__(self) -> OverlordIterableDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> Any:
+        # DataLoader workers started by spawn or forkserver receive the dataset pickled
+        raise TypeError(
+            "OverlordIterableDataset cannot be sent to another process (DataLoader with "
+            "num_workers>0, or pickle): overlord builds batches outside the trainer already. "
+            "Use DataLoader(ds, batch_size=None, num_workers=0), or create one dataset per "
+            "trainer process with from_job()."
+        )
