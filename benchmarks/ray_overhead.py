@@ -32,11 +32,13 @@ import yaml
 
 from overlord import Loader, load_plan
 from overlord.demo import build_corpus
+from overlord.roles.source_loader import token_budget
 
 TRAINER = """
 import json, sys, time
 import overlord
 job, rank, steps, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pace = float(sys.argv[5])  # seconds of simulated training per step (0: consume flat out)
 client = overlord.connect(job, rank=rank, stop_step=steps)
 waits, tokens, t0 = [], 0, None
 for step in range(steps):
@@ -47,11 +49,14 @@ for step in range(steps):
         t0 = time.perf_counter()
     if step >= warm:
         tokens += batch.num_tokens
+    time.sleep(pace)
 print(json.dumps({"waits": waits[warm:], "tokens": tokens, "seconds": time.perf_counter() - t0}))
 """
 
 
-def write_plan(root: Path, dp: int, seq: int, rows_per_rank: int, tokenizer: dict) -> Path:
+def write_plan(
+    root: Path, dp: int, seq: int, rows_per_rank: int, tokenizer: dict, site: str = "actor"
+) -> Path:
     plan = {
         "seed": 3,
         "sources": [
@@ -65,14 +70,16 @@ def write_plan(root: Path, dp: int, seq: int, rows_per_rank: int, tokenizer: dic
                 {"step": 0, "weights": {"stdlib": 4, "tests": 3, "docs": 2, "licenses": 1}}
             ]
         },
+        "tokenizer": tokenizer,
         "batch": {"tokens_per_step": dp * rows_per_rank * seq, "max_seq_len": seq},
         "world": {"dp": dp},
+        "placement": {"constructors": site},
         "balance": {
             "method": "kk",
             "cost": {"model": {"params": 7e9, "layers": 32, "hidden": 4096}},
         },
     }
-    path = root / f"plan-dp{dp}-{rows_per_rank}-{tokenizer['kind']}.yaml"
+    path = root / f"plan-dp{dp}-{rows_per_rank}-{tokenizer['kind']}-{site}.yaml"
     path.write_text(yaml.safe_dump(plan))
     return path
 
@@ -95,16 +102,16 @@ def embedded(plan_path: Path, steps: int, warm: int) -> dict:
     return {"tokens_per_s": tokens / seconds, "waits": waits}
 
 
-def on_ray(plan_path: Path, steps: int, warm: int) -> dict:
+def on_ray(plan_path: Path, steps: int, warm: int, pace: float = 0.0) -> dict:
     import ray
 
     plan = load_plan(plan_path)
-    job = f"bench-{plan.world.dp}"
+    job = f"bench-{plan.world.dp}-{plan.placement.constructors.value}"
     with Loader(plan, runtime="ray", job=job):
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", TRAINER, job, str(r), str(steps), str(warm)],
+                [sys.executable, "-c", TRAINER, job, str(r), str(steps), str(warm), str(pace)],
                 stdout=subprocess.PIPE,
                 env=env,
                 text=True,
@@ -152,22 +159,42 @@ def main() -> int:
         for tok in tokenizers:
             for rows in (4, 16):
                 for dp in (2, 4):
-                    # the loaders read ahead up to (prefetch_steps + 2) steps each: warm up past
-                    # that, so that what is timed is production, not draining read-ahead buffers
-                    warm = 5 if args.quick else 4 * 4 + 4
-                    steps = warm + (25 if args.quick else 40)
                     path = write_plan(root, dp, 8192, rows, tok)
-                    base = embedded(path, steps, warm)
-                    ray_ = on_ray(path, steps, warm)
-                    speed = ray_["tokens_per_s"] / base["tokens_per_s"]
-                    for name, r in (("embedded", base), ("ray", ray_)):
+                    plan = load_plan(path)
+                    # loaders read ahead up to token_budget each: warm up past what they hold,
+                    # then time twice that, so that production is timed, not buffers draining
+                    held = len(plan.sources) * token_budget(plan) / plan.batch.tokens_per_step
+                    warm = 5 if args.quick else int(held) + 5
+                    steps = warm + (25 if args.quick else int(2 * held) + 10)
+                    runs = [("embedded", embedded(path, steps, warm))]
+                    for site in ("actor", "trainer"):
+                        site_plan = write_plan(root, dp, 8192, rows, tok, site)
+                        runs.append((f"ray, constructors: {site}", on_ray(site_plan, steps, warm)))
+                    base = runs[0][1]["tokens_per_s"]
+                    for name, r in runs:
                         p50, p99 = np.percentile(np.array(r["waits"]) * 1e3, [50, 99])
-                        ratio = f"{speed:.2f}" if name == "ray" else ""
+                        ratio = f"{r['tokens_per_s'] / base:.2f}" if name != "embedded" else ""
                         print(
                             f"| {tok['kind']} | {rows} | {dp} | {name} | {r['tokens_per_s']:,.0f} "
                             f"| {p50:.2f} | {p99:.2f} | {ratio} |",
                             flush=True,
                         )
+        # the wait a trainer sees when it trains between batches, as trainers do: each
+        # trainer "trains" for twice the time a batch took to arrive when consumed flat out
+        print("\nWait per batch for trainers that train between batches (bytes, 16 rows/rank):\n")
+        print("| dp | constructors | simulated step ms | p50 wait ms | p99 wait ms | max ms |")
+        print("|---|---|---|---|---|---|")
+        for dp in (2, 4):
+            for site in ("actor", "trainer"):
+                path = write_plan(root, dp, 8192, 16, {"kind": "bytes"}, site)
+                plan = load_plan(path)
+                held = len(plan.sources) * token_budget(plan) / plan.batch.tokens_per_step
+                warm = int(held) + 5
+                flat = on_ray(path, warm + 20, warm)
+                pace = 2 * plan.batch.tokens_per_step / flat["tokens_per_s"]
+                r = on_ray(path, warm + 40, warm, pace)
+                p50, p99, top = np.percentile(np.array(r["waits"]) * 1e3, [50, 99, 100])
+                print(f"| {dp} | {site} | {pace * 1e3:.0f} | {p50:.2f} | {p99:.2f} | {top:.2f} |")
     return 0
 
 

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from overlord.checkpoint import check_state
-from overlord.plan.spec import Plan, load_plan
+from overlord.plan.spec import ConstructorSite, Plan, load_plan, validate_plan
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.planner import Planner
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import make_runtime
 from overlord.runtime.base import Handle
+from overlord.runtime.inline import InlineHandle
 
 # a SourceLoader answers the planner (which may wait for data) and constructors at once
 LOADER_CONCURRENCY = 16
@@ -26,6 +27,21 @@ def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
     [[0, 1], [2, 3], [4]]
     """
     return [list(range(r, min(r + per_constructor, dp))) for r in range(0, dp, per_constructor)]
+
+
+def local_constructor(layout: dict[str, Any], planner: Handle, runtime: Any, rank: int) -> Handle:
+    """A DataConstructor for ``rank`` in this process, pulling from the job's loaders."""
+    plan = validate_plan(layout["plan"])
+    obj = DataConstructor(
+        layout["plan"],
+        layout["base_dir"],
+        planner,
+        layout["loaders"],
+        runtime,
+        [rank],
+        plan.batch.prefetch_steps,
+    )
+    return InlineHandle(obj, f"constructor-local-{rank}")
 
 
 class Loader:
@@ -85,7 +101,8 @@ class Loader:
                 self.plan.world.dp, self.plan.placement.ranks_per_constructor
             )
             prefetch = self.plan.batch.prefetch_steps if distributed else 0
-            for i, ranks in enumerate(groups if build_batches else []):
+            in_trainer = distributed and self.plan.placement.constructors is ConstructorSite.TRAINER
+            for i, ranks in enumerate(groups if build_batches and not in_trainer else []):
                 h = spawn(
                     DataConstructor,
                     *(data, base, self.planner, self.loaders, self.runtime, ranks, prefetch),
@@ -93,6 +110,12 @@ class Loader:
                 )
                 self.constructors.append(h)
                 self._constructor_of.update({r: h for r in ranks})
+            if build_batches and in_trainer:  # each client builds its own batches, here
+                layout = self.runtime.get(self.planner.call("layout"))
+                for r in range(self.plan.world.dp):
+                    h = local_constructor(layout, self.planner, self.runtime, r)
+                    self.constructors.append(h)
+                    self._constructor_of[r] = h
         except BaseException:
             self.runtime.shutdown()
             raise
@@ -129,6 +152,10 @@ class Loader:
 
     def close(self) -> None:
         """Stop every role and free what they hold."""
+        for h in self.constructors:  # trainer-side constructors are not the runtime's
+            close = getattr(getattr(h, "obj", None), "close", None)
+            if close is not None:
+                close()
         self.runtime.shutdown()
 
     def __enter__(self) -> Loader:

@@ -15,9 +15,10 @@ from typing import Any
 
 from overlord import checkpoint
 from overlord.errors import LoaderError
-from overlord.loader import Loader
-from overlord.plan.spec import Plan
+from overlord.loader import Loader, local_constructor
+from overlord.plan.spec import ConstructorSite, Plan
 from overlord.roles.client import Client
+from overlord.runtime.base import Handle
 
 
 def serve(
@@ -60,10 +61,14 @@ def connect(
     init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
     planner = lookup(job, "planner")
     runtime = RayRuntime(job, connect=False)
-    dp, per_constructor = runtime.get(planner.call("layout"))
+    layout = runtime.get(planner.call("layout"))
+    dp = layout["dp"]
     if not 0 <= rank < dp:
         raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
-    constructor = lookup(job, f"constructor-{rank // per_constructor}")
+    if layout["constructors"] == ConstructorSite.TRAINER.value:
+        constructor: Handle = local_constructor(layout, planner, runtime, rank)
+    else:
+        constructor = lookup(job, f"constructor-{rank // layout['ranks_per_constructor']}")
     start = runtime.get(planner.call("position", rank))
     return Client(rank, constructor, planner, runtime, start, stop_step)
 

@@ -204,3 +204,16 @@ def test_loaders_pinned_to_a_node(ray_session, plan_path):
     plan_path.write_text(yaml.safe_dump(data))
     with pytest.raises(LoaderError, match="not an alive node"):
         Loader(load_plan(plan_path), runtime="ray")
+
+
+def test_trainer_side_constructors_give_the_same_stream(ray_session, plan_path):
+    import yaml
+
+    data = yaml.safe_load(plan_path.read_text())
+    data["placement"] = {"constructors": "trainer"}
+    plan_path.write_text(yaml.safe_dump(data))
+    plan = load_plan(plan_path)
+    assert _dump(plan, 8, "ray") == _dump(plan, 8, "inline")
+    with Loader(plan, runtime="ray", job="t-local"):
+        client = connect("t-local", rank=1, stop_step=3)
+        assert [b.step for b in client] == [0, 1, 2]

@@ -168,6 +168,13 @@ class LoaderPlacement(str, Enum):
     SPREAD = "spread"
 
 
+class ConstructorSite(str, Enum):
+    """Where a DataConstructor runs: its own actor, or inside the trainer process it feeds."""
+
+    ACTOR = "actor"
+    TRAINER = "trainer"
+
+
 class PlacementSpec(_Model):
     """Where roles run and what they reserve (Ray runtime)."""
 
@@ -180,6 +187,11 @@ class PlacementSpec(_Model):
     )
     ranks_per_constructor: int = Field(
         1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
+    )
+    constructors: ConstructorSite = Field(
+        ConstructorSite.ACTOR,
+        description="actor: DataConstructors are actors; trainer: each trainer builds its own "
+        "batches from the loaders (one hop and one process fewer per batch)",
     )
 
 

@@ -44,6 +44,7 @@ class Planner:
         # False: a rank too far ahead of the others is an error (one process consumes
         # every rank, so waiting would never end). True: it is told to wait (None).
         self.wait_for_ranks = wait_for_ranks
+        self.plan_data, self.base_dir, self.loaders = plan_data, base_dir, loaders
         self.plan = validate_plan(plan_data, base_dir=base_dir)
         self.names = self.plan.source_names
         self.schedule = Schedule(self.plan)
@@ -212,9 +213,16 @@ class Planner:
             self._plan_next()
         return self.plans[step][rank]
 
-    def layout(self) -> tuple[int, int]:
-        """DP size and ranks per DataConstructor, for trainers that connect."""
-        return self.plan.world.dp, self.plan.placement.ranks_per_constructor
+    def layout(self) -> dict[str, Any]:
+        """What a trainer that connects needs: the plan, its loaders, where constructors run."""
+        return {
+            "plan": self.plan_data,
+            "base_dir": self.base_dir,
+            "loaders": self.loaders,
+            "dp": self.plan.world.dp,
+            "ranks_per_constructor": self.plan.placement.ranks_per_constructor,
+            "constructors": self.plan.placement.constructors.value,
+        }
 
     def position(self, rank: int) -> int:
         """The next step ``rank`` should consume."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from overlord.errors import LoaderError, OverlordError
 from overlord.runtime.base import Handle
+from overlord.runtime.inline import InlineRef
 
 NAMESPACE = "overlord"
 
@@ -143,6 +144,10 @@ class RayRuntime:
 
     def get(self, ref: Any, timeout: float | None = None) -> Any:
         """The result of a call, with the role's own error raised here."""
+        if isinstance(ref, InlineRef):  # a role in this process (a trainer-side constructor)
+            if ref.error is not None:
+                raise ref.error
+            return ref.value
         ray = _ray()
         try:
             return ray.get(ref, timeout=timeout)
