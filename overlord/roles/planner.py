@@ -151,9 +151,10 @@ class Planner:
         dp, rpr = p.world.dp, p.rows_per_rank
         row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
         rank_plans = []
+        by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
+        bounds = np.searchsorted(row[by_row], np.arange(dp + 1) * rpr)
         for r in range(dp):
-            mine = np.flatnonzero(row // rpr == r)
-            mine = mine[np.argsort(row[mine], kind="stable")]
+            mine = by_row[bounds[r] : bounds[r + 1]]
             rank_plans.append(
                 {
                     "step": step,
