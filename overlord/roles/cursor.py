@@ -43,13 +43,15 @@ class SourceCursor:
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
         self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]
-        # pending items, in source order: key, tokens, loader, file index, record row, chunk
+        # pending items, in source order: key, tokens, loader, file index, record row, chunk,
+        # image patches
         self.keys: list[Key] = []
         self.tokens: list[int] = []
         self.loader: list[int] = []
         self.file_index: list[int] = []
         self.row: list[int] = []
         self.chunk: list[int] = []
+        self.patches: list[int] = []
         # placed items that lie after the first pending one (kept for the checkpoint)
         self._placed_ahead: list[Key] = [
             (e, p, i + j) for e, p, i, c in start.get("skip", []) for j in range(c)
@@ -80,6 +82,7 @@ class SourceCursor:
         self.file_index += [int(block["file_index"])] * n
         self.row += block["row"].tolist()
         self.chunk += block["chunk"].tolist()
+        self.patches += block["patches"].tolist()
         self._epoch_items += n
         pos += 1
         if pos == self.n_shards:
@@ -99,7 +102,9 @@ class SourceCursor:
     def take(self, indices: list[int]) -> dict[str, list[Any]]:
         """Remove pending items (by pending index) and return what the plan needs of them."""
         if not indices:
-            return {"key": [], "tokens": [], "loader": [], "file_index": [], "row": [], "chunk": []}
+            return {
+                k: [] for k in ("key", "tokens", "loader", "file_index", "row", "chunk", "patches")
+            }
         taken = set(indices)
         first_left = next((i for i in range(len(self.keys)) if i not in taken), len(self.keys))
         out: dict[str, list[Any]] = {
@@ -109,6 +114,7 @@ class SourceCursor:
             "file_index": [self.file_index[i] for i in indices],
             "row": [self.row[i] for i in indices],
             "chunk": [self.chunk[i] for i in indices],
+            "patches": [self.patches[i] for i in indices],
         }
         self._placed_ahead += [self.keys[i] for i in indices if i > first_left]
         keep = [j for j in range(len(self.keys)) if j not in taken]
@@ -118,6 +124,7 @@ class SourceCursor:
         self.file_index = [self.file_index[j] for j in keep]
         self.row = [self.row[j] for j in keep]
         self.chunk = [self.chunk[j] for j in keep]
+        self.patches = [self.patches[j] for j in keep]
         start = self.keys[0] if self.keys else None
         self._placed_ahead = sorted(
             k for k in self._placed_ahead if start is not None and k > start

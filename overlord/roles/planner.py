@@ -146,8 +146,9 @@ class Planner:
         file_index = np.asarray(cols["file_index"], dtype=np.int64)[inverse]
         rec_row = np.asarray(cols["row"], dtype=np.int64)[inverse]
         chunk = np.asarray(cols["chunk"], dtype=np.int64)[inverse]
+        patches = np.asarray(cols["patches"], dtype=np.int64)[inverse]
 
-        cost = self.cost.cost(tokens)
+        cost = self.cost.cost(tokens, patches)
         dp, rpr = p.world.dp, p.rows_per_rank
         row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
         rank_plans = []

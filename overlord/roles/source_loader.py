@@ -152,6 +152,7 @@ class SourceLoader:
             "tokens": items.length[idx],
             "row": items.row[idx],
             "chunk": items.chunk[idx],
+            "patches": items.patches[idx],
         }
         with self._lock:
             while not self._closed and (

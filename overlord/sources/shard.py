@@ -60,6 +60,7 @@ class ShardItems:
     length: np.ndarray  # int32 per item: tokens
     row: np.ndarray  # int64 per item: row of the record in its file
     chunk: np.ndarray  # int32 per item: k for the k-th chunk of a split document, else -1
+    patches: np.ndarray  # int32 per item: image patches for the encoder's cost (0 for text)
     skipped: list[SourceError] = field(default_factory=list)
     dropped: int = 0  # documents dropped as too long (long_docs: drop) or empty
 
@@ -115,6 +116,7 @@ def load_shard_items(
         length=length,
         row=rows[doc_of].astype(np.int64),
         chunk=chunk,
+        patches=np.zeros(len(length), dtype=np.int32),
         skipped=texts.skipped,
         dropped=dropped,
     )
