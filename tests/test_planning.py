@@ -238,3 +238,26 @@ def test_bytes_tokenizer_matches_utf8():
     # a sliced Arrow array (offset != 0) is handled too
     toks, offs = BytesTokenizer().encode(pa.array(texts, pa.large_string()).slice(1, 2))
     assert toks.tolist() == list("héllo".encode()) + [256] + list("日本".encode()) + [256]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7),
+    dp=st.integers(1, 3),
+    beta=st.sampled_from([0.0, 0.05, 1.0]),
+)
+def test_pigeonhole_bound_never_exceeds_the_optimum(lengths, dp, beta):
+    import itertools
+
+    from overlord.plan.balance import pigeonhole_bound
+
+    tokens = np.array(lengths)
+    cap = max(40, -(-int(tokens.sum()) // dp) + 10)  # one row per rank, every split feasible
+    cost = CostModel(1.0, beta).cost(tokens)
+    best = np.inf
+    for ranks in itertools.product(range(dp), repeat=len(lengths)):
+        ranks = np.array(ranks)
+        if (np.bincount(ranks, weights=tokens, minlength=dp) <= cap).all():
+            best = min(best, np.bincount(ranks, weights=cost, minlength=dp).max())
+    assert pigeonhole_bound(tokens, cost, dp, cap) <= best * (1 + 1e-9)
+    assert pigeonhole_bound(tokens, cost, dp, cap) >= lower_bound(cost, dp) * (1 - 1e-12)

@@ -36,6 +36,20 @@ class Client(Iterator[Batch]):
         self.step += 1
         return batch
 
+    def close(self) -> None:
+        """Stop a constructor that runs in this process (``placement.constructors: trainer``)."""
+        close = getattr(getattr(self._constructor, "obj", None), "close", None)
+        if close is not None and getattr(self._constructor, "name", "").startswith(
+            "constructor-local"
+        ):
+            close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def state_dict(self) -> dict[str, Any]:
         """The job's state as of this rank's position: what a resumed job starts from.
 
