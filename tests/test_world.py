@@ -1,4 +1,4 @@
-"""Topology as a value: sizes, DP rank of a global rank, and what torchrun puts in the environment."""
+"""Topology as a value: sizes, the DP rank of a global rank, what torchrun sets."""
 
 from __future__ import annotations
 
