@@ -10,6 +10,7 @@ from overlord.checkpoint import check_state
 from overlord.plan.spec import ConstructorSite, Plan, load_plan, validate_plan
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
+from overlord.roles.loader_group import LoaderGroup, MemberHandle, assign_groups
 from overlord.roles.planner import Planner
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import make_runtime
@@ -84,16 +85,20 @@ class Loader:
         self.constructors: list[Handle] = []
         self._constructor_of: dict[int, Handle] = {}
         try:
-            for spec in self.plan.sources:
-                start = saved.get(spec.name, {}).get("cursor")
-                self.loaders[spec.name] = [
-                    spawn(
-                        SourceLoader,
-                        *(data, base, spec.name, k, spec.loaders, start, build_batches),
-                        name=f"loader-{spec.name}-{k}",
-                    )
-                    for k in range(spec.loaders)
-                ]
+            processes = self.plan.placement.loader_processes
+            if distributed and processes is not None:
+                self._spawn_grouped(data, base, saved, build_batches, processes)
+            else:
+                for spec in self.plan.sources:
+                    start = saved.get(spec.name, {}).get("cursor")
+                    self.loaders[spec.name] = [
+                        spawn(
+                            SourceLoader,
+                            *(data, base, spec.name, k, spec.loaders, start, build_batches),
+                            name=f"loader-{spec.name}-{k}",
+                        )
+                        for k in range(spec.loaders)
+                    ]
             self.planner = spawn(
                 Planner, data, base, self.loaders, self.runtime, state, distributed, name="planner"
             )
@@ -120,6 +125,31 @@ class Loader:
             self.runtime.shutdown()
             raise
         self.start_step = int((state or {}).get("step", 0))
+
+    def _spawn_grouped(
+        self,
+        data: dict[str, Any],
+        base: str,
+        saved: dict[str, Any],
+        build_batches: bool,
+        processes: int,
+    ) -> None:
+        """SourceLoaders spread over ``processes`` LoaderGroup actors."""
+        specs = {s.name: s for s in self.plan.sources}
+        wanted = [(s.name, k) for s in self.plan.sources for k in range(s.loaders)]
+        handles: dict[tuple[str, int], Handle] = {}
+        for g, group in enumerate(assign_groups(wanted, processes)):
+            members = [
+                (f"{src}-{k}", src, k, specs[src].loaders, saved.get(src, {}).get("cursor"))
+                for src, k in group
+            ]
+            handle = self.runtime.spawn(
+                LoaderGroup, data, base, members, build_batches, name=f"loader-group{g}"
+            )
+            for (src, k), (member, *_) in zip(group, members):
+                handles[(src, k)] = MemberHandle(handle, member)
+        for src, spec in specs.items():
+            self.loaders[src] = [handles[(src, k)] for k in range(spec.loaders)]
 
     def client(self, rank: int, stop_step: int | None = None) -> Client:
         """Iterator of batches for DP rank ``rank``, from the resumed step on."""

@@ -217,3 +217,15 @@ def test_trainer_side_constructors_give_the_same_stream(ray_session, plan_path):
     with Loader(plan, runtime="ray", job="t-local"):
         client = connect("t-local", rank=1, stop_step=3)
         assert [b.step for b in client] == [0, 1, 2]
+
+
+def test_loaders_grouped_in_fewer_processes_give_the_same_stream(ray_session, plan_path):
+    import yaml
+
+    data = yaml.safe_load(plan_path.read_text())
+    data["placement"] = {"loader_processes": 1}
+    plan_path.write_text(yaml.safe_dump(data))
+    plan = load_plan(plan_path)
+    assert _dump(plan, 8, "ray") == _dump(plan, 8, "inline")
+    with Loader(plan, runtime="ray") as loader:
+        assert len(loader.runtime._handles) == 1 + 1 + 4  # one loader group, planner, 4 constructors

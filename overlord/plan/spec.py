@@ -188,6 +188,12 @@ class PlacementSpec(_Model):
     ranks_per_constructor: int = Field(
         1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
     )
+    loader_processes: int | None = Field(
+        None,
+        ge=1,
+        description="processes that hold the job's SourceLoaders (default: one per loader); "
+        "fewer saves a process's fixed memory per loader",
+    )
     constructors: ConstructorSite = Field(
         ConstructorSite.ACTOR,
         description="actor: DataConstructors are actors; trainer: each trainer builds its own "
@@ -357,6 +363,13 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
                 (f"mixture.schedule[{i}].weights", "gives no weight to any known source")
             )
 
+    if _get(data, "placement", "loader_processes") and _get(data, "placement", "loader_nodes"):
+        problems.append(
+            (
+                "placement.loader_nodes",
+                "cannot pin sources to nodes when loader_processes groups them",
+            )
+        )
     nodes = _get(data, "placement", "loader_nodes")
     for name in nodes if isinstance(nodes, dict) and seen else []:
         if name not in seen:

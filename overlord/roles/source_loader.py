@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from overlord.errors import LoaderError, OverlordError
 from overlord.plan.spec import Plan, validate_plan
@@ -100,6 +101,8 @@ class SourceLoader:
     def _load(self, epoch: int, pos: int) -> tuple[ShardItems, float]:
         t0 = time.perf_counter()
         items = load_shard_items(self.plan, self.spec, self.shards, self.tokenizer, epoch, pos)
+        # the shard's text is gone; hand Arrow's freed pages back instead of keeping them
+        pa.default_memory_pool().release_unused()
         return items, time.perf_counter() - t0
 
     def _keep_mask(self, items: ShardItems) -> np.ndarray:

@@ -48,11 +48,12 @@ class BytesTokenizer:
         out_offs = np.empty(n + 1, np.int64)
         out_offs[0] = 0
         np.cumsum(lengths + 1, out=out_offs[1:])
-        tokens = np.empty(out_offs[-1], np.int32)
-        # every byte moves right by the number of documents before it
-        shift = np.repeat(np.arange(n, dtype=np.int64), lengths)
-        tokens[np.arange(len(data), dtype=np.int64) + shift] = data
-        tokens[out_offs[1:] - 1] = self.eod_id
+        # every document's bytes, then its end-of-document id; a mask (one byte per token)
+        # places the bytes without int64 index arrays, which would cost 16 bytes per token
+        tokens = np.full(out_offs[-1], self.eod_id, np.int32)
+        is_byte = np.ones(out_offs[-1], dtype=bool)
+        is_byte[out_offs[1:] - 1] = False
+        tokens[is_byte] = data
         return tokens, out_offs
 
 
