@@ -495,7 +495,9 @@ def classify(pid: int, trainers: set[int], driver: int | None) -> str:
     if pid == driver:
         return "driver"
     title = cmdline(pid)
-    if title.startswith(("ray::SourceLoader", "ray::Planner", "ray::DataConstructor")):
+    if title.startswith(
+        ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")
+    ):
         return "actors"
     if driver is None:
         return "loader workers"  # the baseline's only other processes: DataLoader workers
@@ -753,12 +755,13 @@ def _probe_uss(results: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def grouped(x: dict[str, Any], probe_uss: float) -> float:
-    """Projected overlord total with every source in one SourceLoader process (not measured).
+    """Projected overlord total with every source in one loader process (not measured).
 
-    One process less per loader beyond the first, each costing what an idle actor with a
-    SourceLoader's imports costs privately (USS); the state the loaders hold is kept.
+    One process less per loader process beyond the first, each costing what an idle actor
+    with a SourceLoader's imports costs privately (USS); the state the loaders hold is kept.
     """
-    loaders = len(x["overlord"].get("loaders", [])) or x["S"]
+    kinds = ("ray::SourceLoader", "ray::LoaderGroup")
+    loaders = sum(1 for p in x["overlord"]["procs"] if p["name"].startswith(kinds)) or x["S"]
     return float(x["overlord"]["total"] - (loaders - 1) * probe_uss)
 
 
