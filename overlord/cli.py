@@ -96,7 +96,8 @@ def summarize(
     ckpt_bytes: int,
 ) -> dict[str, Any]:
     """Figures of a run: throughput, balance against the per-rank baseline, mixture."""
-    hist = stats["history"]
+    # steps planned ahead (prefetch) but never consumed are not part of the run
+    hist = [h for h in stats["history"] if first <= h["step"] < last]
     names = stats["sources"]
     ratio = [h["max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
     base = [h["baseline_max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
