@@ -25,10 +25,24 @@ test: $(VENV)/.dev
 	$(BIN)/mypy overlord
 	tools/loopback $(BIN)/pytest -q
 
-bench: $(VENV)/.dev
+# MosaicML Streaming, for benchmarks/throughput_vs.py only. Its declared requirements
+# (numpy<2.2, transformers<5, torchvision, cloud SDKs) would replace this project's CPU
+# torch and numpy, so it goes in without them, with the few modules it imports.
+$(VENV)/.bench: $(VENV)/.dev
+	$(BIN)/pip install --quiet --no-deps mosaicml-streaming==0.13.0
+	$(BIN)/pip install --quiet --no-deps "xxhash<4" zstd catalogue Brotli python-snappy cramjam
+	$(BIN)/pip install --quiet transformers==5.24.0
+	touch $@
+
+bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/planner.py
 	$(BIN)/python benchmarks/balance.py
 	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/balance_e2e.py
+	$(BIN)/python benchmarks/planner_scale.py
+	tools/loopback $(BIN)/python benchmarks/ray_overhead.py
+	tools/loopback $(BIN)/python benchmarks/memory.py
+	tools/loopback $(BIN)/python benchmarks/throughput_vs.py
 
 clean:
 	rm -rf $(VENV) overlord-demo .pytest_cache .mypy_cache .ruff_cache
