@@ -55,7 +55,13 @@ print(json.dumps({"waits": waits[warm:], "tokens": tokens, "seconds": time.perf_
 
 
 def write_plan(
-    root: Path, dp: int, seq: int, rows_per_rank: int, tokenizer: dict, site: str = "actor"
+    root: Path,
+    dp: int,
+    seq: int,
+    rows_per_rank: int,
+    tokenizer: dict,
+    site: str = "actor",
+    loader_processes: int | None = None,
 ) -> Path:
     plan = {
         "seed": 3,
@@ -73,13 +79,14 @@ def write_plan(
         "tokenizer": tokenizer,
         "batch": {"tokens_per_step": dp * rows_per_rank * seq, "max_seq_len": seq},
         "world": {"dp": dp},
-        "placement": {"constructors": site},
+        "placement": {"constructors": site, "loader_processes": loader_processes},
         "balance": {
             "method": "kk",
             "cost": {"model": {"params": 7e9, "layers": 32, "hidden": 4096}},
         },
     }
-    path = root / f"plan-dp{dp}-{rows_per_rank}-{tokenizer['kind']}-{site}.yaml"
+    name = f"plan-dp{dp}-{rows_per_rank}-{tokenizer['kind']}-{site}-{loader_processes}.yaml"
+    path = root / name
     path.write_text(yaml.safe_dump(plan))
     return path
 
@@ -106,7 +113,8 @@ def on_ray(plan_path: Path, steps: int, warm: int, pace: float = 0.0) -> dict:
     import ray
 
     plan = load_plan(plan_path)
-    job = f"bench-{plan.world.dp}-{plan.placement.constructors.value}"
+    p = plan.placement
+    job = f"bench-{plan.world.dp}-{p.constructors.value}-{p.loader_processes}"
     with Loader(plan, runtime="ray", job=job):
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         procs = [
@@ -167,9 +175,12 @@ def main() -> int:
                     warm = 5 if args.quick else int(held) + 5
                     steps = warm + (25 if args.quick else int(2 * held) + 10)
                     runs = [("embedded", embedded(path, steps, warm))]
-                    for site in ("actor", "trainer"):
-                        site_plan = write_plan(root, dp, 8192, rows, tok, site)
-                        runs.append((f"ray, constructors: {site}", on_ray(site_plan, steps, warm)))
+                    for site, procs in (("actor", None), ("trainer", None), ("trainer", 1)):
+                        site_plan = write_plan(root, dp, 8192, rows, tok, site, procs)
+                        label = f"ray, constructors: {site}" + (
+                            ", 1 loader process" if procs else ""
+                        )
+                        runs.append((label, on_ray(site_plan, steps, warm)))
                     base = runs[0][1]["tokens_per_s"]
                     for name, r in runs:
                         p50, p99 = np.percentile(np.array(r["waits"]) * 1e3, [50, 99])

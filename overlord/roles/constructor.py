@@ -20,6 +20,7 @@ from overlord.batch import Batch, Sample
 from overlord.errors import LoaderError
 from overlord.plan.packing import pack
 from overlord.plan.spec import validate_plan
+from overlord.roles.loader_group import MemberHandle
 from overlord.runtime.base import Handle, Runtime
 from overlord.sources.files import resolve_files
 from overlord.sources.tokenizers import make_tokenizer
@@ -89,18 +90,32 @@ class DataConstructor:
         rp = self._rank_plan(step, rank)
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
         n = len(src)
-        # ask every (source, loader) that holds some of the items at once, then gather
-        groups = {}
+        # ask every loader that holds some of the items at once (loaders that share a
+        # process in one call), then gather
+        parts: list[tuple[np.ndarray, Any, str | None]] = []
+        shared: dict[int, tuple[Handle, dict[str, Any], list[tuple[np.ndarray, str]]]] = {}
         for s, k in sorted(set(zip(src.tolist(), ldr.tolist()))):
             mine = np.flatnonzero((src == s) & (ldr == k))
-            groups[(s, k)] = (mine, self.loaders[s][k].call("take", keys[mine]))
+            handle = self.loaders[s][k]
+            if isinstance(handle, MemberHandle):
+                group = shared.setdefault(id(handle.group), (handle.group, {}, []))
+                group[1][handle.name] = keys[mine]
+                group[2].append((mine, handle.name))
+            else:
+                parts.append((mine, handle.call("take", keys[mine]), None))
+        for group_handle, asked, members in shared.values():
+            ref = group_handle.call("take_many", asked)
+            parts += [(mine, ref, member) for mine, member in members]
         lengths = np.asarray(rp["tokens"], dtype=np.int64)
         starts = np.zeros(n, dtype=np.int64)
         if n:
             np.cumsum(lengths[:-1], out=starts[1:])
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        for mine, ref in groups.values():
-            got = self.runtime.get(ref)
+        results: dict[int, Any] = {}
+        for mine, ref, member in parts:
+            if id(ref) not in results:
+                results[id(ref)] = self.runtime.get(ref)
+            got = results[id(ref)] if member is None else results[id(ref)][member]
             got_starts = np.concatenate(([0], np.cumsum(got["lengths"])[:-1]))
             for j, g0, g_len in zip(mine.tolist(), got_starts.tolist(), got["lengths"].tolist()):
                 tokens[starts[j] : starts[j] + g_len] = got["tokens"][g0 : g0 + g_len]

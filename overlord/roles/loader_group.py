@@ -36,6 +36,10 @@ class LoaderGroup:
         """``method(*args)`` on member ``member``."""
         return getattr(self.loaders[member], method)(*args)
 
+    def take_many(self, keys: dict[str, Any]) -> dict[str, Any]:
+        """``take`` on several members in one call: one round trip per group, not per source."""
+        return {member: self.loaders[member].take(k) for member, k in keys.items()}
+
     def close(self) -> None:
         """Close every member."""
         for loader in self.loaders.values():
