@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from synthetic import model_7b, weights, windows  # noqa: E402
+from synthetic import consume, model_7b, weights, windows  # noqa: E402
 
 from overlord.plan import balance as bal  # noqa: E402
 from overlord.plan.select import MixState, select_step  # noqa: E402
@@ -120,8 +120,7 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     violations = 0  # steps where a method beat LB_cap: there must be none
     for _ in range(steps):
         sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
-        for s, win in enumerate(wins):
-            win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+        consume(wins, sel)
         tok = np.asarray(sel.tokens, dtype=np.int64)
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cm.cost(tok)

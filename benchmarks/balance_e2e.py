@@ -80,7 +80,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from balance import capacity_bound  # noqa: E402
 from planner import pin_one_cpu  # noqa: E402
-from synthetic import SOURCES, Window, doc_lengths, model_7b, split_docs, weights, windows  # noqa: E402
+from synthetic import SOURCES, Window, consume, doc_lengths, model_7b, split_docs, weights, windows  # noqa: E402
 
 from overlord.plan import balance as bal  # noqa: E402
 from overlord.plan.select import MixState, select_step  # noqa: E402
@@ -201,8 +201,7 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     for _ in range(steps):
         # overlord's global step, and (b), kk, lpt and the prototype on it
         sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
-        for s, win in enumerate(wins):
-            win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+        consume(wins, sel)
         tok = np.asarray(sel.tokens, dtype=np.int64)
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cm.cost(tok)

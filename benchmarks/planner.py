@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from synthetic import model_7b, weights, windows  # noqa: E402
+from synthetic import consume, model_7b, weights, windows  # noqa: E402
 
 from overlord.plan.balance import assign  # noqa: E402
 from overlord.plan.select import MixState, select_step  # noqa: E402
@@ -91,8 +91,7 @@ def bench(tokens: int, dp: int, cap: int, steps: int, warmup: int, seed: int) ->
         if step >= warmup:
             items.append(len(tok))
         # the cursor's bookkeeping (not timed): drop the placed items from each window
-        for s, win in enumerate(wins):
-            win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+        consume(wins, sel)
     out = []
     for m in METHODS:
         sel_ms = np.array([a for a, _ in times[m]]) * 1e3
@@ -135,8 +134,7 @@ def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str
         tok = np.asarray(sel.tokens, dtype=np.int64)
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cost_model.cost(tok)
-        for s, win in enumerate(wins):
-            win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+        consume(wins, sel)
         by_rows = np.bincount(ref_row, weights=cost, minlength=rows)
         calls: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "kk_partition": (b.kk_partition, (cost, dp)),

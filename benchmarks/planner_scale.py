@@ -38,7 +38,8 @@ PROTOTYPES (marked *, not in overlord yet):
 - ``kk-greedy``: ``kk`` with its Karmarkar-Karp head set to no items (module
   constants patched), i.e. greedy LPT on cost, row packing, repair and local
   search; KK's k-tuples cost O(4 * dp * dp) memory and time.
-- ``LB_pig`` and the early exit: a pigeonhole lower bound (``pigeonhole_bound``)
+- ``LB_pig`` and the early exit: a pigeonhole lower bound (now in overlord:
+  ``overlord.plan.balance.pigeonhole_bound``)
   that sees that dp + 1 full-length chunks put two on one rank; with it,
   ``assign`` would keep the whole rows without running its solver.
 - rank plans as views of columns permuted once, or lazily (the planner keeps
@@ -412,28 +413,6 @@ def independent_groups(
     }
 
 
-def pigeonhole_bound(tokens: np.ndarray, cost: np.ndarray, alpha: float, dp: int, q: int) -> float:
-    """PROTOTYPE: a lower bound that counts long items, not only the largest one.
-
-    Of the j costliest items some rank holds at least k = ceil(j / dp), so it
-    costs at least the k cheapest of them; and it holds at least T - (dp - 1) *
-    q tokens (every other rank holds at most q), each further token costing at
-    least alpha. The bound is the largest such figure over j, and the mean.
-    With dp + 1 full-length chunks, one rank must take two: overlord's
-    ``max(total / dp, largest item)`` does not see it, so ``assign`` runs its
-    solver to find what whole rows already had.
-    """
-    order = np.argsort(-cost, kind="stable")
-    c, length = cost[order], tokens[order].astype(np.float64)
-    j = np.arange(1, len(c) + 1)
-    k = -(-j // dp)
-    cc = np.concatenate(([0.0], np.cumsum(c)))
-    cl = np.concatenate(([0.0], np.cumsum(length)))
-    t_min = max(0.0, float(length.sum()) - (dp - 1) * q)
-    held = cc[j] - cc[j - k] + alpha * np.maximum(0.0, t_min - (cl[j] - cl[j - k]))
-    return float(max(cost.sum() / dp, held.max()))
-
-
 def kk_partition_bytes(dp: int) -> float:
     """Memory of ``kk_partition``'s k-tuples: head items x dp x (float64 sum + int64 node)."""
     head = max(bal.KK_MIN_ITEMS, bal.KK_ITEMS_PER_RANK * dp)
@@ -495,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         # assign's early exit with this bound: the rows balanced whole, compared with it
         whole = bal._rows_balanced(np.bincount(ref_row, weights=cost, minlength=dp * rpr), dp, rpr)
         whole_span = bal.rank_costs(cost, whole[ref_row], dp, rpr).max()
-        lb_pig = pigeonhole_bound(tok, cost, cm.alpha, dp, rpr * cap)
+        lb_pig = bal.pigeonhole_bound(tok, cost, dp, rpr * cap)
         exit_ms = 1e3 * (time.perf_counter() - t0)
         kk_span = call[1]
         entry: dict[str, Any] = {
@@ -551,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n## Prototypes at the target point (not in overlord yet)\n")
     print(
-        "LB_pig* is the pigeonhole bound (see ``pigeonhole_bound``); 'early exit*' is what assign "
+        "LB_pig* is the pigeonhole bound (overlord.plan.balance.pigeonhole_bound); "
+        "'early exit*' is what assign "
         "would spend with it: rows balanced whole, then the bound. Rank plans: the shipped loop "
         "(fancy indexing per rank) against views of columns permuted once, and against only "
         "permuting them (lazy: rank_plan would slice on each request). 'slowest (sum)': "

@@ -11,6 +11,7 @@ and a ``take`` that removes the chosen items, as the planner's cursor does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,12 @@ class Window:
             return
         taken = set(indices)
         self.pending = [t for j, t in enumerate(self.pending) if j not in taken]
+
+
+def consume(wins: list[Window], sel: Any) -> None:
+    """Take a step's chosen items (a :class:`Selection`) out of their windows."""
+    for s, win in enumerate(wins):
+        win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
 
 
 def windows(cap: int, seed: int) -> list[Window]:
