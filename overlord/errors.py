@@ -47,5 +47,9 @@ class LoaderError(OverlordError):
     """A role (source loader, planner, constructor) failed; says which and where."""
 
 
+class ActorDiedError(LoaderError):
+    """A role's process is gone (killed, node lost): callers fail over to a replica."""
+
+
 class CheckpointError(OverlordError):
     """A checkpoint cannot be read or does not fit the plan it is loaded into."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,15 @@ class Loader:
         saved = (state or {}).get("sources", {})
         spawn = self.runtime.spawn
         self.loaders: dict[str, list[Handle]] = {}
+        self.shadows: dict[str, list[list[Handle]]] = {}
+        # the planner's journal, for a planner that Ray restarts; a fresh folder per run
+        self.journal: str | None = None
+        recovery = self.plan.recovery
+        if distributed or recovery.journal_dir is not None:
+            root = recovery.journal_dir or tempfile.gettempdir()
+            self.journal = str(
+                Path(root) / "overlord-journal" / f"{self.job}-{uuid.uuid4().hex[:8]}"
+            )
         self.constructors: list[Handle] = []
         self._constructor_of: dict[int, Handle] = {}
         try:
@@ -91,16 +102,32 @@ class Loader:
             else:
                 for spec in self.plan.sources:
                     start = saved.get(spec.name, {}).get("cursor")
+                    n, copies = spec.loaders, self._shadow_count(spec.shadows, distributed)
+                    args = (data, base, spec.name)
                     self.loaders[spec.name] = [
                         spawn(
                             SourceLoader,
-                            *(data, base, spec.name, k, spec.loaders, start, build_batches),
+                            *(*args, k, n, start, build_batches),
                             name=f"loader-{spec.name}-{k}",
                         )
-                        for k in range(spec.loaders)
+                        for k in range(n)
+                    ]
+                    self.shadows[spec.name] = [
+                        [
+                            spawn(
+                                SourceLoader,
+                                *(*args, k, n, start, build_batches, True),
+                                name=f"loader-{spec.name}-{k}-shadow{j}",
+                            )
+                            for j in range(copies)
+                        ]
+                        for k in range(n)
                     ]
             self.planner = spawn(
-                Planner, data, base, self.loaders, self.runtime, state, distributed, name="planner"
+                Planner,
+                *(data, base, self.loaders, self.runtime, state, distributed),
+                *(self.shadows, self.journal, build_batches),
+                name="planner",
             )
             groups = constructor_ranks(
                 self.plan.world.dp, self.plan.placement.ranks_per_constructor
@@ -122,7 +149,7 @@ class Loader:
                     self.constructors.append(h)
                     self._constructor_of[r] = h
         except BaseException:
-            self.runtime.shutdown()
+            self.close()
             raise
         self.start_step = int((state or {}).get("step", 0))
 
@@ -134,22 +161,47 @@ class Loader:
         build_batches: bool,
         processes: int,
     ) -> None:
-        """SourceLoaders spread over ``processes`` LoaderGroup actors."""
+        """SourceLoaders spread over ``processes`` LoaderGroup actors (shadows over as many more).
+
+        Shadow ``j`` of every member of group ``g`` lives in group ``shadow{j}-g``,
+        so that a group's process dying never takes a slot's shadow with it.
+        """
         specs = {s.name: s for s in self.plan.sources}
         wanted = [(s.name, k) for s in self.plan.sources for k in range(s.loaders)]
-        handles: dict[tuple[str, int], Handle] = {}
+        copies = max(self._shadow_count(s.shadows, True) for s in self.plan.sources)
+        handles: dict[tuple[str, int, int], Handle] = {}
         for g, group in enumerate(assign_groups(wanted, processes)):
             members = [
                 (f"{src}-{k}", src, k, specs[src].loaders, saved.get(src, {}).get("cursor"))
                 for src, k in group
             ]
-            handle = self.runtime.spawn(
-                LoaderGroup, data, base, members, build_batches, name=f"loader-group{g}"
-            )
-            for (src, k), (member, *_) in zip(group, members):
-                handles[(src, k)] = MemberHandle(handle, member)
+            for j in range(1 + copies):
+                mine = [
+                    m
+                    for m, (src, _) in zip(members, group)
+                    if j <= self._shadow_count(specs[src].shadows, True)
+                ]
+                if not mine:
+                    continue
+                name = f"loader-group{g}" if j == 0 else f"loader-shadow{j}-group{g}"
+                handle = self.runtime.spawn(
+                    LoaderGroup, data, base, mine, build_batches, j > 0, name=name
+                )
+                for member, src, k, *_ in mine:
+                    handles[(src, k, j)] = MemberHandle(handle, member)
         for src, spec in specs.items():
-            self.loaders[src] = [handles[(src, k)] for k in range(spec.loaders)]
+            n = self._shadow_count(spec.shadows, True)
+            self.loaders[src] = [handles[(src, k, 0)] for k in range(spec.loaders)]
+            self.shadows[src] = [
+                [handles[(src, k, j)] for j in range(1, n + 1)] for k in range(spec.loaders)
+            ]
+
+    @staticmethod
+    def _shadow_count(shadows: int | None, distributed: bool) -> int:
+        """Shadows per loader: the plan's, else 1 on a distributed runtime and 0 inline."""
+        if shadows is not None:
+            return shadows
+        return 1 if distributed else 0
 
     def client(self, rank: int, stop_step: int | None = None) -> Client:
         """Iterator of batches for DP rank ``rank``, from the resumed step on."""
@@ -175,18 +227,21 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Planner history and every loader's counters."""
         out: dict[str, Any] = self.runtime.get(self.planner.call("stats"))
-        out["loaders"] = [
-            self.runtime.get(h.call("stats")) for hs in self.loaders.values() for h in hs
-        ]
+        loaders = self.runtime.get(self.planner.call("layout"))["loaders"]  # after failovers
+        out["loaders"] = [self.runtime.get(h.call("stats")) for hs in loaders.values() for h in hs]
         return out
 
     def close(self) -> None:
-        """Stop every role and free what they hold."""
-        for h in self.constructors:  # trainer-side constructors are not the runtime's
-            close = getattr(getattr(h, "obj", None), "close", None)
-            if close is not None:
-                close()
-        self.runtime.shutdown()
+        """Stop every role, free what they hold, and remove the planner's journal."""
+        try:
+            for h in self.constructors:  # trainer-side constructors are not the runtime's
+                close = getattr(getattr(h, "obj", None), "close", None)
+                if close is not None:
+                    close()
+            self.runtime.shutdown()
+        finally:
+            if self.journal is not None:
+                shutil.rmtree(self.journal, ignore_errors=True)
 
     def __enter__(self) -> Loader:
         return self

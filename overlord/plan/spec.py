@@ -83,6 +83,12 @@ class SourceSpec(_Model):
     format: Format
     text_field: str = "text"
     loaders: int = Field(1, ge=1, description="SourceLoaders that share this source's shards")
+    shadows: int | None = Field(
+        None,
+        ge=0,
+        description="hot standby replicas per SourceLoader, which take over when it dies "
+        "(default: 0 on the inline runtime, 1 on Ray)",
+    )
 
 
 class TokenizerSpec(_Model):
@@ -161,6 +167,24 @@ class LoadingSpec(_Model):
     timeout_s: float = Field(300.0, gt=0, description="longest wait for a source before failing")
 
 
+class RecoverySpec(_Model):
+    """How the planner journals its state, so that a restarted planner resumes exactly."""
+
+    journal_dir: str | None = Field(
+        None,
+        description="folder of the planner's journal (default: a temporary folder, removed "
+        "when the job closes); on a cluster, storage the planner's next node can read",
+    )
+    snapshot_every: int = Field(
+        100, ge=1, description="steps between full snapshots; one small delta per step between"
+    )
+    fsync: bool = Field(
+        False,
+        description="fsync every journal record (survives a machine crash, not only a "
+        "killed process)",
+    )
+
+
 class LoaderPlacement(str, Enum):
     """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
 
@@ -214,6 +238,7 @@ class Plan(_Model):
     on_error: OnError = OnError.FAIL
     loading: LoadingSpec = LoadingSpec()
     placement: PlacementSpec = PlacementSpec()
+    recovery: RecoverySpec = RecoverySpec()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -249,9 +274,12 @@ class Plan(_Model):
         The world and the balance method are left out: they decide only who
         gets a sample, so a checkpoint resumes across them (elastic resume).
         """
-        data = self.model_dump(mode="json", exclude={"world", "balance", "loading", "placement"})
+        data = self.model_dump(
+            mode="json", exclude={"world", "balance", "loading", "placement", "recovery"}
+        )
         for s in data["sources"]:
             s.pop("loaders")
+            s.pop("shadows")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -265,7 +293,7 @@ class Plan(_Model):
         data = {
             "files": files,
             "seed": self.seed,
-            "source": spec.model_dump(mode="json", exclude={"loaders"}),
+            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows"}),
             "tokenizer": self.tokenizer.model_dump(mode="json"),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,

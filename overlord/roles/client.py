@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from overlord.batch import Batch
+from overlord.errors import LoaderError
 from overlord.runtime.base import Handle, Runtime
 
 
@@ -30,7 +31,16 @@ class Client(Iterator[Batch]):
         """The next step's batch; marks it consumed for checkpoints."""
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
-        batch: Batch = self._runtime.get(self._constructor.call("batch", self.step, self.rank))
+        while True:
+            batch: Batch = self._runtime.get(self._constructor.call("batch", self.step, self.rank))
+            if (batch.step, batch.rank) == (self.step, self.rank):
+                break
+            if batch.step < self.step and batch.rank == self.rank:
+                continue  # a delivery repeated by a retry: dropped by its key
+            raise LoaderError(
+                f"rank {self.rank} asked for step {self.step} and received step {batch.step} "
+                f"of rank {batch.rank}"
+            )
         # no need to wait: calls from one process reach the planner in order
         self._planner.call("mark_consumed", self.rank, self.step)
         self.step += 1

@@ -9,6 +9,7 @@ receive the very same batch.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,13 +18,15 @@ from typing import Any
 import numpy as np
 
 from overlord.batch import Batch, Sample
-from overlord.errors import LoaderError
+from overlord.errors import ActorDiedError, LoaderError
 from overlord.plan.packing import pack
 from overlord.plan.spec import validate_plan
-from overlord.roles.loader_group import MemberHandle
+from overlord.roles.loader_group import MemberHandle, replica_name
 from overlord.runtime.base import Handle, Runtime
 from overlord.sources.files import resolve_files
 from overlord.sources.tokenizers import make_tokenizer
+
+MAX_FAILOVERS = 8  # replacements of one batch's loaders before giving up
 
 
 class DataConstructor:
@@ -46,7 +49,7 @@ class DataConstructor:
         self._built: dict[tuple[int, int], Future[Batch]] = {}
         self._pool = ThreadPoolExecutor(1, "overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
-        self.loaders = [loaders[n] for n in self.names]
+        self.loaders = [list(loaders[n]) for n in self.names]  # current primaries
         self.file_names = [
             [sh.name for sh in resolve_files(s, self.plan.base_dir)] for s in self.plan.sources
         ]
@@ -90,32 +93,16 @@ class DataConstructor:
         rp = self._rank_plan(step, rank)
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
         n = len(src)
-        # ask every loader that holds some of the items at once (loaders that share a
-        # process in one call), then gather
-        parts: list[tuple[np.ndarray, Any, str | None]] = []
-        shared: dict[int, tuple[Handle, dict[str, Any], list[tuple[np.ndarray, str]]]] = {}
-        for s, k in sorted(set(zip(src.tolist(), ldr.tolist()))):
-            mine = np.flatnonzero((src == s) & (ldr == k))
-            handle = self.loaders[s][k]
-            if isinstance(handle, MemberHandle):
-                group = shared.setdefault(id(handle.group), (handle.group, {}, []))
-                group[1][handle.name] = keys[mine]
-                group[2].append((mine, handle.name))
-            else:
-                parts.append((mine, handle.call("take", keys[mine]), None))
-        for group_handle, asked, members in shared.values():
-            ref = group_handle.call("take_many", asked)
-            parts += [(mine, ref, member) for mine, member in members]
         lengths = np.asarray(rp["tokens"], dtype=np.int64)
         starts = np.zeros(n, dtype=np.int64)
         if n:
             np.cumsum(lengths[:-1], out=starts[1:])
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        results: dict[int, Any] = {}
-        for mine, ref, member in parts:
-            if id(ref) not in results:
-                results[id(ref)] = self.runtime.get(ref)
-            got = results[id(ref)] if member is None else results[id(ref)][member]
+        slots = [
+            (s, k, np.flatnonzero((src == s) & (ldr == k)))
+            for s, k in sorted(set(zip(src.tolist(), ldr.tolist())))
+        ]
+        for mine, got in self._take(slots, keys):
             got_starts = np.concatenate(([0], np.cumsum(got["lengths"])[:-1]))
             for j, g0, g_len in zip(mine.tolist(), got_starts.tolist(), got["lengths"].tolist()):
                 tokens[starts[j] : starts[j] + g_len] = got["tokens"][g0 : g0 + g_len]
@@ -139,6 +126,55 @@ class DataConstructor:
             )
         ]
         return Batch(step=step, rank=rank, samples=samples, cost=rp["cost"], **arrays)
+
+    def _take(
+        self, slots: list[tuple[int, int, np.ndarray]], keys: np.ndarray
+    ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Payloads of the items of each ``(source, loader, item indexes)``, from their loaders.
+
+        Every loader is asked at once (loaders that share a process in one
+        call). A loader that died is replaced by the planner (its shadow, or a
+        new loader) and asked again: takes only read, so asking twice is safe.
+        """
+        out = []
+        todo = slots
+        for _ in range(MAX_FAILOVERS):
+            calls: list[tuple[Any, list[tuple[int, int, np.ndarray]], list[str | None]]] = []
+            grouped: dict[int, tuple[Handle, dict[str, Any], list[Any], list[str | None]]] = {}
+            for s, k, mine in todo:
+                handle = self.loaders[s][k]
+                if isinstance(handle, MemberHandle):
+                    g = grouped.setdefault(id(handle.group), (handle.group, {}, [], []))
+                    g[1][handle.name] = keys[mine]
+                    g[2].append((s, k, mine))
+                    g[3].append(handle.name)
+                else:
+                    calls.append((handle.call("take", keys[mine]), [(s, k, mine)], [None]))
+            for group, asked, members, names in grouped.values():
+                calls.append((group.call("take_many", asked), members, names))
+            todo = []
+            for ref, members, names in calls:
+                try:
+                    got = self.runtime.get(ref)
+                except ActorDiedError:
+                    for s, k, mine in members:
+                        dead = replica_name(self.loaders[s][k])
+                        new = self.planner.call("failover", self.names[s], k, dead)
+                        self.loaders[s][k] = self.runtime.get(new)
+                        todo.append((s, k, mine))
+                    continue
+                for (_, _, mine), member in zip(members, names):
+                    out.append((mine, got if member is None else got[member]))
+            if not todo:
+                return out
+        raise LoaderError(
+            f"loaders of sources {sorted({self.names[s] for s, _, _ in todo})} kept dying: "
+            f"{MAX_FAILOVERS} failovers in a row"
+        )
+
+    def pid(self) -> int:
+        """The process this constructor runs in (chaos tests kill it)."""
+        return os.getpid()
 
     def close(self) -> None:
         """Stop building ahead."""

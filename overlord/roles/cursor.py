@@ -13,11 +13,13 @@ a large one that did not fit, up to the plan's lookahead).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from overlord.errors import SourceError
+from overlord.errors import ActorDiedError, LoaderError, SourceError
+from overlord.roles.loader_group import replica_name
 from overlord.runtime.base import Handle, Runtime
 
 Key = tuple[int, int, int]
@@ -34,9 +36,14 @@ class SourceCursor:
         runtime: Runtime,
         timeout: float,
         start: dict[str, Any] | None = None,
+        failover: Callable[[int, str], Any] | None = None,
     ):
         self.name, self.n_shards = name, n_shards
-        self.loaders, self.runtime, self.timeout = loaders, runtime, timeout
+        self.loaders, self.runtime, self.timeout = list(loaders), runtime, timeout
+        # called with (loader index, dead handle's name) when a loader died; it replaces
+        # ``self.loaders[k]`` with a live replica
+        self.failover = failover
+        self._received: list[list[int] | None] = [None] * len(loaders)  # last shard, per loader
         start = start or {}
         self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._start_index = int(start.get("index", 0))  # where the first shard resumes
@@ -68,13 +75,19 @@ class SourceCursor:
         k = pos % len(self.loaders)
         queue = self._blocks[k]
         if not queue:
-            ref = self.loaders[k].call("metadata", self.timeout)
-            queue.extend(self.runtime.get(ref))
+            blocks = self._metadata(k)
+            if blocks:
+                self._received[k] = [int(blocks[-1]["epoch"]), int(blocks[-1]["shard_pos"])]
+            queue.extend(blocks)
+            if not queue:
+                return
         block = queue.popleft()
         got = (int(block["epoch"]), int(block["shard_pos"]))
-        assert got == (epoch, pos), (
-            f"loader {k} of '{self.name}' sent shard {got}, not {(epoch, pos)}"
-        )
+        if got != (epoch, pos):
+            raise LoaderError(
+                f"loader {k} of '{self.name}' sent shard {got} where shard {(epoch, pos)} was "
+                "due: the loaders and the planner disagree on the source's order"
+            )
         n = len(block["index"])
         self.keys += [(epoch, pos, int(i)) for i in block["index"].tolist()]
         self.tokens += block["tokens"].tolist()
@@ -98,6 +111,24 @@ class SourceCursor:
             self._full_epoch, self._epoch_items = True, 0
         self._expect = (epoch, pos)
         self._start_index = 0
+
+    def _metadata(self, k: int) -> list[dict[str, Any]]:
+        """New metadata blocks of loader ``k``, failing over to a replica if it died."""
+        while True:
+            handle = self.loaders[k]
+            try:
+                blocks: list[dict[str, Any]] = self.runtime.get(
+                    handle.call("metadata", self.timeout)
+                )
+                return blocks
+            except ActorDiedError:
+                if self.failover is None:
+                    raise
+                self.failover(k, replica_name(handle))
+
+    def received(self, k: int) -> list[int] | None:
+        """The last shard ``[epoch, shard_pos]`` received from loader ``k`` (None: none yet)."""
+        return self._received[k]
 
     def take(self, indices: list[int]) -> dict[str, list[Any]]:
         """Remove pending items (by pending index) and return what the plan needs of them."""

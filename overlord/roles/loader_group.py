@@ -10,6 +10,7 @@ and the constructors exactly like a loader of its own.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from overlord.roles.source_loader import SourceLoader
@@ -25,10 +26,11 @@ class LoaderGroup:
         base_dir: str,
         members: list[tuple[str, str, int, int, dict[str, Any] | None]],
         keep_payloads: bool = True,
+        shadow: bool = False,
     ):
         # members: (member name, source, loader index, loaders of the source, start)
         self.loaders = {
-            name: SourceLoader(plan_data, base_dir, source, k, n, start, keep_payloads)
+            name: SourceLoader(plan_data, base_dir, source, k, n, start, keep_payloads, shadow)
             for name, source, k, n, start in members
         }
 
@@ -39,6 +41,15 @@ class LoaderGroup:
     def take_many(self, keys: dict[str, Any]) -> dict[str, Any]:
         """``take`` on several members in one call: one round trip per group, not per source."""
         return {member: self.loaders[member].take(k) for member, k in keys.items()}
+
+    def release_many(self, keys: dict[str, Any]) -> None:
+        """``release`` on several members in one call."""
+        for member, k in keys.items():
+            self.loaders[member].release(k)
+
+    def pid(self) -> int:
+        """The process the group runs in."""
+        return os.getpid()
 
     def close(self) -> None:
         """Close every member."""
@@ -55,6 +66,13 @@ class MemberHandle:
     def call(self, method: str, *args: Any) -> Any:
         """Start ``method(*args)`` on the member."""
         return self.group.call("call", self.name, method, *args)
+
+
+def replica_name(handle: Handle) -> str:
+    """A loader's name in the planner's journal: its role name, ``group/member`` in a group."""
+    if isinstance(handle, MemberHandle):
+        return f"{handle.group.name}/{handle.name}"
+    return handle.name
 
 
 def assign_groups(loaders: list[tuple[str, int]], processes: int) -> list[list[tuple[str, int]]]:

@@ -6,24 +6,46 @@ it. It sees metadata only; payloads go from loaders to constructors.
 
 Its state before each step is snapshotted (a few numbers per source), so that
 ``state_dict()`` can describe exactly the last step every rank consumed.
+
+Faults. The planner owns each loader *slot* (source, k): its primary and its
+shadows. When a primary dies, whoever notices (the planner's cursor, or a
+DataConstructor through :meth:`Planner.failover`) gets the next replica
+promoted; a new shadow is started from the state every rank consumed, or,
+without shadows, a new primary that reads that far again. With a journal
+(:mod:`overlord.journal`), every planned step and every consumed step is
+recorded before it takes effect, so a restarted planner resumes at the step
+every rank consumed, re-plans the steps after it identically (and checks that
+against the journal), and rewinds the loaders to serve those items again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
+import logging
+import os
+import time
+import uuid
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from overlord.errors import LoaderError
+from overlord.errors import ActorDiedError, LoaderError
+from overlord.journal import Journal, recover
 from overlord.plan.balance import assign, lower_bound, rank_costs
 from overlord.plan.cost import CostModel
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, validate_plan
 from overlord.roles.cursor import SourceCursor
+from overlord.roles.loader_group import MemberHandle, replica_name
+from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, Runtime
 from overlord.sources.files import resolve_files
+
+log = logging.getLogger("overlord.planner")
 
 STATE_VERSION = 1
 HISTORY_STEPS = 100_000  # per-step statistics kept for reports
@@ -40,11 +62,15 @@ class Planner:
         runtime: Runtime,
         state: dict[str, Any] | None = None,
         wait_for_ranks: bool = False,
+        shadows: dict[str, list[list[Handle]]] | None = None,
+        journal: str | None = None,
+        keep_payloads: bool = True,
     ):
         # False: a rank too far ahead of the others is an error (one process consumes
         # every rank, so waiting would never end). True: it is told to wait (None).
         self.wait_for_ranks = wait_for_ranks
-        self.plan_data, self.base_dir, self.loaders = plan_data, base_dir, loaders
+        self.plan_data, self.base_dir, self.runtime = plan_data, base_dir, runtime
+        self.keep_payloads = keep_payloads
         self.plan = validate_plan(plan_data, base_dir=base_dir)
         self.names = self.plan.source_names
         self.schedule = Schedule(self.plan)
@@ -53,15 +79,39 @@ class Planner:
             s.name: [sh.name for sh in resolve_files(s, self.plan.base_dir)]
             for s in self.plan.sources
         }
+        # each loader slot: its primary, then its shadows in promotion order
+        self.slots: dict[str, list[list[Handle]]] = {
+            n: [[h, *((shadows or {}).get(n, [[]] * len(hs))[k])] for k, h in enumerate(hs)]
+            for n, hs in loaders.items()
+        }
+        self.shadows = {n: len(slots[0]) - 1 for n, slots in self.slots.items()}
+        self.events: list[dict[str, Any]] = []  # failovers and recoveries, for the summary
+        self.journal: Journal | None = None
+        self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
+        self._journaled_to = -1  # the last step whose delta is in the journal
+        recovered = None
+        if journal is not None:
+            self.journal = Journal(journal, self.plan.recovery.fsync)
+            recovered = self._recover(journal)
+            if recovered is not None:
+                state = recovered
+        self._build(state)
+        if self.journal is not None and recovered is None:
+            self.journal.snapshot(self._snapshot(), self.start_step - 1, self._slot_names())
+        if recovered is not None:
+            self._rewind_loaders()
+
+    def _build(self, state: dict[str, Any] | None) -> None:
         sources = (state or {}).get("sources", {})
         self.cursors = [
             SourceCursor(
                 s.name,
                 len(self.file_names[s.name]),
-                loaders[s.name],
-                runtime,
+                [slot[0] for slot in self.slots[s.name]],
+                self.runtime,
                 self.plan.loading.timeout_s,
                 sources.get(s.name, {}).get("cursor"),
+                failover=self._cursor_failover(s.name),
             )
             for s in self.plan.sources
         ]
@@ -76,6 +126,11 @@ class Planner:
         self.plans: dict[int, list[dict[str, Any]]] = {}
         self.snapshots: dict[int, dict[str, Any]] = {self.start_step: self._snapshot()}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
+
+    @property
+    def loaders(self) -> dict[str, list[Handle]]:
+        """The primary of every loader slot, per source."""
+        return {n: [slot[0] for slot in slots] for n, slots in self.slots.items()}
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -189,6 +244,7 @@ class Planner:
         )
         self.next_step += 1
         self.snapshots[self.next_step] = self._snapshot()
+        self._journal_step(step)
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
@@ -241,19 +297,243 @@ class Planner:
         return out
 
     def mark_consumed(self, rank: int, step: int) -> None:
-        """Record that ``rank`` received step ``step``; free what every rank has consumed."""
+        """Record that ``rank`` received step ``step``; release what every rank has consumed."""
+        before = min(self.consumed)
         self.consumed[rank] = max(self.consumed[rank], step)
         done = min(self.consumed)
-        for s in [s for s in self.plans if s <= done]:
-            del self.plans[s]
+        if done <= before:
+            return
+        if self.journal is not None:
+            self.journal.consumed(done)  # before the loaders forget the items
+        for s in sorted(s for s in self.plans if s <= done):
+            self._release(self.plans.pop(s))
         for s in [s for s in self.snapshots if s <= done]:
             del self.snapshots[s]
 
+    def _release(self, rank_plans: list[dict[str, Any]]) -> None:
+        """Tell every replica of every slot that a consumed step's items can go."""
+        keys: dict[tuple[int, int], list[np.ndarray]] = {}
+        for rp in rank_plans:
+            src, ldr = rp["source"], rp["loader"]
+            for s, k in set(zip(src.tolist(), ldr.tolist())):
+                keys.setdefault((s, k), []).append(rp["key"][(src == s) & (ldr == k)])
+        grouped: dict[int, tuple[Handle, dict[str, np.ndarray]]] = {}
+        for (s, k), parts in keys.items():
+            mine = np.concatenate(parts)
+            for replica in self.slots[self.names[s]][k]:
+                if isinstance(replica, MemberHandle):
+                    group = grouped.setdefault(id(replica.group), (replica.group, {}))
+                    group[1][replica.name] = mine
+                else:
+                    replica.call("release", mine)  # no need to wait: a dead one is skipped
+        for group_handle, asked in grouped.values():
+            group_handle.call("release_many", asked)
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    def _cursor_failover(self, source: str) -> Any:
+        return lambda k, dead: self.failover(source, k, dead)
+
+    def failover(self, source: str, k: int, dead: str) -> Handle:
+        """Replace slot ``k`` of ``source`` whose primary ``dead`` died; returns the new primary.
+
+        Idempotent: a caller that learns late of a failover gets the current
+        primary. The next shadow is promoted (it serves metadata after the last
+        shard the planner received); without one, a new loader reads again from
+        the state every rank consumed. A new shadow is then started.
+        """
+        slot = self.slots[source][k]
+        if replica_name(slot[0]) != dead:
+            return slot[0]
+        t0 = time.perf_counter()
+        cursor = self.cursors[self.names.index(source)]
+        after = cursor.received(k)
+        slot.pop(0)
+        how = "promoted its shadow"
+        while slot:
+            try:
+                self.runtime.get(slot[0].call("promote", after))
+                break
+            except ActorDiedError:
+                slot.pop(0)
+        if not slot:
+            how = "started a new loader from the consumed state (no live shadow)"
+            fresh = self._spawn_loader(source, k, shadow=False)
+            self.runtime.get(fresh.call("promote", after))
+            slot.append(fresh)
+        while len(slot) < 1 + self.shadows[source]:
+            slot.append(self._spawn_loader(source, k, shadow=True))
+        cursor.loaders[k] = slot[0]
+        if self.journal is not None:
+            self.journal.loaders(self._slot_names())
+        event = {
+            "event": "failover",
+            "source": source,
+            "loader": k,
+            "dead": dead,
+            "now": replica_name(slot[0]),
+            "how": how,
+            "step": self.next_step,
+            "seconds": time.perf_counter() - t0,
+        }
+        self.events.append(event)
+        log.warning("SourceLoader %s[%d] (%s) died: %s", source, k, dead, how)
+        return slot[0]
+
+    def _spawn_loader(self, source: str, k: int, shadow: bool) -> Handle:
+        """A loader for slot ``k`` that starts where every rank has consumed."""
+        start = self.snapshots[min(self.consumed) + 1]["sources"][source]["cursor"]
+        n = len(self.slots[source])
+        name = f"loader-{source}-{k}-{uuid.uuid4().hex[:6]}"
+        args = (self.plan_data, self.base_dir, source, k, n, start, self.keep_payloads, shadow)
+        return self.runtime.spawn(SourceLoader, *args, name=name)
+
+    def _slot_names(self) -> dict[str, list[list[str]]]:
+        return {
+            n: [[replica_name(h) for h in slot] for slot in slots]
+            for n, slots in self.slots.items()
+        }
+
+    def _journal_step(self, step: int) -> None:
+        """Journal what planning ``step`` changed (or check it against the journal)."""
+        if self.journal is None:
+            return
+        delta = _delta(self.snapshots[step], self.snapshots[step + 1])
+        if step in self._verify:
+            if delta != self._verify.pop(step):
+                raise LoaderError(
+                    f"re-planning step {step} after a planner restart gave another plan than "
+                    "the journal holds: a source's data changed while the job ran"
+                )
+            return
+        self.journal.delta(step, delta)
+        self._journaled_to = step
+        if self.next_step % self.plan.recovery.snapshot_every == 0:
+            self.journal.snapshot(self._snapshot(), min(self.consumed), self._slot_names())
+
+    def _recover(self, directory: str) -> dict[str, Any] | None:
+        """The state before the step after the last consumed one, from the journal."""
+        segments = recover(directory)
+        if not segments:
+            return None
+        assert self.journal is not None
+        consumed = max(r.consumed for r in segments)
+        want = consumed + 1
+        states: dict[int, dict[str, Any]] = {}
+        deltas: dict[int, dict[str, Any]] = {}
+        for r in segments:
+            state = r.snapshot
+            states.setdefault(state["step"], state)
+            for d in r.deltas:
+                step = state["step"]
+                deltas[step] = d
+                state = self._apply(state, d)
+                states.setdefault(state["step"], state)
+        problems = [p for r in segments for p in r.problems]
+        for p in problems:
+            log.error("%s", p)
+        if want not in states:
+            raise LoaderError(
+                f"the planner's journal in {directory} cannot restore step {want} (every rank "
+                f"consumed step {consumed}); it holds steps {min(states)}..{max(states)}"
+                + (f". Problems: {'; '.join(problems)}" if problems else "")
+            )
+        last = segments[-1].loaders
+        if last is not None:
+            self.slots = {
+                n: [[self._resolve(name) for name in slot] for slot in slots]
+                for n, slots in last.items()
+            }
+        self.journal.continue_after(segments[-1])
+        self._verify = {s: d for s, d in deltas.items() if s >= want}
+        self._journaled_to = max(deltas, default=want - 1)
+        self.events.append(
+            {
+                "event": "planner-recovered",
+                "step": want,
+                "replanned": len(self._verify),
+                "problems": problems,
+            }
+        )
+        log.warning("planner restarted from its journal at step %d", want)
+        return states[want]
+
+    def _apply(self, state: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+        """The state after planning step ``state["step"]``, from the step's delta."""
+        out = copy.deepcopy(state)
+        step = int(state["step"])
+        out["step"] = step + 1
+        for name, (epoch, shard_pos, index, skip) in delta.get("c", {}).items():
+            cursor = {"epoch": epoch, "shard_pos": shard_pos, "index": index, "skip": skip}
+            out["sources"][name]["cursor"] = cursor
+        total = 0.0
+        for name, inc in delta.get("p", {}).items():
+            out["sources"][name]["placed"] += inc
+            total += inc
+        # the mixture target grows by each source's weight times the step's tokens,
+        # exactly as select_step adds it
+        w = [float(x) for x in self.schedule.weights(step)]
+        for i, name in enumerate(self.names):
+            out["sources"][name]["target"] = float(
+                np.float64(out["sources"][name]["target"]) + np.float64(w[i]) * total
+            )
+        return out
+
+    def _resolve(self, name: str) -> Handle:
+        actor, _, member = name.partition("/")
+        handle: Handle = self.runtime.handle(actor)  # type: ignore[attr-defined]
+        return MemberHandle(handle, member) if member else handle
+
+    def _rewind_loaders(self) -> None:
+        """Have every replica serve again what the recovered state has not consumed."""
+        snap = self.snapshots[self.start_step]["sources"]
+        calls = [
+            r.call("rewind", snap[name]["cursor"])
+            for name, slots in self.slots.items()
+            for slot in slots
+            for r in slot
+        ]
+        for ref in calls:
+            with contextlib.suppress(ActorDiedError):  # failed over when next asked for data
+                self.runtime.get(ref)
+
+    def pid(self) -> int:
+        """The process the planner runs in (chaos tests kill it)."""
+        return os.getpid()
+
+    def close(self) -> None:
+        """Close the journal (kept: only the job's owner removes it)."""
+        if self.journal is not None:
+            self.journal.close()
+
     def stats(self) -> dict[str, Any]:
-        """Per-step history (mixture, balance) and where each rank is."""
+        """Per-step history (mixture, balance), where each rank is, faults and the journal."""
         return {
             "sources": self.names,
             "history": list(self.history),
             "consumed": list(self.consumed),
             "method": BalanceMethod(self.plan.balance.method).value,
+            "events": list(self.events),
+            "journal": self.journal.stats() if self.journal is not None else None,
         }
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What one step changed: the cursors that moved, and the tokens each source placed.
+
+    A cursor is ``[epoch, shard_pos, index, skip]``.
+    The mixture targets are left out: they follow from the placed tokens and
+    the schedule (:meth:`Planner._apply`). JSON round trip, so that it compares
+    equal to a delta read back from the journal.
+    """
+    cursors, placed = {}, {}
+    for name, b in before["sources"].items():
+        a = after["sources"][name]
+        if a["cursor"] != b["cursor"]:
+            c = a["cursor"]
+            cursors[name] = [c["epoch"], c["shard_pos"], c["index"], c["skip"]]
+        inc = a["placed"] - b["placed"]
+        if inc:
+            placed[name] = int(inc)
+    out: dict[str, Any] = json.loads(json.dumps({"c": cursors, "p": placed}))
+    return out

@@ -10,17 +10,28 @@ Memory is bounded: the reader waits while the tokens it holds reach a budget
 derived from the plan (the steps planned ahead plus the lookahead), so at most
 that budget plus the shards being read are in memory.
 
+Payloads live until the planner *releases* them, when every rank has consumed
+their step; ``take`` only reads. So a DataConstructor that is restarted, or a
+call that is retried, can take the same items again, and a *shadow* (a hot
+standby started with ``shadow=True``) that reads the same shards and receives
+the same releases holds exactly what the primary holds. When the primary dies,
+the planner promotes the shadow: it starts serving metadata after the last
+shard the planner received, and constructors take from it instead. A loader
+can also be *rewound* to a planner state (a restarted planner resumes there):
+it serves again the metadata of every held item from that point on.
+
 Messages are plain dicts of numpy arrays and ints: no pickle is needed to
 decode them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -35,10 +46,40 @@ from overlord.sources.tokenizers import make_tokenizer
 MAX_QUEUED_BLOCKS = 64
 
 
+def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
+    """Run ``fn(*args)`` on a thread of its own that never holds up the process's exit.
+
+    A read that never returns (a hung network mount) must not keep the trainer's
+    process alive after it is told to stop, as an executor's threads would (they
+    are joined at exit).
+    """
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="overlord-read", daemon=True).start()
+    return fut
+
+
 def token_budget(plan: Plan) -> int:
-    """Tokens one loader may hold: what the planner can ask of it before anything is taken."""
+    """Tokens one loader may hold: what the planner can ask of it before a release.
+
+    Items stay held until their step is consumed by every rank. The planner
+    plans at most ``prefetch_steps + 1`` steps past the last consumed one, so a
+    source may have to hold those steps, the step being planned and the items
+    its lookahead skips; one step more of slack covers releases in flight.
+    """
     b = plan.batch
-    return (b.prefetch_steps + 2) * b.tokens_per_step + b.lookahead * b.max_seq_len
+    return (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
+
+
+Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
 
 
 class SourceLoader:
@@ -46,7 +87,9 @@ class SourceLoader:
 
     ``start`` is where to begin: ``{"epoch", "shard_pos", "index"}`` of the
     first item, and ``skip``, runs ``[epoch, shard_pos, index, count]`` of
-    items after it that were already consumed (from a checkpoint).
+    items after it that were already consumed (from a checkpoint). A
+    ``shadow`` reads and holds the same items but serves no metadata until it
+    is promoted.
     """
 
     def __init__(
@@ -58,6 +101,7 @@ class SourceLoader:
         count: int,
         start: dict[str, Any] | None = None,
         keep_payloads: bool = True,
+        shadow: bool = False,
     ):
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan = validate_plan(plan_data, base_dir=base_dir)
@@ -66,10 +110,16 @@ class SourceLoader:
         self.shards = resolve_files(self.spec, self.plan.base_dir)
         self.tokenizer = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir))
         start = start or {}
-        self._start = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
-        self._start_index = int(start.get("index", 0))
-        self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
+        self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan)
+        # items consumed already, dropped when their shard is read: before ``_floor``,
+        # and the runs of ``_skip`` after it
+        self._floor = (*self._start, int(start.get("index", 0)))
+        self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
+        self._released_ahead: dict[Position, list[int]] = {}  # a lagging shadow's releases
+        self._serving = not shadow  # queues metadata for the planner
+        self._send_from: Position = self._start  # first shard whose metadata is queued
+        self._last: Position = (-1, -1)  # the last shard published
 
         self._lock = threading.Condition()
         self._queue: deque[dict[str, Any]] = deque()
@@ -105,13 +155,20 @@ class SourceLoader:
         pa.default_memory_pool().release_unused()
         return items, time.perf_counter() - t0
 
-    def _keep_mask(self, items: ShardItems) -> np.ndarray:
-        keep = np.ones(len(items), dtype=bool)
-        if (items.epoch, items.shard_pos) == self._start:
-            keep[: self._start_index] = False
+    def _keep_mask(self, at: Position, n: int) -> np.ndarray:
+        """Items of shard ``at`` not consumed yet (per the floor, skip runs, releases)."""
+        keep = np.ones(n, dtype=bool)
+        floor_at, floor_index = self._floor[:2], self._floor[2]
+        if at < floor_at:
+            keep[:] = False
+        elif at == floor_at:
+            keep[:floor_index] = False
         for e, p, i, c in self._skip:
-            if (e, p) == (items.epoch, items.shard_pos):
+            if (e, p) == at:
                 keep[i : i + c] = False
+        ahead = self._released_ahead.pop(at, None)
+        if ahead:
+            keep[np.asarray(ahead, dtype=np.int64)] = False
         return keep
 
     def _run(self) -> None:
@@ -123,53 +180,41 @@ class SourceLoader:
             return
         positions = self._positions()
         pending: deque[tuple[tuple[int, int], Future[tuple[ShardItems, float]]]] = deque()
-        with ThreadPoolExecutor(self.plan.loading.threads) as pool:
-            try:
-                while not self._closed:
-                    while len(pending) < self.plan.loading.threads:
-                        at = next(positions)
-                        pending.append((at, pool.submit(self._load, *at)))
-                    (epoch, pos), fut = pending.popleft()
-                    order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
-                    file_index = order[pos]
-                    self._reading = self.shards[file_index].name
-                    items, seconds = fut.result()
-                    self._publish(items, seconds)
-            except BaseException as e:  # handed to the planner by metadata()
-                with self._lock:
-                    self._error = e
-                    self._lock.notify_all()
-            finally:
-                for _, f in pending:
-                    f.cancel()
+        try:
+            while not self._closed:
+                while len(pending) < self.plan.loading.threads:
+                    at = next(positions)
+                    pending.append((at, _in_daemon_thread(self._load, *at)))
+                (epoch, pos), fut = pending.popleft()
+                order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
+                file_index = order[pos]
+                self._reading = self.shards[file_index].name
+                items, seconds = fut.result()
+                self._publish(items, seconds)
+        except BaseException as e:  # handed to the planner by metadata()
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
 
     def _publish(self, items: ShardItems, seconds: float) -> None:
-        keep = self._keep_mask(items)
-        idx = np.flatnonzero(keep)
-        tokens = int(items.length[idx].sum())
-        block = {
-            "epoch": items.epoch,
-            "shard_pos": items.shard_pos,
-            "file_index": items.file_index,
-            "index": idx.astype(np.int64),
-            "tokens": items.length[idx],
-            "row": items.row[idx],
-            "chunk": items.chunk[idx],
-            "patches": items.patches[idx],
-        }
+        at = (items.epoch, items.shard_pos)
         with self._lock:
             while not self._closed and (
-                self._held_tokens >= self._budget or len(self._queue) >= MAX_QUEUED_BLOCKS
+                self._held_tokens >= self._budget
+                or (self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS)
             ):
                 self._lock.wait(0.5)
             if self._closed:
                 return
+            keep = self._keep_mask(at, len(items))
+            idx = np.flatnonzero(keep)
+            tokens = int(items.length[idx].sum())
             if len(idx) and self.keep_payloads:
-                remaining = np.zeros(len(items), dtype=bool)
-                remaining[idx] = True
-                self._held[(items.epoch, items.shard_pos)] = (items, remaining)
-            self._held_tokens += tokens if self.keep_payloads else 0
-            self._queue.append(block)
+                self._held[at] = (items, keep)
+                self._held_tokens += tokens
+            self._last = at
+            if self._serving and at >= self._send_from:
+                self._queue.append(self._block(at, items.file_index, items, keep))
             s = self._stats
             s["shards"] += 1
             s["items"] += len(idx)
@@ -182,12 +227,59 @@ class SourceLoader:
                 self._dropped += items.dropped
             self._lock.notify_all()
 
+    @staticmethod
+    def _block(
+        at: Position, file_index: int, items: ShardItems | None, keep: np.ndarray | None
+    ) -> dict[str, Any]:
+        """The metadata of shard ``at``'s items in ``keep`` (none without items)."""
+        if items is None or keep is None:
+            z = np.zeros(0, dtype=np.int64)
+            return {
+                "epoch": at[0],
+                "shard_pos": at[1],
+                "file_index": file_index,
+                "index": z,
+                "tokens": z.astype(np.int32),
+                "row": z,
+                "chunk": z.astype(np.int32),
+                "patches": z.astype(np.int32),
+            }
+        idx = np.flatnonzero(keep)
+        return {
+            "epoch": at[0],
+            "shard_pos": at[1],
+            "file_index": file_index,
+            "index": idx.astype(np.int64),
+            "tokens": items.length[idx],
+            "row": items.row[idx],
+            "chunk": items.chunk[idx],
+            "patches": items.patches[idx],
+        }
+
+    def _published(self, first: Position) -> Iterator[tuple[Position, int]]:
+        """Shards of this loader from ``first`` to the last one published, with file indexes."""
+        n = len(self.shards)
+        for epoch in range(max(first[0], self._start[0]), self._last[0] + 1):
+            order = shard_order(self.plan.seed, self.source, epoch, n)
+            lo = first[1] if epoch == first[0] else 0
+            if epoch == self._start[0]:
+                lo = max(lo, self._start[1])
+            hi = self._last[1] + 1 if epoch == self._last[0] else n
+            for p in range(max(lo, 0), hi):
+                if p % self.count == self.index:
+                    yield (epoch, p), int(order[p])
+
     # ---- calls ---------------------------------------------------------------------------
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
         """Blocks of item metadata read since the last call; waits up to ``timeout`` for one."""
         deadline = time.monotonic() + timeout
         with self._lock:
+            if not self._serving:
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] is a shadow: it serves metadata "
+                    "only once promoted"
+                )
             while not self._queue and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -211,28 +303,119 @@ class SourceLoader:
         ) from err
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
-        """Hand over (and release) the tokens of items ``[[epoch, shard_pos, index], ...]``."""
+        """The tokens of items ``[[epoch, shard_pos, index], ...]`` (kept until released)."""
         parts = []
         lengths = np.empty(len(keys), dtype=np.int32)
         with self._lock:
             for j, (e, p, i) in enumerate(np.asarray(keys, dtype=np.int64).tolist()):
+                if (e, p) > self._last:
+                    self._wait_until_read((e, p))
                 entry = self._held.get((e, p))
                 if entry is None or not entry[1][i]:
                     raise LoaderError(
                         f"SourceLoader {self.source}[{self.index}] does not hold item "
-                        f"(epoch {e}, shard {p}, index {i}): it was taken twice or never read"
+                        f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
+                        "consumed) or never read"
                     )
-                items, remaining = entry
+                items = entry[0]
                 s, n = int(items.start[i]), int(items.length[i])
                 parts.append(items.tokens[s : s + n])
                 lengths[j] = n
-                remaining[i] = False
-                self._held_tokens -= n
-                if not remaining.any():
-                    del self._held[(e, p)]
-            self._lock.notify_all()
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return {"tokens": tokens, "lengths": lengths}
+
+    def _wait_until_read(self, at: Position) -> None:
+        """Wait (lock held) until shard ``at`` is read: a promoted shadow may lag its primary."""
+        deadline = time.monotonic() + self.plan.loading.timeout_s
+        while at > self._last and not self._closed and self._error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] did not read shard {at} within "
+                    f"{self.plan.loading.timeout_s:.0f} s (loading.timeout_s) while reading "
+                    f"{self._reading}"
+                )
+            self._lock.wait(min(left, 0.5))
+
+    def release(self, keys: np.ndarray) -> None:
+        """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
+        with self._lock:
+            for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
+                self._release_one((e, p), i)
+            self._lock.notify_all()
+
+    def _release_one(self, at: Position, i: int) -> None:
+        entry = self._held.get(at)
+        if entry is None:
+            if at > self._last:
+                self._released_ahead.setdefault(at, []).append(i)  # not read yet
+            return
+        items, remaining = entry
+        if remaining[i]:
+            remaining[i] = False
+            self._held_tokens -= int(items.length[i])
+            if not remaining.any():
+                del self._held[at]
+
+    def promote(self, after: list[int] | None) -> None:
+        """Start serving metadata: every shard after ``after`` (``[epoch, shard_pos]``).
+
+        Called on a shadow when its primary died; ``after`` is the last shard of
+        this loader the planner received (None: none yet).
+        """
+        with self._lock:
+            first = (0, -1) if after is None else (int(after[0]), int(after[1]))
+            self._serving = True
+            self._send_from = (first[0], first[1] + 1)
+            self._queue = deque(
+                self._block(at, f, *self._held.get(at, (None, None)))
+                for at, f in self._published(self._send_from)
+            )
+            self._lock.notify_all()
+
+    def rewind(self, start: dict[str, Any]) -> None:
+        """Serve metadata again from planner state ``start`` (a source cursor's state).
+
+        Items before ``start`` and in its ``skip`` runs were consumed: they are
+        released (their releases may have been lost with a planner). Every
+        other item this loader read is served again, so that a restarted
+        planner re-plans the same steps.
+        """
+        with self._lock:
+            self._floor = (int(start["epoch"]), int(start["shard_pos"]), int(start["index"]))
+            self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
+            first: Position = self._floor[:2]
+            for at in [at for at in self._held if at < first]:
+                del self._held[at]  # consumed
+            blocks = []
+            for at, f in self._published(first):
+                entry = self._held.get(at)
+                if entry is None:  # every item consumed (or none kept)
+                    blocks.append(self._block(at, f, None, None))
+                    continue
+                items, remaining = entry
+                keep = self._keep_mask(at, len(items))
+                lost = keep & ~remaining
+                if lost.any():
+                    raise LoaderError(
+                        f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
+                        f"item {(*at, int(np.flatnonzero(lost)[0]))} was released already "
+                        "(the planner's journal is older than what every rank consumed)"
+                    )
+                for i in np.flatnonzero(remaining & ~keep).tolist():
+                    self._release_one(at, i)
+                blocks.append(self._block(at, f, items, keep))
+            self._held_tokens = sum(
+                int(items.length[remaining].sum()) for items, remaining in self._held.values()
+            )
+            self._send_from = first
+            if self._serving:
+                self._queue = deque(blocks)
+            self._lock.notify_all()
+
+    def pid(self) -> int:
+        """The process this loader runs in (chaos tests kill it)."""
+        return os.getpid()
 
     def stats(self) -> dict[str, Any]:
         """What this loader did so far: shards, items, tokens, read time, bad records."""
@@ -243,6 +426,7 @@ class SourceLoader:
                 "loader": self.index,
                 "held_tokens": self._held_tokens,
                 "held_shards": len(self._held),
+                "shadow": not self._serving,
                 "budget_tokens": self._budget,
                 "dropped": self._dropped,
                 "skipped_examples": list(self._skipped),
@@ -255,4 +439,4 @@ class SourceLoader:
             self._held.clear()
             self._queue.clear()
             self._lock.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=2)  # a reader stuck in a hung read is a daemon: left behind

@@ -22,8 +22,8 @@ def make_runtime(name: str, plan: Plan, job: str, address: str | None = None) ->
         nodes = tuple((f"loader-{src}-", node) for src, node in sorted(p.loader_nodes.items()))
         options = {
             "loader": RoleOptions(p.loader_cpus, LOADER_CONCURRENCY, spread, nodes),
-            "planner": RoleOptions(p.planner_cpus, 1),
-            "constructor": RoleOptions(p.constructor_cpus, 1),
+            "planner": RoleOptions(p.planner_cpus, 1, restartable=True),
+            "constructor": RoleOptions(p.constructor_cpus, 1, restartable=True),
         }
         return RayRuntime(job, address, options)
     raise ValueError(f"unknown runtime '{name}': expected one of {', '.join(RUNTIMES)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from overlord.errors import ActorDiedError
 from overlord.runtime.base import Handle
 
 
@@ -22,9 +23,12 @@ class InlineHandle:
     def __init__(self, obj: Any, name: str):
         self.obj = obj
         self.name = name
+        self.dead = False  # killed: calls fail as calls to a dead actor do
 
     def call(self, method: str, *args: Any) -> InlineRef:
         """Run the method now and keep what it returned or raised."""
+        if self.dead:
+            return InlineRef(error=ActorDiedError(f"{self.name}: the role was killed"))
         try:
             return InlineRef(getattr(self.obj, method)(*args))
         except Exception as e:  # handed to the caller by InlineRuntime.get
@@ -45,6 +49,13 @@ class InlineRuntime:
         self._handles.append(h)
         return h
 
+    def handle(self, name: str) -> InlineHandle:
+        """The live role called ``name``."""
+        for h in self._handles:
+            if h.name == name and not h.dead:
+                return h
+        raise KeyError(f"no live role named '{name}'")
+
     def get(self, ref: Any, timeout: float | None = None) -> Any:
         """Return the value or raise the error of a finished call."""
         assert isinstance(ref, InlineRef)
@@ -53,8 +64,9 @@ class InlineRuntime:
         return ref.value
 
     def kill(self, handle: Handle) -> None:
-        """Close the role (stops its threads)."""
+        """Close the role (stops its threads); later calls to it fail with ActorDiedError."""
         assert isinstance(handle, InlineHandle)
+        handle.dead = True
         close = getattr(handle.obj, "close", None)
         if close is not None:
             close()

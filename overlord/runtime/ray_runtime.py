@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from overlord.errors import LoaderError, OverlordError
+from overlord.errors import ActorDiedError, LoaderError, OverlordError
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineRef
 
@@ -43,6 +43,8 @@ class RoleOptions:
     max_concurrency: int = 1
     scheduling_strategy: str | None = None  # "SPREAD", or None for Ray's default
     nodes: tuple[tuple[str, str], ...] = ()
+    # Ray restarts the actor (same constructor arguments) and retries the calls in flight
+    restartable: bool = False
 
 
 class RayHandle:
@@ -66,7 +68,7 @@ def _unwrap(err: BaseException, what: str) -> BaseException:
             return cause
         return LoaderError(f"{what} failed: {cause!r}" if cause else f"{what} failed: {err}")
     if isinstance(err, ray.exceptions.RayActorError):
-        return LoaderError(f"{what}: the actor died ({type(err).__name__}); see the Ray logs")
+        return ActorDiedError(f"{what}: the actor died ({type(err).__name__}); see the Ray logs")
     if isinstance(err, ray.exceptions.GetTimeoutError):
         return LoaderError(f"{what}: no answer within the timeout")
     return err
@@ -93,6 +95,9 @@ class RayRuntime:
         self.options = options or {}
         self._handles: list[RayHandle] = []
         self._started_ray = False
+        # inside an actor (the planner spawning a replacement loader) an actor must not be
+        # owned by the caller, or it dies with it: it is detached, and removed by name
+        self._detached = not connect
         if connect:
             self._started_ray = init_ray(address)
 
@@ -117,6 +122,11 @@ class RayRuntime:
         }
         if opts.scheduling_strategy:
             kwargs["scheduling_strategy"] = opts.scheduling_strategy
+        if opts.restartable:
+            kwargs["max_restarts"] = -1
+            kwargs["max_task_retries"] = -1
+        if self._detached:
+            kwargs["lifetime"] = "detached"
         for prefix, node in opts.nodes:
             if name.startswith(prefix):
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -161,13 +171,36 @@ class RayRuntime:
         if handle in self._handles:
             self._handles.remove(handle)
 
+    def handle(self, name: str) -> RayHandle:
+        """The running actor of role ``name`` of this job."""
+        return lookup(self.job, name)
+
+    def job_actors(self) -> list[str]:
+        """Names of every live actor of this job, also those other roles spawned."""
+        prefix = f"{self.job}."
+        listed = _ray().util.list_named_actors(all_namespaces=True)
+        return sorted(
+            a["name"]
+            for a in listed
+            if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix)
+        )
+
     def shutdown(self) -> None:
-        """Stop every actor this runtime spawned, and the local Ray instance if it started one."""
+        """Stop every actor of this job, and the local Ray instance if this runtime started one.
+
+        Actors the planner spawned (replacement loaders, shadows) are detached, so they
+        are found by the job's name prefix rather than by handle.
+        """
         ray = _ray()
         for h in reversed(list(self._handles)):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(h.actor, no_restart=True)
         self._handles.clear()
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                for name in self.job_actors():
+                    with contextlib.suppress(Exception):
+                        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -1,0 +1,282 @@
+"""Faults on the embedded runtime: loaders die, the planner restarts, a source hangs.
+
+Every test compares what the trainer received with an uninterrupted run: the
+stream must be the same, sample for sample, rank for rank.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_corpus
+
+from overlord import Loader, LoaderError, load_plan
+from overlord.cli import dump_line
+from overlord.journal import JournalError, decode, encode, read_segment, recover, segments
+from overlord.roles.planner import Planner
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("faults")
+    sources = {
+        "web": {"files": {f"data/web/part-{i}.jsonl": 15 + i for i in range(6)}, "loaders": 2},
+        "code": {"files": {f"data/code/part-{i}.jsonl": 10 + i for i in range(4)}, "loaders": 2},
+    }
+    return make_corpus(
+        root,
+        sources,
+        batch={"tokens_per_step": 512, "max_seq_len": 64, "prefetch_steps": 1},
+        world={"dp": 2},
+        mixture={
+            "schedule": [
+                {"step": 0, "weights": {"web": 0.7, "code": 0.3}},
+                {"step": STEPS, "weights": {"web": 0.3, "code": 0.7}},
+            ]
+        },
+    )
+
+
+def _plan(path: Path, **changes: Any):
+    plan = load_plan(path)
+    data = plan.model_dump(mode="json")
+    for key, value in changes.items():
+        if key == "shadows":
+            for s in data["sources"]:
+                s["shadows"] = value
+        else:
+            section, _, field = key.partition("__")
+            data[section][field] = value
+    from overlord.plan.spec import validate_plan
+
+    return validate_plan(data, base_dir=plan.base_dir)
+
+
+def _run(plan, actions: dict[tuple[int, int], Any] | None = None) -> tuple[list[str], Loader]:
+    """Every rank's batches of STEPS steps; ``actions[(step, rank)](loader)`` runs before it."""
+    lines = []
+    loader = Loader(plan)
+    try:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for step in range(STEPS):
+            for r, c in enumerate(clients):
+                if actions and (step, r) in actions:
+                    actions[(step, r)](loader)
+                lines.append(dump_line(next(c)))
+        loader.stats_at_end = loader.stats()  # type: ignore[attr-defined]
+    finally:
+        loader.close()
+    return lines, loader
+
+
+@pytest.fixture(scope="module")
+def reference(plan_path) -> list[str]:
+    return _run(load_plan(plan_path))[0]
+
+
+def _kill(source: str, k: int):
+    def act(loader: Loader) -> None:
+        planner = loader.planner.obj  # type: ignore[attr-defined]
+        loader.runtime.kill(planner.slots[source][k][0])
+
+    return act
+
+
+def test_a_killed_loader_with_a_shadow_is_replaced_without_changing_the_stream(
+    plan_path, reference
+):
+    plan = _plan(plan_path, shadows=1)
+    lines, loader = _run(
+        plan, {(3, 1): _kill("web", 0), (7, 0): _kill("code", 1), (11, 0): _kill("web", 0)}
+    )
+    assert lines == reference
+    events = [e for e in loader.stats_at_end["events"] if e["event"] == "failover"]  # type: ignore[attr-defined]
+    assert [(e["source"], e["loader"]) for e in events] == [("web", 0), ("code", 1), ("web", 0)]
+    assert all(e["how"] == "promoted its shadow" for e in events)
+
+
+def test_without_a_shadow_a_new_loader_reads_again_from_the_consumed_state(plan_path, reference):
+    lines, loader = _run(load_plan(plan_path), {(4, 1): _kill("web", 1), (9, 0): _kill("code", 0)})
+    assert lines == reference
+    hows = [e["how"] for e in loader.stats_at_end["events"]]  # type: ignore[attr-defined]
+    assert hows == ["started a new loader from the consumed state (no live shadow)"] * 2
+
+
+def test_a_dead_shadow_is_skipped_and_replaced(plan_path, reference):
+    def kill_both(loader: Loader) -> None:
+        slot = loader.planner.obj.slots["web"][0]  # type: ignore[attr-defined]
+        loader.runtime.kill(slot[1])  # the shadow first, then the primary
+        loader.runtime.kill(slot[0])
+
+    lines, loader = _run(_plan(plan_path, shadows=1), {(5, 0): kill_both})
+    assert lines == reference
+    slot = loader.stats_at_end["events"][0]  # type: ignore[attr-defined]
+    assert slot["how"].startswith("started a new loader")
+
+
+def test_payloads_stay_until_their_step_is_consumed_so_a_retry_can_take_them_again(plan_path):
+    with Loader(load_plan(plan_path)) as loader:
+        clients = [loader.client(r) for r in range(2)]
+        first = [next(c) for c in clients]
+        constructor = loader.constructors[0].obj  # type: ignore[attr-defined]
+        again = constructor.batch(1, 0)  # step 1 is planned, not consumed: built again
+        assert again.step == 1
+        next(clients[0])  # rank 0 consumes step 1; rank 1 not yet: still held
+        assert constructor.batch(1, 0).input_ids.tolist() == again.input_ids.tolist()
+        assert first[0].step == 0
+
+
+# ---- planner restart from its journal ---------------------------------------------------
+
+
+def _restart_planner(loader: Loader) -> None:
+    """What Ray does to a killed planner: a new one, built from the same arguments."""
+    old = loader.planner.obj  # type: ignore[attr-defined]
+    old.close()  # its files, as the system closes a killed process's
+    args = (old.plan_data, old.base_dir, loader.loaders, loader.runtime, None, False)
+    loader.planner.obj = Planner(*args, loader.shadows, loader.journal)  # type: ignore[attr-defined]
+
+
+def test_a_restarted_planner_resumes_from_its_journal_and_replans_the_same_steps(
+    plan_path, reference, tmp_path, caplog
+):
+    plan = _plan(plan_path, recovery__journal_dir=str(tmp_path), recovery__snapshot_every=4)
+    # mid-step (rank 0 consumed, rank 1 not), at a snapshot boundary and between
+    actions = {(s, r): _restart_planner for s, r in [(2, 1), (8, 0), (13, 1)]}
+    lines, loader = _run(plan, actions)
+    assert lines == reference
+    restarts = [r.getMessage() for r in caplog.records if "restarted from its journal" in r.msg]
+    assert [m.rsplit(" ", 1)[1] for m in restarts] == ["2", "8", "13"]
+    (event,) = loader.stats_at_end["events"]  # type: ignore[attr-defined]
+    assert event["event"] == "planner-recovered" and event["replanned"] >= 1
+    assert not os.path.exists(loader.journal or "")  # removed when the job closed
+
+
+def test_a_restart_after_a_failover_finds_the_new_loaders_in_the_journal(
+    plan_path, reference, tmp_path
+):
+    plan = _plan(plan_path, recovery__journal_dir=str(tmp_path), shadows=1)
+    lines, loader = _run(plan, {(5, 0): _kill("web", 1), (6, 1): _restart_planner})
+    assert lines == reference
+
+
+def _journal_dir(plan_path: Path, tmp_path: Path, steps: int) -> tuple[Path, list[dict]]:
+    """A journal left by a job that planned and consumed ``steps`` steps, and its states."""
+    plan = _plan(plan_path, recovery__journal_dir=str(tmp_path), recovery__snapshot_every=5)
+    states = []
+    loader = Loader(plan)
+    clients = [loader.client(r) for r in range(plan.world.dp)]
+    for _ in range(steps):
+        for c in clients:
+            next(c)
+        states.append(loader.state_dict())
+    path = Path(loader.journal or "")
+    loader.journal = None  # keep it when closing
+    loader.close()
+    return path, states
+
+
+def test_the_journal_replays_to_the_exact_state_of_every_consumed_step(plan_path, tmp_path):
+    path, states = _journal_dir(plan_path, tmp_path, 12)
+    recovered = recover(path)
+    planner = Planner.__new__(Planner)  # only its replay arithmetic
+    plan = _plan(plan_path)
+    from overlord.plan.schedule import Schedule
+
+    planner.schedule, planner.names = Schedule(plan), plan.source_names
+    state = recovered[-1].snapshot
+    replayed = {state["step"]: state}
+    for d in recovered[-1].deltas:
+        state = planner._apply(state, d)
+        replayed[state["step"]] = state
+    for s in states:
+        if s["step"] in replayed:
+            assert replayed[s["step"]]["sources"] == s["sources"]
+    assert recovered[-1].consumed == 11
+    assert len(segments(path)) <= 2  # older segments are dropped once consumed
+
+
+def test_a_torn_or_corrupt_record_is_rejected_with_its_place_and_the_rest_is_used(
+    plan_path, tmp_path
+):
+    path, _ = _journal_dir(plan_path, tmp_path, 8)
+    seg = segments(path)[-1]
+    records, end, problem = read_segment(seg)
+    assert problem is None and records[0]["t"] == "snap"
+    data = seg.read_bytes()
+    # a torn last record: the writer died in the middle of it
+    seg.write_bytes(data[:-7])
+    with pytest.raises(JournalError, match=r"record \d+ at byte \d+: torn record"):
+        read_segment(seg)
+    got = recover(path)[-1]
+    assert "torn record" in got.problems[0] and "records before it are used" in got.problems[0]
+    assert len(got.deltas) + 1 + sum(1 for r in records if r["t"] == "cons") >= len(records) - 2
+    # a flipped byte in the middle: its checksum fails, reading stops there
+    lines = data.splitlines(keepends=True)
+    bad = lines[2].replace(b'"t"', b'"T"', 1)
+    seg.write_bytes(b"".join([*lines[:2], bad, *lines[3:]]))
+    with pytest.raises(JournalError, match="record 2 at byte .*checksum mismatch"):
+        read_segment(seg)
+    assert len(recover(path)[-1].deltas) <= 1
+
+
+def test_a_journal_without_an_intact_snapshot_is_an_error(tmp_path):
+    (tmp_path / "seg-0000000000.log").write_bytes(b"garbage\n")
+    with pytest.raises(JournalError, match="no intact snapshot"):
+        recover(tmp_path)
+
+
+def test_records_round_trip_and_carry_a_checksum():
+    rec = {"t": "plan", "s": 7, "d": {"c": {"web": [0, 3, 12, []]}, "p": {"web": 448}}}
+    line = encode(rec)
+    assert decode(line, "here") == rec
+    with pytest.raises(JournalError, match="here: checksum mismatch"):
+        decode(line.replace(b"448", b"449"), "here")
+
+
+def test_a_delta_is_small(plan_path, tmp_path):
+    path, _ = _journal_dir(plan_path, tmp_path, 9)
+    records = [r for seg in segments(path) for r in read_segment(seg)[0]]
+    deltas = [len(encode(r)) for r in records if r["t"] == "plan"]
+    assert deltas and max(deltas) < 200  # two sources; the benchmark measures ten
+
+
+# ---- a source that hangs ---------------------------------------------------------------
+
+
+def test_a_read_that_never_returns_times_out_naming_the_source_and_file(tmp_path, monkeypatch):
+    plan_path = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": 5, "data/web/b.jsonl": 5}}},
+        loading={"timeout_s": 1.5},
+    )
+    import overlord.sources.shard as shard_module
+
+    real, stuck = shard_module.read_shard, threading.Event()
+
+    def hangs_on_b(source, shard, *args):  # a read of b.jsonl never returns (a hung mount)
+        if shard.name.endswith("b.jsonl"):
+            stuck.wait()
+        return real(source, shard, *args)
+
+    monkeypatch.setattr(shard_module, "read_shard", hangs_on_b)
+    t0 = time.monotonic()
+    try:
+        with (
+            pytest.raises(LoaderError, match=r"SourceLoader web\[0\].*data/web/b\.jsonl"),
+            Loader(plan_path) as loader,
+        ):
+            clients = [loader.client(r) for r in range(2)]
+            for _ in range(50):
+                for c in clients:
+                    next(c)
+        assert time.monotonic() - t0 < 10  # the plan's 1.5 s, and the close
+    finally:
+        stuck.set()  # let the stuck reader thread end with the test
