@@ -43,6 +43,7 @@ from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_group import MemberHandle, replica_name
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, Runtime
+from overlord.runtime.inline import DeadHandle
 from overlord.sources.files import resolve_files
 
 log = logging.getLogger("overlord.planner")
@@ -245,6 +246,10 @@ class Planner:
         self.next_step += 1
         self.snapshots[self.next_step] = self._snapshot()
         self._journal_step(step)
+        if step <= min(self.consumed):
+            # a restarted planner re-plans a step every rank had consumed already
+            self._release(self.plans.pop(step))
+            self._prune()
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
@@ -307,7 +312,19 @@ class Planner:
             self.journal.consumed(done)  # before the loaders forget the items
         for s in sorted(s for s in self.plans if s <= done):
             self._release(self.plans.pop(s))
-        for s in [s for s in self.snapshots if s <= done]:
+        self._prune()
+
+    def _consumed_step(self) -> int:
+        """The step after the last one every rank consumed (or the next to plan, if earlier).
+
+        A restarted planner may learn that ranks consumed steps it has not
+        re-planned yet; its state is then the one before the next step to plan.
+        """
+        return min(min(self.consumed) + 1, self.next_step)
+
+    def _prune(self) -> None:
+        first = self._consumed_step()
+        for s in [s for s in self.snapshots if s < first]:
             del self.snapshots[s]
 
     def _release(self, rank_plans: list[dict[str, Any]]) -> None:
@@ -382,7 +399,7 @@ class Planner:
 
     def _spawn_loader(self, source: str, k: int, shadow: bool) -> Handle:
         """A loader for slot ``k`` that starts where every rank has consumed."""
-        start = self.snapshots[min(self.consumed) + 1]["sources"][source]["cursor"]
+        start = self.snapshots[self._consumed_step()]["sources"][source]["cursor"]
         n = len(self.slots[source])
         name = f"loader-{source}-{k}-{uuid.uuid4().hex[:6]}"
         args = (self.plan_data, self.base_dir, source, k, n, start, self.keep_payloads, shadow)
@@ -480,8 +497,12 @@ class Planner:
         return out
 
     def _resolve(self, name: str) -> Handle:
+        """The live replica called ``name``, or a dead stand-in that the cursor fails over."""
         actor, _, member = name.partition("/")
-        handle: Handle = self.runtime.handle(actor)  # type: ignore[attr-defined]
+        try:
+            handle: Handle = self.runtime.handle(actor)  # type: ignore[attr-defined]
+        except (LoaderError, KeyError):
+            return DeadHandle(name)
         return MemberHandle(handle, member) if member else handle
 
     def _rewind_loaders(self) -> None:

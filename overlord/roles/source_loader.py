@@ -361,12 +361,13 @@ class SourceLoader:
         """Start serving metadata: every shard after ``after`` (``[epoch, shard_pos]``).
 
         Called on a shadow when its primary died; ``after`` is the last shard of
-        this loader the planner received (None: none yet).
+        this loader the planner received. None: none since the planner started,
+        which is this loader's start (or the point it was rewound to).
         """
         with self._lock:
-            first = (0, -1) if after is None else (int(after[0]), int(after[1]))
             self._serving = True
-            self._send_from = (first[0], first[1] + 1)
+            if after is not None:
+                self._send_from = (int(after[0]), int(after[1]) + 1)
             self._queue = deque(
                 self._block(at, f, *self._held.get(at, (None, None)))
                 for at, f in self._published(self._send_from)

@@ -35,6 +35,20 @@ class InlineHandle:
             return InlineRef(error=e)
 
 
+class DeadHandle:
+    """A role known to be gone (a restarted planner finds no actor by its name).
+
+    Calls fail as calls to a dead actor do, so the caller's failover takes over.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def call(self, method: str, *args: Any) -> InlineRef:
+        """Fail with :class:`ActorDiedError`."""
+        return InlineRef(error=ActorDiedError(f"{self.name}: no such live role"))
+
+
 class InlineRuntime:
     """Roles as plain objects. Loaders still read ahead on their own threads."""
 

@@ -1,0 +1,292 @@
+"""Chaos: kill SourceLoaders, DataConstructors and the Planner while a trainer consumes.
+
+A plan runs on Ray for many steps. Before chosen steps a role is killed, by
+``ray.kill`` or by SIGKILL of its process. The trainer here is one driver that
+takes every rank's batch of a step, then "trains" for ``--step-time`` seconds.
+
+Pass (checked, and printed):
+- the dump equals the uninterrupted embedded run's, line for line (no sample
+  missing or repeated, same order, same ranks);
+- after the job closes, no overlord actor process is left and the shared
+  memory folder holds what it held before;
+- peak memory (PSS of every process of the run) stays within 25% of the same
+  run without faults.
+
+Figures: the longest wait of the trainer for a batch, against the step time of
+the fault-free run, with shadows (default) and without (``--shadows 0``), and
+each failover's time as the planner saw it. The journal's bytes per step are
+measured by ``benchmarks/journal.py``.
+
+    tools/loopback .venv/bin/python benchmarks/chaos.py            # about two minutes
+    tools/loopback .venv/bin/python benchmarks/chaos.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import rollup, run_pids  # noqa: E402
+
+from overlord import Loader, load_plan  # noqa: E402
+from overlord.cli import dump_line, run_plan  # noqa: E402
+from overlord.plan.spec import Plan, validate_plan  # noqa: E402
+
+ROLES = ("loader", "constructor", "planner")
+ACTOR_TITLES = ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")
+
+
+@dataclass(frozen=True)
+class Kill:
+    step: int  # before the trainer asks for this step
+    role: str  # loader, constructor or planner
+    how: str  # "ray.kill" or "sigkill"
+
+
+@dataclass
+class Result:
+    lines: list[str]
+    waits: list[float]  # seconds the trainer waited for each step's batches
+    peak_pss: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+    leftover: list[str] = field(default_factory=list)
+    shm_before: set[str] = field(default_factory=set)
+    shm_after: set[str] = field(default_factory=set)
+
+
+def write_corpus(root: Path, sources: int = 3, files: int = 6, docs: int = 400) -> Path:
+    """A small multi-source corpus and its plan (JSONL, documents of varied length)."""
+    rng = random.Random(7)
+    words = ["the", "of", "data", "loader", "shard", "token", "planner", "rank", "step", "mix"]
+    entries = []
+    for s in range(sources):
+        name = f"src{s}"
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            with open(root / name / f"part-{f}.jsonl", "w") as out:
+                for _ in range(docs):
+                    n = int(rng.lognormvariate(4.5, 1.0)) + 5
+                    text = " ".join(rng.choice(words) for _ in range(n))
+                    out.write(json.dumps({"text": text}) + "\n")
+        entries.append({"name": name, "path": f"{name}/*.jsonl", "format": "jsonl", "loaders": 2})
+    plan = {
+        "seed": 3,
+        "sources": entries,
+        "mixture": {
+            "schedule": [
+                {"step": 0, "weights": {e["name"]: 1.0 + i for i, e in enumerate(entries)}},
+                {"step": 200, "weights": {e["name"]: 3.0 - i for i, e in enumerate(entries)}},
+            ]
+        },
+        "batch": {"tokens_per_step": 8 * 4096, "max_seq_len": 4096, "prefetch_steps": 2},
+        "world": {"dp": 4},
+        "balance": {"method": "kk", "cost": {"alpha": 1.0, "beta": 0.001}},
+        "loading": {"timeout_s": 60},
+    }
+    path = root / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def with_shadows(plan: Plan, shadows: int | None) -> Plan:
+    data = plan.model_dump(mode="json")
+    for s in data["sources"]:
+        s["shadows"] = shadows
+    return validate_plan(data, base_dir=plan.base_dir)
+
+
+def schedule(steps: int, kills: int, seed: int, roles: tuple[str, ...] = ROLES) -> list[Kill]:
+    """``kills`` kills at random steps (after the first few), cycling through ``roles``."""
+    rng = random.Random(seed)
+    at = sorted(rng.sample(range(3, steps - 2), kills))
+    return [
+        Kill(s, roles[i % len(roles)], rng.choice(("ray.kill", "sigkill")))
+        for i, s in enumerate(at)
+    ]
+
+
+def reference(plan: Plan, steps: int) -> list[str]:
+    out = io.StringIO()
+    run_plan(plan, steps, runtime="inline", dump=out, progress=False)
+    return out.getvalue().splitlines()
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _kill(loader: Loader, kill: Kill, rng: random.Random) -> str:
+    import ray
+
+    rt = loader.runtime
+    if kill.role == "planner":
+        handle = loader.planner
+    elif kill.role == "constructor":
+        handle = rng.choice(loader.constructors)
+    else:
+        layout = rt.get(loader.planner.call("layout"))
+        slots = [h for hs in layout["loaders"].values() for h in hs]
+        handle = rng.choice(slots)
+        handle = getattr(handle, "group", handle)  # a group member: its process
+    if kill.how == "sigkill":
+        pid = rt.get(handle.call("pid"))
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL {handle.name} (pid {pid})"
+    # planner and constructors are restarted by Ray; loaders are replaced by the planner
+    ray.kill(handle.actor, no_restart=kill.role == "loader")
+    return f"ray.kill {handle.name}"
+
+
+class _PeakPss:
+    """Samples the total PSS of every process of this run on a thread."""
+
+    def __init__(self, every: float = 0.2):
+        self.peak, self.every = 0, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pss = sum((rollup(p) or {}).get("pss", 0) for p in run_pids({os.getpid()}))
+            pss += (rollup(os.getpid()) or {}).get("pss", 0)
+            self.peak = max(self.peak, pss)
+            self._stop.wait(self.every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def actor_processes() -> list[str]:
+    """Live processes of overlord actors (Ray titles a process by the actor it runs)."""
+    out = []
+    for pid in run_pids({os.getpid()}):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(ACTOR_TITLES):
+            out.append(f"{title} (pid {pid})")
+    return out
+
+
+def run(
+    plan: Plan, steps: int, kills: list[Kill], step_time: float, job: str, seed: int = 0
+) -> Result:
+    """Consume ``steps`` steps on Ray, killing roles as ``kills`` says."""
+    rng = random.Random(seed)
+    shm_before = _shm()
+    meter = _PeakPss()
+    lines: list[str] = []
+    waits: list[float] = []
+    by_step = {k.step: k for k in kills}
+    loader = Loader(plan, runtime="ray", job=job)
+    events: list[dict[str, Any]] = []
+    try:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for step in range(steps):
+            if step in by_step:
+                what = _kill(loader, by_step[step], rng)
+                events.append({"step": step, "kill": what})
+            t0 = time.perf_counter()
+            batches = [next(c) for c in clients]
+            waits.append(time.perf_counter() - t0)
+            lines += [dump_line(b) for b in batches]
+            time.sleep(step_time)  # the training step
+        events += loader.runtime.get(loader.planner.call("stats"))["events"]
+    finally:
+        loader.close()
+    peak = meter.stop()
+    deadline = time.monotonic() + 20
+    while actor_processes() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return Result(lines, waits, peak, events, actor_processes(), shm_before, _shm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--kills", type=int, default=9)
+    ap.add_argument("--step-time", type=float, default=0.2, help="simulated training step (s)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="40 steps, 3 kills")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.kills = 40, 3
+    import ray
+
+    from overlord.runtime.ray_runtime import init_ray
+
+    init_ray(None)
+    root = Path(tempfile.mkdtemp(prefix="overlord-chaos-"))
+    plan = load_plan(write_corpus(root))
+    want = reference(plan, a.steps)
+    kills = schedule(a.steps, a.kills, a.seed)
+    print(f"plan: {root / 'plan.yaml'}; {a.steps} steps; kills: {kills}")
+    rows = []
+    for label, shadows, ks in [
+        ("fault-free", None, []),
+        ("kills, 1 shadow", 1, kills),
+        ("kills, no shadow", 0, kills),
+    ]:
+        res = run(with_shadows(plan, shadows), a.steps, ks, a.step_time, f"chaos-{len(rows)}")
+        exact = res.lines == want
+        rows.append((label, res, exact))
+        for e in res.events:
+            print(f"  [{label}] {e}")
+    base = rows[0][1]
+    step = a.step_time + sum(base.waits[1:]) / len(base.waits[1:])
+    print(f"\nfault-free step time (training {a.step_time:.2f} s + mean wait): {step:.3f} s")
+    print("waits exclude the first step (actors starting: 'first batch')\n")
+    print(
+        "| run | exact | first batch (s) | longest wait (s) | / step time | "
+        "peak PSS (MiB) | vs fault-free |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    ok = True
+    for label, res, exact in rows:
+        ratio = res.peak_pss / base.peak_pss
+        longest = max(res.waits[1:])
+        print(
+            f"| {label} | {'yes' if exact else 'NO'} | {res.waits[0]:.2f} | {longest:.3f} | "
+            f"{longest / step:.2f} | {res.peak_pss / 2**20:.0f} | {ratio:.2f} |"
+        )
+        ok &= exact and ratio <= 1.25 and not res.leftover and res.shm_after <= res.shm_before
+        if res.leftover:
+            print(f"  left over after close: {res.leftover}")
+        if not res.shm_after <= res.shm_before:
+            print(f"  new in /dev/shm: {sorted(res.shm_after - res.shm_before)}")
+    fails = [e for _, r, _ in rows for e in r.events if e.get("event") == "failover"]
+    if fails:
+        secs = sorted(e["seconds"] for e in fails)
+        print(
+            f"\nfailover time in the planner: median {secs[len(secs) // 2] * 1e3:.1f} ms, "
+            f"max {secs[-1] * 1e3:.1f} ms over {len(secs)} failovers"
+        )
+    ray.shutdown()
+    print("\nPASS" if ok else "\nFAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
