@@ -89,7 +89,10 @@ def write_corpus(root: Path, sources: int = 3, files: int = 6, docs: int = 400) 
         "mixture": {
             "schedule": [
                 {"step": 0, "weights": {e["name"]: 1.0 + i for i, e in enumerate(entries)}},
-                {"step": 200, "weights": {e["name"]: 3.0 - i for i, e in enumerate(entries)}},
+                {
+                    "step": 200,
+                    "weights": {e["name"]: float(len(entries) - i) for i, e in enumerate(entries)},
+                },
             ]
         },
         "batch": {"tokens_per_step": 8 * 4096, "max_seq_len": 4096, "prefetch_steps": 2},

@@ -41,6 +41,9 @@ def test_killing_loaders_constructors_and_the_planner_leaves_the_stream_exact(ra
     assert not got.leftover, got.leftover  # every actor process of the job is gone
     assert got.shm_after <= got.shm_before
     assert not actor_processes()
+    # a second job of the same name starts cleanly after all that
+    again = run(with_shadows(plan, 1), 3, [], step_time=0.0, job="chaos-ci")
+    assert again.lines == want[: len(again.lines)]
 
 
 def test_without_shadows_a_killed_loader_is_read_again_and_the_stream_is_exact(ray_session, plan):

@@ -14,8 +14,9 @@ class CostModel:
     """``alpha * L + beta * L**2`` per document of L tokens, plus an image-encoder term.
 
     With a model shape, ``alpha = 6 * params`` (dense matmuls, forward and
-    backward) and ``beta = 6 * layers * hidden`` (causal attention over a
-    document-masked pack, where each document attends only to itself).
+    backward) and ``beta = 6 * layers * hidden * attention_factor`` (causal
+    attention over a document-masked pack, where each document attends only to
+    itself; attention kernels run fewer FLOP/s than matmuls, by the factor).
 
     >>> CostModel(alpha=1.0, beta=0.5).cost(np.array([2, 4])).tolist()
     [4.0, 12.0]
@@ -31,7 +32,8 @@ class CostModel:
         """Build from the plan's ``balance.cost``."""
         if spec.model is not None:
             m = spec.model
-            return cls(6.0 * m.params, 6.0 * m.layers * m.hidden, spec.patch_alpha, spec.patch_beta)
+            beta = 6.0 * m.layers * m.hidden * m.attention_factor
+            return cls(6.0 * m.params, beta, spec.patch_alpha, spec.patch_beta)
         assert spec.alpha is not None and spec.beta is not None  # checked by plan validation
         return cls(spec.alpha, spec.beta, spec.patch_alpha, spec.patch_beta)
 

@@ -141,6 +141,12 @@ class ModelShape(_Model):
     params: float = Field(gt=0)
     layers: int = Field(gt=0)
     hidden: int = Field(gt=0)
+    attention_factor: float = Field(
+        1.0,
+        gt=0,
+        description="time per FLOP of attention over that of the matmuls (FlashAttention's "
+        "varlen kernels measured 2.0 on an H200 in bf16: benchmarks/cost_fit.py)",
+    )
 
 
 class CostSpec(_Model):
