@@ -280,3 +280,17 @@ def test_a_read_that_never_returns_times_out_naming_the_source_and_file(tmp_path
         assert time.monotonic() - t0 < 10  # the plan's 1.5 s, and the close
     finally:
         stuck.set()  # let the stuck reader thread end with the test
+
+
+def test_loaders_measure_what_a_token_costs_them(plan_path):
+    """The autoscaler's input: CPU seconds per token and per sample, memory, queue depth."""
+    with Loader(load_plan(plan_path)) as loader:
+        clients = [loader.client(r) for r in range(2)]
+        for _ in range(3):
+            for c in clients:
+                next(c)
+        stats = loader.stats()["loaders"]
+    assert len(stats) == 4
+    for s in stats:
+        assert 0 < s["cpu_s_per_token"] < 1e-2 and s["cpu_s_per_sample"] > s["cpu_s_per_token"]
+        assert s["rss_bytes"] > 0 and s["queued_blocks"] >= 0 and not s["shadow"]

@@ -44,6 +44,7 @@ from overlord.sources.shard import ShardItems, load_shard_items, shard_order
 from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 64
+COST_EMA = 0.2  # weight of the newest shard in the per-token cost's moving average
 
 
 def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
@@ -129,6 +130,7 @@ class SourceLoader:
         self._closed = False
         self._reading = ""  # the shard the reader waits for, for error messages
         self._stats = {"shards": 0, "items": 0, "tokens": 0, "read_s": 0.0, "skipped": 0}
+        self._cost: dict[str, float] = {}
         self._skipped: list[str] = []
         self._dropped = 0
         self._counted: set[int] = set()  # files whose bad records are counted (once, not per epoch)
@@ -148,12 +150,13 @@ class SourceLoader:
                     yield epoch, p
             epoch, pos = epoch + 1, 0
 
-    def _load(self, epoch: int, pos: int) -> tuple[ShardItems, float]:
-        t0 = time.perf_counter()
+    def _load(self, epoch: int, pos: int) -> tuple[ShardItems, float, float]:
+        """One shard's items, the wall seconds and the CPU seconds (this thread's) it took."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         items = load_shard_items(self.plan, self.spec, self.shards, self.tokenizer, epoch, pos)
         # the shard's text is gone; hand Arrow's freed pages back instead of keeping them
         pa.default_memory_pool().release_unused()
-        return items, time.perf_counter() - t0
+        return items, time.perf_counter() - t0, time.thread_time() - c0
 
     def _keep_mask(self, at: Position, n: int) -> np.ndarray:
         """Items of shard ``at`` not consumed yet (per the floor, skip runs, releases)."""
@@ -179,7 +182,7 @@ class SourceLoader:
                     self._lock.wait(0.5)
             return
         positions = self._positions()
-        pending: deque[tuple[tuple[int, int], Future[tuple[ShardItems, float]]]] = deque()
+        pending: deque[tuple[tuple[int, int], Future[tuple[ShardItems, float, float]]]] = deque()
         try:
             while not self._closed:
                 while len(pending) < self.plan.loading.threads:
@@ -189,14 +192,14 @@ class SourceLoader:
                 order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
                 file_index = order[pos]
                 self._reading = self.shards[file_index].name
-                items, seconds = fut.result()
-                self._publish(items, seconds)
+                items, seconds, cpu = fut.result()
+                self._publish(items, seconds, cpu)
         except BaseException as e:  # handed to the planner by metadata()
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
 
-    def _publish(self, items: ShardItems, seconds: float) -> None:
+    def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
         at = (items.epoch, items.shard_pos)
         with self._lock:
             while not self._closed and (
@@ -220,6 +223,15 @@ class SourceLoader:
             s["items"] += len(idx)
             s["tokens"] += tokens
             s["read_s"] += seconds
+            # moving averages of what a token and a sample cost to read, decode and tokenize
+            # (the autoscaler's measure); over every item of the shard, kept or not
+            n_tok, n_items = max(1, int(items.length.sum())), max(1, len(items))
+            for key, value in (
+                ("s_per_token", cpu / n_tok),
+                ("s_per_sample", cpu / n_items),
+            ):
+                old = self._cost.get(key)
+                self._cost[key] = value if old is None else old + COST_EMA * (value - old)
             if items.file_index not in self._counted:
                 self._counted.add(items.file_index)
                 s["skipped"] += len(items.skipped)
@@ -428,6 +440,10 @@ class SourceLoader:
                 "held_tokens": self._held_tokens,
                 "held_shards": len(self._held),
                 "shadow": not self._serving,
+                "queued_blocks": len(self._queue),
+                "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
+                "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
+                "rss_bytes": _rss(),
                 "budget_tokens": self._budget,
                 "dropped": self._dropped,
                 "skipped_examples": list(self._skipped),
@@ -441,3 +457,12 @@ class SourceLoader:
             self._queue.clear()
             self._lock.notify_all()
         self._thread.join(timeout=2)  # a reader stuck in a hung read is a daemon: left behind
+
+
+def _rss() -> int:
+    """Resident memory of this process (the loader's, when it has a process of its own)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
