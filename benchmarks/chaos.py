@@ -279,6 +279,15 @@ def main() -> int:
             print(f"  left over after close: {res.leftover}")
         if not res.shm_after <= res.shm_before:
             print(f"  new in /dev/shm: {sorted(res.shm_after - res.shm_before)}")
+    print("\nlongest wait in the 3 steps from a kill, by the role killed (s, and / step time):\n")
+    print("| run | " + " | ".join(ROLES) + " |")
+    print("|---|" + "---|" * len(ROLES))
+    for label, res, _ in rows[1:]:
+        cells = []
+        for role in ROLES:
+            ws = [max(res.waits[k.step : k.step + 3]) for k in kills if k.role == role]
+            cells.append(f"{max(ws):.3f} ({max(ws) / step:.2f})" if ws else "-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
     fails = [e for _, r, _ in rows for e in r.events if e.get("event") == "failover"]
     if fails:
         secs = sorted(e["seconds"] for e in fails)

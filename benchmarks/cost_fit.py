@@ -16,6 +16,13 @@ takes the first that works, checked against ``sdpa-loop`` on a small row):
 - ``sdpa-loop``: ``scaled_dot_product_attention(is_causal=True)`` per
   document slice (exact, but a Python loop; the CPU path).
 
+On a GPU machine that has torch but not pydantic (which ``overlord.plan``
+needs), carry its wheels and put them on the path first, e.g. ``pip download
+--no-deps --only-binary=:all: -d .whl pydantic==2.14.4 pydantic-core==2.50.5
+annotated-types typing-inspection typing-extensions`` (for that machine's
+Python and platform), then ``pip install --no-deps --target /tmp/site
+.whl/*.whl`` and ``PYTHONPATH=/tmp/site:. python3 benchmarks/cost_fit.py``.
+
 Each time is the median of ``--reps`` repetitions timed with CUDA events
 (``perf_counter`` on CPU), after warm-up (more for the first row of a shape,
 where ``torch.compile`` runs).
