@@ -50,10 +50,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from synthetic import consume, model_7b, weights, windows  # noqa: E402
+from synthetic import model_7b, next_step, weights, windows  # noqa: E402
 
 from overlord.plan import balance as bal  # noqa: E402
-from overlord.plan.select import MixState, select_step  # noqa: E402
+from overlord.plan.select import MixState  # noqa: E402
 from overlord.plan.spec import BalanceMethod  # noqa: E402
 
 METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
@@ -119,11 +119,7 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     kk_fallback = 0
     violations = 0  # steps where a method beat LB_cap: there must be none
     for _ in range(steps):
-        sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
-        consume(wins, sel)
-        tok = np.asarray(sel.tokens, dtype=np.int64)
-        ref_row = np.asarray(sel.ref_row, dtype=np.int64)
-        cost = cm.cost(tok)
+        tok, ref_row, cost = next_step(wins, w, mix, rows, cap, LOOKAHEAD, cm)
         lb = bal.lower_bound(cost, dp)
         lb_cap = capacity_bound(tok, cost, cm.alpha, cm.beta, dp, rpr * cap)
         for m in METHODS:

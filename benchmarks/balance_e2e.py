@@ -80,7 +80,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from balance import capacity_bound  # noqa: E402
 from planner import pin_one_cpu  # noqa: E402
-from synthetic import SOURCES, Window, consume, doc_lengths, model_7b, split_docs, weights, windows  # noqa: E402
+from synthetic import (  # noqa: E402
+    SOURCES,
+    Window,
+    doc_lengths,
+    model_7b,
+    next_step,
+    split_docs,
+    weights,
+    windows,
+)
 
 from overlord.plan import balance as bal  # noqa: E402
 from overlord.plan.select import MixState, select_step  # noqa: E402
@@ -200,11 +209,7 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     items = sq_runs = 0
     for _ in range(steps):
         # overlord's global step, and (b), kk, lpt and the prototype on it
-        sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
-        consume(wins, sel)
-        tok = np.asarray(sel.tokens, dtype=np.int64)
-        ref_row = np.asarray(sel.ref_row, dtype=np.int64)
-        cost = cm.cost(tok)
+        tok, ref_row, cost = next_step(wins, w, mix, rows, cap, LOOKAHEAD, cm)
         total, sq = float(tok.sum()), float((tok.astype(np.float64) ** 2).sum())
         step_lb = bal.lower_bound(cost, dp)
         step_lb_cap = capacity_bound(tok, cost, a, b, dp, rpr * cap)

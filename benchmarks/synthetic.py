@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from overlord.plan.cost import CostModel
+from overlord.plan.select import select_step
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,22 @@ def consume(wins: list[Window], sel: Any) -> None:
     """Take a step's chosen items (a :class:`Selection`) out of their windows."""
     for s, win in enumerate(wins):
         win.take([p for src, p in zip(sel.source, sel.pending_index) if src == s])
+
+
+def next_step(
+    wins: list[Window],
+    weights: np.ndarray,
+    mix: Any,
+    rows: int,
+    cap: int,
+    lookahead: int,
+    model: CostModel,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Select one global step, take its items out of the windows; (tokens, ref_row, cost)."""
+    sel = select_step(wins, weights, mix, rows, cap, lookahead)
+    consume(wins, sel)
+    tokens = np.asarray(sel.tokens, dtype=np.int64)
+    return tokens, np.asarray(sel.ref_row, dtype=np.int64), model.cost(tokens)
 
 
 def windows(cap: int, seed: int) -> list[Window]:

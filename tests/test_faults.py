@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import make_corpus
 
@@ -217,14 +218,16 @@ def test_a_torn_or_corrupt_record_is_rejected_with_its_place_and_the_rest_is_use
         read_segment(seg)
     got = recover(path)[-1]
     assert "torn record" in got.problems[0] and "records before it are used" in got.problems[0]
-    assert len(got.deltas) + 1 + sum(1 for r in records if r["t"] == "cons") >= len(records) - 2
+    # every record but the torn last one is used
+    assert got.deltas == [r["d"] for r in records[:-1] if r["t"] == "plan"]
+    assert got.consumed == max(r["s"] for r in records[:-1] if r["t"] == "cons")
     # a flipped byte in the middle: its checksum fails, reading stops there
     lines = data.splitlines(keepends=True)
     bad = lines[2].replace(b'"t"', b'"T"', 1)
     seg.write_bytes(b"".join([*lines[:2], bad, *lines[3:]]))
     with pytest.raises(JournalError, match="record 2 at byte .*checksum mismatch"):
         read_segment(seg)
-    assert len(recover(path)[-1].deltas) <= 1
+    assert recover(path)[-1].deltas == [r["d"] for r in records[1:2] if r["t"] == "plan"]
 
 
 def test_a_journal_without_an_intact_snapshot_is_an_error(tmp_path):
@@ -294,3 +297,39 @@ def test_loaders_measure_what_a_token_costs_them(plan_path):
     for s in stats:
         assert 0 < s["cpu_s_per_token"] < 1e-2 and s["cpu_s_per_sample"] > s["cpu_s_per_token"]
         assert s["rss_bytes"] > 0 and s["queued_blocks"] >= 0 and not s["shadow"]
+
+
+def test_a_repeated_delivery_is_dropped_by_its_step_and_rank():
+    """A retried call may hand the client a batch it already has: it is skipped."""
+    from overlord.batch import Batch
+    from overlord.roles.client import Client
+    from overlord.runtime.inline import InlineHandle, InlineRuntime
+
+    def batch(step: int) -> Batch:
+        z = np.zeros(0, dtype=np.int32)
+        return Batch(step, 1, z, z, z, z, z, [], 0.0)
+
+    class Replays:  # answers the first request for step 1 with step 0 again
+        def __init__(self) -> None:
+            self.replayed = False
+
+        def batch(self, step: int, rank: int) -> Batch:
+            if step == 1 and not self.replayed:
+                self.replayed = True
+                return batch(0)
+            return batch(step)
+
+    class Planner:
+        def mark_consumed(self, rank: int, step: int) -> None:
+            pass
+
+    rt = InlineRuntime()
+    client = Client(1, InlineHandle(Replays(), "c"), InlineHandle(Planner(), "p"), rt, 0, 3)
+    assert [b.step for b in client] == [0, 1, 2]
+
+    class Wrong(Replays):
+        def batch(self, step: int, rank: int) -> Batch:
+            return batch(step + 1)
+
+    with pytest.raises(LoaderError, match="asked for step 0 and received step 1"):
+        next(Client(1, InlineHandle(Wrong(), "c"), InlineHandle(Planner(), "p"), rt, 0))

@@ -36,12 +36,12 @@ class SourceCursor:
         runtime: Runtime,
         timeout: float,
         start: dict[str, Any] | None = None,
-        failover: Callable[[int, str], Any] | None = None,
+        failover: Callable[[int, str], Handle] | None = None,
     ):
         self.name, self.n_shards = name, n_shards
         self.loaders, self.runtime, self.timeout = list(loaders), runtime, timeout
-        # called with (loader index, dead handle's name) when a loader died; it replaces
-        # ``self.loaders[k]`` with a live replica
+        # called with (loader index, dead handle's name) when a loader died; returns the
+        # slot's live primary
         self.failover = failover
         self._received: list[list[int] | None] = [None] * len(loaders)  # last shard, per loader
         start = start or {}
@@ -78,9 +78,7 @@ class SourceCursor:
             blocks = self._metadata(k)
             if blocks:
                 self._received[k] = [int(blocks[-1]["epoch"]), int(blocks[-1]["shard_pos"])]
-            queue.extend(blocks)
-            if not queue:
-                return
+            queue.extend(blocks)  # never empty: metadata() waits for a block or raises
         block = queue.popleft()
         got = (int(block["epoch"]), int(block["shard_pos"]))
         if got != (epoch, pos):
@@ -124,7 +122,7 @@ class SourceCursor:
             except ActorDiedError:
                 if self.failover is None:
                     raise
-                self.failover(k, replica_name(handle))
+                self.loaders[k] = self.failover(k, replica_name(handle))
 
     def received(self, k: int) -> list[int] | None:
         """The last shard ``[epoch, shard_pos]`` received from loader ``k`` (None: none yet)."""

@@ -89,7 +89,6 @@ class Planner:
         self.events: list[dict[str, Any]] = []  # failovers and recoveries, for the summary
         self.journal: Journal | None = None
         self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
-        self._journaled_to = -1  # the last step whose delta is in the journal
         recovered = None
         if journal is not None:
             self.journal = Journal(journal, self.plan.recovery.fsync)
@@ -380,7 +379,6 @@ class Planner:
             slot.append(fresh)
         while len(slot) < 1 + self.shadows[source]:
             slot.append(self._spawn_loader(source, k, shadow=True))
-        cursor.loaders[k] = slot[0]
         if self.journal is not None:
             self.journal.loaders(self._slot_names())
         event = {
@@ -424,7 +422,6 @@ class Planner:
                 )
             return
         self.journal.delta(step, delta)
-        self._journaled_to = step
         if self.next_step % self.plan.recovery.snapshot_every == 0:
             self.journal.snapshot(self._snapshot(), min(self.consumed), self._slot_names())
 
@@ -463,7 +460,6 @@ class Planner:
             }
         self.journal.continue_after(segments[-1])
         self._verify = {s: d for s, d in deltas.items() if s >= want}
-        self._journaled_to = max(deltas, default=want - 1)
         self.events.append(
             {
                 "event": "planner-recovered",

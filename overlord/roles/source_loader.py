@@ -44,7 +44,14 @@ from overlord.sources.shard import ShardItems, load_shard_items, shard_order
 from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 64
-COST_EMA = 0.2  # weight of the newest shard in the per-token cost's moving average
+COST_EMA = 0.2
+# metadata columns of a block: key, ShardItems field, dtype
+_BLOCK_COLUMNS = (
+    ("tokens", "length", np.int32),
+    ("row", "row", np.int64),
+    ("chunk", "chunk", np.int32),
+    ("patches", "patches", np.int32),
+)  # weight of the newest shard in the per-token cost's moving average
 
 
 def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
@@ -244,29 +251,17 @@ class SourceLoader:
         at: Position, file_index: int, items: ShardItems | None, keep: np.ndarray | None
     ) -> dict[str, Any]:
         """The metadata of shard ``at``'s items in ``keep`` (none without items)."""
-        if items is None or keep is None:
-            z = np.zeros(0, dtype=np.int64)
-            return {
-                "epoch": at[0],
-                "shard_pos": at[1],
-                "file_index": file_index,
-                "index": z,
-                "tokens": z.astype(np.int32),
-                "row": z,
-                "chunk": z.astype(np.int32),
-                "patches": z.astype(np.int32),
-            }
-        idx = np.flatnonzero(keep)
-        return {
+        idx = np.flatnonzero(keep) if keep is not None else np.zeros(0, dtype=np.int64)
+        block: dict[str, Any] = {
             "epoch": at[0],
             "shard_pos": at[1],
             "file_index": file_index,
             "index": idx.astype(np.int64),
-            "tokens": items.length[idx],
-            "row": items.row[idx],
-            "chunk": items.chunk[idx],
-            "patches": items.patches[idx],
         }
+        for key, attr, dtype in _BLOCK_COLUMNS:
+            column = getattr(items, attr) if items is not None else np.zeros(0, dtype=dtype)
+            block[key] = column[idx]
+        return block
 
     def _published(self, first: Position) -> Iterator[tuple[Position, int]]:
         """Shards of this loader from ``first`` to the last one published, with file indexes."""
@@ -351,23 +346,29 @@ class SourceLoader:
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
         with self._lock:
-            for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
-                self._release_one((e, p), i)
+            if len(keys):
+                order = np.lexsort((keys[:, 1], keys[:, 0]))  # by shard, one pass per shard
+                keys = keys[order]
+                cut = np.flatnonzero(np.any(np.diff(keys[:, :2], axis=0) != 0, axis=1)) + 1
+                for part in np.split(keys, cut):
+                    self._release_in((int(part[0, 0]), int(part[0, 1])), part[:, 2])
             self._lock.notify_all()
 
-    def _release_one(self, at: Position, i: int) -> None:
+    def _release_in(self, at: Position, index: np.ndarray) -> None:
+        """Release items ``index`` of shard ``at`` (lock held)."""
         entry = self._held.get(at)
         if entry is None:
-            if at > self._last:
-                self._released_ahead.setdefault(at, []).append(i)  # not read yet
+            if at > self._last:  # not read yet: dropped when it is
+                self._released_ahead.setdefault(at, []).extend(index.tolist())
             return
         items, remaining = entry
-        if remaining[i]:
-            remaining[i] = False
-            self._held_tokens -= int(items.length[i])
-            if not remaining.any():
-                del self._held[at]
+        freed = index[remaining[index]]
+        remaining[freed] = False
+        self._held_tokens -= int(items.length[freed].sum())
+        if not remaining.any():
+            del self._held[at]
 
     def promote(self, after: list[int] | None) -> None:
         """Start serving metadata: every shard after ``after`` (``[epoch, shard_pos]``).
@@ -398,8 +399,10 @@ class SourceLoader:
             self._floor = (int(start["epoch"]), int(start["shard_pos"]), int(start["index"]))
             self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
             first: Position = self._floor[:2]
-            for at in [at for at in self._held if at < first]:
-                del self._held[at]  # consumed
+            for at in [at for at in self._held if at < first]:  # consumed
+                self._release_in(at, np.flatnonzero(self._held[at][1]))
+            for at in [at for at in self._released_ahead if at < first]:
+                del self._released_ahead[at]
             blocks = []
             for at, f in self._published(first):
                 entry = self._held.get(at)
@@ -415,12 +418,8 @@ class SourceLoader:
                         f"item {(*at, int(np.flatnonzero(lost)[0]))} was released already "
                         "(the planner's journal is older than what every rank consumed)"
                     )
-                for i in np.flatnonzero(remaining & ~keep).tolist():
-                    self._release_one(at, i)
+                self._release_in(at, np.flatnonzero(remaining & ~keep))
                 blocks.append(self._block(at, f, items, keep))
-            self._held_tokens = sum(
-                int(items.length[remaining].sum()) for items, remaining in self._held.values()
-            )
             self._send_from = first
             if self._serving:
                 self._queue = deque(blocks)
