@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -68,7 +67,7 @@ def decode(line: bytes, where: str) -> dict[str, Any]:
 
 @dataclass
 class Recovered:
-    """What a journal holds: the snapshot its newest valid segment starts with, and after it."""
+    """What one segment of a journal holds: its snapshot and the valid records after it."""
 
     snapshot: dict[str, Any]  # the planner state before step ``snapshot["step"]``
     deltas: list[dict[str, Any]] = field(default_factory=list)  # one per step, in order
@@ -100,6 +99,11 @@ def read_segment(path: Path, strict: bool = True) -> tuple[list[dict[str, Any]],
             return records, offset, str(e)
         offset += len(line)
     return records, offset, None
+
+
+def _start(segment: Path) -> int:
+    """The step a segment's snapshot is the state before."""
+    return int(segment.name[4:-4])
 
 
 def segments(directory: Path) -> list[Path]:
@@ -161,6 +165,7 @@ class Journal:
         self.bytes: dict[str, int] = {"snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.records: dict[str, int] = {"snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.write_s = 0.0
+        self._starts = [_start(p) for p in segments(self.directory)]  # first step of each
 
     def continue_after(self, recovered: Recovered) -> None:
         """Append to the recovered segment, cutting off its torn or corrupt end first."""
@@ -169,6 +174,7 @@ class Journal:
         for later in segments(self.directory):
             if later.name > seg.name:  # its snapshot was unreadable
                 later.unlink()
+                self._starts.remove(_start(later))
         with open(seg, "r+b") as f:
             f.truncate(recovered.end)
         self._file = open(seg, "ab")  # noqa: SIM115 (kept open: one write per step)
@@ -195,6 +201,7 @@ class Journal:
         self._file = open(tmp, "ab")  # noqa: SIM115
         self._write({"t": "snap", "state": state, "consumed": consumed, "loaders": loaders})
         os.replace(tmp, path)  # a segment exists only once its snapshot is whole
+        self._starts.append(step)
 
     def delta(self, step: int, delta: dict[str, Any]) -> None:
         """What planning step ``step`` changed."""
@@ -205,11 +212,10 @@ class Journal:
         self._write({"t": "cons", "s": step})
         # a recovery starts from the state before step+1: keep the newest segment
         # that starts at or before it, and those after
-        segs = segments(self.directory)
-        starts = [int(_SEGMENT.match(p.name).group(1)) for p in segs]  # type: ignore[union-attr]
-        usable = [i for i, s in enumerate(starts) if s <= step + 1]
-        for p in segs[: usable[-1] if usable else 0]:
-            p.unlink(missing_ok=True)
+        usable = [s for s in self._starts if s <= step + 1]
+        for s in [s for s in self._starts if usable and s < usable[-1]]:
+            (self.directory / f"seg-{s:010d}.log").unlink(missing_ok=True)
+            self._starts.remove(s)
 
     def loaders(self, loaders: dict[str, Any]) -> None:
         """The replica sets changed (a failover)."""
@@ -219,10 +225,8 @@ class Journal:
         """Bytes and records written, per kind, and the time spent writing."""
         return {"bytes": dict(self.bytes), "records": dict(self.records), "write_s": self.write_s}
 
-    def close(self, remove: bool = False) -> None:
-        """Close the file; ``remove`` deletes the journal (a job that ended cleanly)."""
+    def close(self) -> None:
+        """Close the file (the job's owner removes the folder)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if remove:
-            shutil.rmtree(self.directory, ignore_errors=True)

@@ -139,32 +139,31 @@ class DataConstructor:
         out = []
         todo = slots
         for _ in range(MAX_FAILOVERS):
-            calls: list[tuple[Any, list[tuple[int, int, np.ndarray]], list[str | None]]] = []
-            grouped: dict[int, tuple[Handle, dict[str, Any], list[Any], list[str | None]]] = {}
+            # each call, and the (source, loader, item indexes, group member) it answers
+            calls: list[tuple[Any, list[tuple[int, int, np.ndarray, str | None]]]] = []
+            grouped: dict[int, tuple[Handle, dict[str, Any], list[Any]]] = {}
             for s, k, mine in todo:
                 handle = self.loaders[s][k]
                 if isinstance(handle, MemberHandle):
-                    g = grouped.setdefault(id(handle.group), (handle.group, {}, [], []))
-                    g[1][handle.name] = keys[mine]
-                    g[2].append((s, k, mine))
-                    g[3].append(handle.name)
+                    group = grouped.setdefault(id(handle.group), (handle.group, {}, []))
+                    group[1][handle.name] = keys[mine]
+                    group[2].append((s, k, mine, handle.name))
                 else:
-                    calls.append((handle.call("take", keys[mine]), [(s, k, mine)], [None]))
-            for group, asked, members, names in grouped.values():
-                calls.append((group.call("take_many", asked), members, names))
+                    calls.append((handle.call("take", keys[mine]), [(s, k, mine, None)]))
+            for group_handle, asked, members in grouped.values():
+                calls.append((group_handle.call("take_many", asked), members))
             todo = []
-            for ref, members, names in calls:
+            for ref, members in calls:
                 try:
                     got = self.runtime.get(ref)
                 except ActorDiedError:
-                    for s, k, mine in members:
+                    for s, k, mine, _ in members:
                         dead = replica_name(self.loaders[s][k])
                         new = self.planner.call("failover", self.names[s], k, dead)
                         self.loaders[s][k] = self.runtime.get(new)
                         todo.append((s, k, mine))
                     continue
-                for (_, _, mine), member in zip(members, names):
-                    out.append((mine, got if member is None else got[member]))
+                out += [(mine, got if m is None else got[m]) for _, _, mine, m in members]
             if not todo:
                 return out
         raise LoaderError(
