@@ -59,6 +59,10 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/planner_scale.py            # about three minutes
     .venv/bin/python benchmarks/planner_scale.py --quick    # about 30 s (16M only)
+
+Besides the tables it writes the plot ``benchmarks/planner_scale.png`` (``--plot`` to
+choose another path, ``--plot ''`` for none): per-step time against DP for the grid, the
+target point's rows per rank and methods, and metadata bytes per step against DP.
 """
 
 from __future__ import annotations
@@ -435,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 measured steps, 16M tokens only")
     ap.add_argument("--steps", type=int, help="measured steps per setting (default 5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--plot", default="benchmarks/planner_scale.png", help="PNG path ('' for none)")
     args = ap.parse_args(argv)
     steps = args.steps or (2 if args.quick else 5)
     tokens_grid = TOKENS[:1] if args.quick else TOKENS
@@ -621,7 +626,156 @@ def main(argv: list[str] | None = None) -> int:
                 f"so the solver must run; select alone is {none['select']:.1f} ms",
             )
         print(f"- {e['cap']} x {e['rpr']} rows, PROTOTYPES: " + "; ".join(parts))
+    if args.plot:
+        plot(grid, target, args.plot)
+        print(f"\nPlot: {args.plot}")
     return 0
+
+
+def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, path: str) -> None:
+    """Step time against DP (grid), the target point's settings, metadata bytes against DP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2), gridspec_kw={"width_ratios": [5, 4, 4]})
+    tokens_grid = sorted({g[0] for g in grid})
+    methods = [m for m in ("kk", "none") if any(g[3] == m for g in grid)]
+    colors = {
+        (t, m): plt.get_cmap("tab10")(2 * i + j)
+        for i, t in enumerate(tokens_grid)
+        for j, m in enumerate(methods)
+    }
+
+    ax = axes[0]
+    for t in tokens_grid:
+        for m in methods:
+            pts = sorted((g for g in grid if g[0] == t and g[3] == m), key=lambda g: g[1])
+            dps = [g[1] for g in pts]
+            c = colors[(t, m)]
+            ax.plot(
+                dps,
+                [g[4]["ms"]["full"] for g in pts],
+                "o-",
+                color=c,
+                label=f"{t // MIB}M tokens/step, {m}: full step",
+            )
+            ax.plot(
+                dps,
+                [g[4]["ms"]["plan"] for g in pts],
+                "x:",
+                color=c,
+                alpha=0.7,
+                label=f"{t // MIB}M, {m}: select+cost+assign",
+            )
+        for g in sorted((g for g in grid if g[0] == t and g[3] == methods[0]), key=lambda g: g[1]):
+            top = max(x[4]["ms"]["full"] for x in grid if x[0] == t and x[1] == g[1])
+            ax.annotate(
+                f"{g[2]} x {t // (g[1] * g[2])}",
+                (g[1], top),
+                textcoords="offset points",
+                xytext=(0, 7),
+                ha="center",
+                fontsize=7,
+                color=colors[(t, methods[0])],
+            )
+    ax.axhline(
+        TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms (5% of a 1 s step)"
+    )
+    dps_all = sorted({g[1] for g in grid})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dps_all, [f"{d:,}" for d in dps_all])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("DP (ranks)")
+    ax.set_ylabel("planner time per step, ms (median)")
+    ax.set_title("Grid as shipped (labels: max_seq_len x rows/rank)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.margins(x=0.08, y=0.12)
+    plain_log_ticks(ax)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+
+    ax = axes[1]
+    caps = list(dict.fromkeys(c for c, _, _ in target))
+    tmethods = list(dict.fromkeys(m for _, m, _ in target))
+    width = 0.8 / len(tmethods)
+    for j, m in enumerate(tmethods):
+        rs = [next(r for c, mm, r in target if c == cap and mm == m) for cap in caps]
+        x = np.arange(len(caps)) + (j - (len(tmethods) - 1) / 2) * width
+        label = f"{m} (prototype)" if m == "kk-greedy" else m
+        c = plt.get_cmap("tab10")(j)
+        ax.bar(
+            x,
+            [r["ms"]["full"] for r in rs],
+            width,
+            color=c,
+            alpha=0.85,
+            label=f"{label}: full step",
+        )
+        ax.scatter(
+            x,
+            [r["ms"]["plan"] for r in rs],
+            marker="_",
+            s=120,
+            color="k",
+            zorder=3,
+            label="select+cost+assign" if j == 0 else None,
+        )
+    ax.axhline(TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms")
+    dp, tokens = TARGET
+    ax.set_xticks(range(len(caps)), [f"{c} x {tokens // (dp * c)}" for c in caps])
+    ax.set_yscale("log")
+    ax.set_xlabel("max_seq_len x rows/rank")
+    ax.set_ylabel("planner time per step, ms (median)")
+    ax.set_title(f"Target point: DP {dp:,}, {tokens // MIB}M tokens/step", fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    plain_log_ticks(ax)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+
+    ax = axes[2]
+    for t in tokens_grid:
+        m = methods[0]
+        pts = sorted((g for g in grid if g[0] == t and g[3] == m), key=lambda g: g[1])
+        dps = [g[1] for g in pts]
+        c = colors[(t, m)]
+        ax.plot(
+            dps,
+            [g[4]["in_bytes"] / 1e6 for g in pts],
+            "s--",
+            color=c,
+            label=f"{t // MIB}M: in (loaders to planner)",
+        )
+        ax.plot(
+            dps,
+            [g[4]["out_bytes"] / 1e6 for g in pts],
+            "o-",
+            color=c,
+            label=f"{t // MIB}M: out (rank plans)",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dps_all, [f"{d:,}" for d in dps_all])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("DP (ranks)")
+    ax.set_ylabel("MB per step (pickled)")
+    ax.set_title(f"Metadata bytes per step ({methods[0]})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    plain_log_ticks(ax)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.suptitle("overlord planner scale: one step of the real Planner on one CPU (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plain_log_ticks(ax: Any) -> None:
+    """Ticks at 1, 2, 5 x 10^k on a log y axis, written as plain numbers."""
+    lo, hi = ax.get_ylim()
+    ticks = [m * 10.0**k for k in range(-3, 6) for m in (1, 2, 5) if lo <= m * 10.0**k <= hi]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylim(lo, hi)
 
 
 def row_line(tokens: str, dp: int, cap: int, rpr: int, method: str, r: dict[str, Any]) -> str:

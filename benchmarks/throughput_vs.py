@@ -38,6 +38,10 @@ root (Ray must stay on loopback)::
 
     tools/loopback .venv/bin/python benchmarks/throughput_vs.py            # a few minutes
     tools/loopback .venv/bin/python benchmarks/throughput_vs.py --quick    # about a minute
+
+Besides the table it writes the plot ``benchmarks/throughput_vs.png`` (``--plot`` to
+choose another path, ``--plot ''`` for none): tokens per CPU-second and time to first
+batch of each loader, per tokenizer.
 """
 
 from __future__ import annotations
@@ -403,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a quarter of the tokens, 2 repeats")
     ap.add_argument("--repeats", type=int, help="measurements of each (default 3, quick 2)")
     ap.add_argument("--tokenizer", choices=["bytes", "bpe", "both"], default="both")
+    ap.add_argument("--plot", default="benchmarks/throughput_vs.png", help="PNG path ('' for none)")
     ap.add_argument("--one", choices=LOADERS, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -450,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     verdicts = []
+    meds: dict[str, dict[str, dict[str, float]]] = {}
     for tok in toks:
-        med = {}
+        med = meds[tok] = {}
         for loader in loaders:
             rows = results[(tok, loader)]
             med[loader] = {
@@ -473,7 +479,72 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts.append(f"- {tok}, {loader}: {ratio:.2f} of the best baseline: {verdict}")
     print("\nTarget: overlord at least as many tokens per CPU-second as the fastest baseline:")
     print("\n".join(verdicts))
+    if args.plot:
+        plot(meds, repeats, args.plot)
+        print(f"\nPlot: {args.plot}")
     return 0
+
+
+def plot(meds: dict[str, dict[str, dict[str, float]]], repeats: int, path: str) -> None:
+    """Bars per tokenizer and loader: tokens per CPU-second, and time to first batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    toks = list(meds)
+    loaders = [name for name in LOADERS if any(name in m for m in meds.values())]
+    colors = dict(zip(LOADERS, ("tab:blue", "tab:cyan", "tab:red", "tab:orange")))
+    width = 0.8 / len(loaders)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
+    panels = (
+        ("per_cpu", "tokens per CPU-second (all processes)", "Throughput per CPU-second", True),
+        ("ttfb", "seconds, from the loader's construction", "Time to first batch", False),
+    )
+    for ax, (key, ylabel, title, ratio) in zip(axes, panels):
+        for j, name in enumerate(loaders):
+            x = np.arange(len(toks)) + (j - (len(loaders) - 1) / 2) * width
+            vals = [meds[t][name][key] if name in meds[t] else np.nan for t in toks]
+            bars = ax.bar(x, vals, width, color=colors[name], label=name)
+            for b, t, v in zip(bars, toks, vals):
+                if np.isnan(v):
+                    continue
+                text = f"{v / 1e6:.2f}M" if key == "per_cpu" else f"{v:.2f}"
+                if ratio:
+                    best = max(
+                        m["per_cpu"] for n, m in meds[t].items() if not n.startswith("overlord")
+                    )
+                    text += f"\n{v / best:.2f}x"
+                ax.annotate(
+                    text,
+                    (b.get_x() + b.get_width() / 2, v),
+                    textcoords="offset points",
+                    xytext=(0, 2),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+        ax.set_xticks(range(len(toks)), [f"tokenizer: {t}" for t in toks])
+        ax.set_yscale("log")
+        ax.margins(y=0.25)
+        lo, hi = ax.get_ylim()
+        ticks = [m * 10.0**k for k in range(-3, 9) for m in (1, 2, 5) if lo <= m * 10.0**k <= hi]
+        names = [f"{t / 1e6:g}M" if t >= 1e5 else f"{t:g}" for t in ticks]
+        ax.set_yticks(ticks, names)
+        ax.minorticks_off()
+        ax.set_ylim(lo, hi)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + (" (labels: value, / best baseline)" if ratio else ""), fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(loaders))
+    fig.suptitle(
+        f"Throughput to one consumer: overlord vs torch DataLoader and MosaicML Streaming "
+        f"({CORES} cores, rows of {MAX_SEQ_LEN}, median of {repeats})",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
