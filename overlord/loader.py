@@ -228,7 +228,9 @@ class Loader:
         """Planner history and every loader's counters."""
         out: dict[str, Any] = self.runtime.get(self.planner.call("stats"))
         loaders = self.runtime.get(self.planner.call("layout"))["loaders"]  # after failovers
-        out["loaders"] = [self.runtime.get(h.call("stats")) for hs in loaders.values() for h in hs]
+        out["loaders"] = [
+            self.runtime.get(h.call("stats")) for hs in loaders.values() for h in hs if h
+        ]
         return out
 
     def close(self) -> None:

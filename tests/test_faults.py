@@ -60,18 +60,21 @@ def _plan(path: Path, **changes: Any):
     return validate_plan(data, base_dir=plan.base_dir)
 
 
-def _run(plan, actions: dict[tuple[int, int], Any] | None = None) -> tuple[list[str], Loader]:
-    """Every rank's batches of STEPS steps; ``actions[(step, rank)](loader)`` runs before it."""
+def _run(
+    plan, actions: dict[tuple[int, int], Any] | None = None, steps: int = STEPS
+) -> tuple[list[str], Loader]:
+    """Every rank's batches of ``steps`` steps; ``actions[(step, rank)](loader)`` runs before it."""
     lines = []
     loader = Loader(plan)
     try:
         clients = [loader.client(r) for r in range(plan.world.dp)]
-        for step in range(STEPS):
+        for step in range(steps):
             for r, c in enumerate(clients):
                 if actions and (step, r) in actions:
                     actions[(step, r)](loader)
                 lines.append(dump_line(next(c)))
         loader.stats_at_end = loader.stats()  # type: ignore[attr-defined]
+        loader.state_at_end = loader.state_dict()  # type: ignore[attr-defined]
     finally:
         loader.close()
     return lines, loader
@@ -333,3 +336,98 @@ def test_a_repeated_delivery_is_dropped_by_its_step_and_rank():
 
     with pytest.raises(LoaderError, match="asked for step 0 and received step 1"):
         next(Client(1, InlineHandle(Wrong(), "c"), InlineHandle(Planner(), "p"), rt, 0))
+
+
+# ---- re-partitioning a source while it is read (the autoscaler's act) --------------------
+
+
+def _repartition(source: str, count: int):
+    def act(loader: Loader) -> None:
+        loader.planner.obj.repartition(source, count)  # type: ignore[attr-defined]
+
+    return act
+
+
+@pytest.fixture(scope="module")
+def big_plan(tmp_path_factory) -> Path:
+    """Shards larger than what a loader reads ahead, so a new partition has shards to read."""
+    root = tmp_path_factory.mktemp("scaling")
+    sources = {
+        "web": {"files": {f"data/web/part-{i}.jsonl": 40 + i for i in range(16)}, "loaders": 2},
+        "code": {"files": {f"data/code/part-{i}.jsonl": 40 + i for i in range(12)}, "loaders": 2},
+    }
+    return make_corpus(
+        root,
+        sources,
+        batch={
+            "tokens_per_step": 1024,
+            "max_seq_len": 64,
+            "prefetch_steps": 1,
+            "lookahead": 4,
+        },
+        world={"dp": 2},
+    )
+
+
+BIG_STEPS = 100
+
+
+@pytest.fixture(scope="module")
+def big_reference(big_plan) -> list[str]:
+    return _run(load_plan(big_plan), steps=BIG_STEPS)[0]
+
+
+def _read_past(loader: Loader, source: str) -> list[bool]:
+    """For each re-partition of ``source``: did every rank consume past its boundary?"""
+    cursor = loader.state_at_end["sources"][source]["cursor"]  # type: ignore[attr-defined]
+    at_end = (cursor["epoch"], cursor["shard_pos"])
+    parts = loader.planner.obj.parts[source]  # type: ignore[attr-defined]
+    return [at_end > p.start for p in parts if p.loader == 0 and p.start != (0, 0)]
+
+
+def test_repartitioning_a_source_never_changes_the_stream(big_plan, big_reference):
+    actions = {
+        (1, 1): _repartition("web", 3),  # mid-step
+        (5, 0): _repartition("code", 1),
+        (14, 0): _repartition("web", 1),
+        (20, 1): _repartition("code", 3),
+    }
+    lines, loader = _run(load_plan(big_plan), actions, BIG_STEPS)
+    assert lines == big_reference
+    # the new partitions did serve: the trainer consumed past each boundary
+    assert _read_past(loader, "web") == [True, True]
+    assert _read_past(loader, "code") == [True, True]
+    events = [e for e in loader.stats_at_end["events"] if e["event"] == "repartition"]  # type: ignore[attr-defined]
+    assert [(e["source"], e["loaders"]) for e in events] == [
+        ("web", "2 -> 3"),
+        ("code", "2 -> 1"),
+        ("web", "3 -> 1"),
+        ("code", "1 -> 3"),
+    ]
+    live = loader.stats_at_end["loaders"]  # type: ignore[attr-defined]
+    # old partitions are closed once consumed: fewer than the 12 loaders ever started
+    assert len(live) < 2 + 3 + 1 + 2 + 1 + 3
+
+
+def test_threads_change_while_reading_without_changing_the_stream(big_plan, big_reference):
+    def threads(n: int):
+        return lambda loader: loader.planner.obj.set_threads("web", n)  # type: ignore[attr-defined]
+
+    lines, _ = _run(load_plan(big_plan), {(3, 0): threads(4), (8, 1): threads(1)}, BIG_STEPS)
+    assert lines == big_reference
+
+
+def test_failover_and_planner_restart_after_a_repartition(big_plan, big_reference, tmp_path):
+    plan = _plan(big_plan, recovery__journal_dir=str(tmp_path), shadows=1)
+    actions = {
+        (1, 0): _repartition("web", 3),
+        (4, 1): _kill("web", 3),  # a loader of the new partition
+        (6, 0): _restart_planner,
+        (8, 1): _repartition("code", 1),
+        (10, 0): _restart_planner,
+        (30, 0): _kill("code", 2),
+        (33, 1): _restart_planner,
+    }
+    lines, loader = _run(plan, actions, BIG_STEPS)
+    assert lines == big_reference
+    assert _read_past(loader, "code") == [True]

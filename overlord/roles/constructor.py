@@ -143,6 +143,9 @@ class DataConstructor:
             calls: list[tuple[Any, list[tuple[int, int, np.ndarray, str | None]]]] = []
             grouped: dict[int, tuple[Handle, dict[str, Any], list[Any]]] = {}
             for s, k, mine in todo:
+                if k >= len(self.loaders[s]):  # a partition added after this constructor started
+                    got = self.runtime.get(self.planner.call("primaries", self.names[s]))
+                    self.loaders[s] = list(got)
                 handle = self.loaders[s][k]
                 if isinstance(handle, MemberHandle):
                     group = grouped.setdefault(id(handle.group), (handle.group, {}, []))

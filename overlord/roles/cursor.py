@@ -37,6 +37,7 @@ class SourceCursor:
         timeout: float,
         start: dict[str, Any] | None = None,
         failover: Callable[[int, str], Handle] | None = None,
+        partitions: list[tuple[tuple[int, int], int, int]] | None = None,
     ):
         self.name, self.n_shards = name, n_shards
         self.loaders, self.runtime, self.timeout = list(loaders), runtime, timeout
@@ -44,12 +45,15 @@ class SourceCursor:
         # slot's live primary
         self.failover = failover
         self._received: list[list[int] | None] = [None] * len(loaders)  # last shard, per loader
+        # partitions of the source's order: (first shard, first loader, loaders), by shard;
+        # loader ``first + shard_pos % loaders`` reads a shard (re-partitioning adds one)
+        self._partitions = list(partitions or [((0, 0), 0, len(loaders))])
         start = start or {}
         self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._start_index = int(start.get("index", 0))  # where the first shard resumes
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
-        self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]
+        self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]  # per loader
         # pending items, in source order: key, tokens, loader, file index, record row, chunk,
         # image patches
         self.keys: list[Key] = []
@@ -72,7 +76,7 @@ class SourceCursor:
 
     def _fetch(self) -> None:
         epoch, pos = self._expect
-        k = pos % len(self.loaders)
+        k = self.loader_of(epoch, pos)
         queue = self._blocks[k]
         if not queue:
             blocks = self._metadata(k)
@@ -123,6 +127,21 @@ class SourceCursor:
                 if self.failover is None:
                     raise
                 self.loaders[k] = self.failover(k, replica_name(handle))
+
+    def loader_of(self, epoch: int, pos: int) -> int:
+        """The loader that reads shard ``pos`` of epoch ``epoch``."""
+        for at, first, count in reversed(self._partitions):
+            if (epoch, pos) >= at:
+                return first + pos % count
+        raise AssertionError("the first partition starts at the first shard")
+
+    def add_partition(self, at: list[int], loaders: list[Handle]) -> None:
+        """From shard ``at`` on, ``loaders`` read the source (``pos % len(loaders)``)."""
+        first = len(self.loaders)
+        self.loaders += loaders
+        self._received += [None] * len(loaders)
+        self._blocks += [deque() for _ in loaders]
+        self._partitions.append(((int(at[0]), int(at[1])), first, len(loaders)))
 
     def received(self, k: int) -> list[int] | None:
         """The last shard ``[epoch, shard_pos]`` received from loader ``k`` (None: none yet)."""

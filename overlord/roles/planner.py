@@ -28,7 +28,7 @@ import os
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -86,6 +86,10 @@ class Planner:
             for n, hs in loaders.items()
         }
         self.shadows = {n: len(slots[0]) - 1 for n, slots in self.slots.items()}
+        # what each slot reads: loader ``loader`` of ``loaders``, from shard ``start`` to ``limit``
+        self.parts: dict[str, list[Part]] = {
+            n: [Part(k, len(hs), (0, 0), None) for k in range(len(hs))] for n, hs in loaders.items()
+        }
         self.events: list[dict[str, Any]] = []  # failovers and recoveries, for the summary
         self.journal: Journal | None = None
         self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
@@ -97,7 +101,7 @@ class Planner:
                 state = recovered
         self._build(state)
         if self.journal is not None and recovered is None:
-            self.journal.snapshot(self._snapshot(), self.start_step - 1, self._slot_names())
+            self.journal.snapshot(self._snapshot(), self.start_step - 1, self._layout_record())
         if recovered is not None:
             self._rewind_loaders()
 
@@ -107,11 +111,12 @@ class Planner:
             SourceCursor(
                 s.name,
                 len(self.file_names[s.name]),
-                [slot[0] for slot in self.slots[s.name]],
+                [slot[0] if slot else DeadHandle("retired") for slot in self.slots[s.name]],
                 self.runtime,
                 self.plan.loading.timeout_s,
                 sources.get(s.name, {}).get("cursor"),
                 failover=self._cursor_failover(s.name),
+                partitions=_partitions(self.parts[s.name]),
             )
             for s in self.plan.sources
         ]
@@ -128,9 +133,13 @@ class Planner:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
 
     @property
-    def loaders(self) -> dict[str, list[Handle]]:
-        """The primary of every loader slot, per source."""
-        return {n: [slot[0] for slot in slots] for n, slots in self.slots.items()}
+    def loaders(self) -> dict[str, list[Handle | None]]:
+        """The primary of every loader slot, per source (None: a retired partition's)."""
+        return {n: [slot[0] if slot else None for slot in slots] for n, slots in self.slots.items()}
+
+    def primaries(self, source: str) -> list[Handle | None]:
+        """The primary of every slot of ``source`` (a constructor meets a new partition)."""
+        return self.loaders[source]
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -312,6 +321,7 @@ class Planner:
         for s in sorted(s for s in self.plans if s <= done):
             self._release(self.plans.pop(s))
         self._prune()
+        self._retire()
 
     def _consumed_step(self) -> int:
         """The step after the last one every rank consumed (or the next to plan, if earlier).
@@ -380,7 +390,7 @@ class Planner:
         while len(slot) < 1 + self.shadows[source]:
             slot.append(self._spawn_loader(source, k, shadow=True))
         if self.journal is not None:
-            self.journal.loaders(self._slot_names())
+            self.journal.loaders(self._layout_record())
         event = {
             "event": "failover",
             "source": source,
@@ -396,18 +406,101 @@ class Planner:
         return slot[0]
 
     def _spawn_loader(self, source: str, k: int, shadow: bool) -> Handle:
-        """A loader for slot ``k`` that starts where every rank has consumed."""
+        """A loader for slot ``k`` that starts where every rank has consumed (or its partition)."""
+        part = self.parts[source][k]
         start = self.snapshots[self._consumed_step()]["sources"][source]["cursor"]
-        n = len(self.slots[source])
+        if (start["epoch"], start["shard_pos"]) < part.start:
+            start = {"epoch": part.start[0], "shard_pos": part.start[1], "index": 0, "skip": []}
+        limit = None if part.limit is None else list(part.limit)
         name = f"loader-{source}-{k}-{uuid.uuid4().hex[:6]}"
-        args = (self.plan_data, self.base_dir, source, k, n, start, self.keep_payloads, shadow)
-        return self.runtime.spawn(SourceLoader, *args, name=name)
+        args = (self.plan_data, self.base_dir, source, part.loader, part.loaders, start)
+        return self.runtime.spawn(SourceLoader, *args, self.keep_payloads, shadow, limit, name=name)
 
-    def _slot_names(self) -> dict[str, list[list[str]]]:
+    def _layout_record(self) -> dict[str, Any]:
+        """Every slot's replicas by name, and its partition: what a restarted planner needs."""
         return {
-            n: [[replica_name(h) for h in slot] for slot in slots]
-            for n, slots in self.slots.items()
+            "slots": {
+                n: [[replica_name(h) for h in slot] for slot in slots]
+                for n, slots in self.slots.items()
+            },
+            "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
         }
+
+    # ---- partitions ------------------------------------------------------------------------
+
+    def repartition(self, source: str, count: int) -> list[int] | None:
+        """Read ``source`` with ``count`` loaders from a shard boundary on; the boundary.
+
+        The current partition's loaders (shadows too) are frozen: none starts
+        a new shard. The boundary is the first shard none of them has started;
+        they read on up to it, and ``count`` new loaders read from it. Items
+        keep their positions, so the order, and every step, stay the same.
+        The old loaders are closed once every rank consumed their last items.
+        """
+        i = self.names.index(source)
+        cursor, slots, parts = self.cursors[i], self.slots[source], self.parts[source]
+        current = [k for k, p in enumerate(parts) if p.limit is None]
+        if count < 1:
+            raise ValueError(f"a source needs at least one loader, got {count}")
+        if count == len(current):
+            return None
+        frozen, nexts = [], []
+        for k in current:
+            for replica in slots[k]:
+                with contextlib.suppress(ActorDiedError):  # failed over when next asked
+                    nexts.append(tuple(self.runtime.get(replica.call("freeze"))))
+                    frozen.append(replica)
+        at = max(nexts, default=parts[current[0]].start)
+        for replica in frozen:
+            with contextlib.suppress(ActorDiedError):
+                self.runtime.get(replica.call("until", list(at)))
+        for k in current:
+            parts[k] = parts[k]._replace(limit=at)
+        first = len(slots)
+        for j in range(count):
+            parts.append(Part(j, count, at, None))
+            slots.append([])
+        for k in range(first, first + count):
+            slots[k] += [
+                self._spawn_loader(source, k, shadow=s > 0) for s in range(1 + self.shadows[source])
+            ]
+        cursor.add_partition(list(at), [slots[k][0] for k in range(first, first + count)])
+        if self.journal is not None:
+            self.journal.loaders(self._layout_record())
+        self.events.append(
+            {
+                "event": "repartition",
+                "source": source,
+                "step": self.next_step,
+                "at": list(at),
+                "loaders": f"{len(current)} -> {count}",
+            }
+        )
+        log.warning("source %s: %d -> %d loaders from shard %s", source, len(current), count, at)
+        return list(at)
+
+    def set_threads(self, source: str, threads: int) -> None:
+        """Reader threads of every current loader of ``source``."""
+        for k, part in enumerate(self.parts[source]):
+            if part.limit is None:
+                for replica in self.slots[source][k]:
+                    replica.call("set_threads", threads)
+
+    def _retire(self) -> None:
+        """Close partitions whose every item every rank has consumed."""
+        state = self.snapshots[self._consumed_step()]["sources"]
+        for source, parts in self.parts.items():
+            c = state[source]["cursor"]
+            done = (c["epoch"], c["shard_pos"])
+            for k, part in enumerate(parts):
+                slot = self.slots[source][k]
+                if slot and part.limit is not None and done >= part.limit:
+                    for replica in slot:
+                        with contextlib.suppress(Exception):  # gone already
+                            self.runtime.kill(replica)
+                    slot.clear()
+                    if self.journal is not None:
+                        self.journal.loaders(self._layout_record())
 
     def _journal_step(self, step: int) -> None:
         """Journal what planning ``step`` changed (or check it against the journal)."""
@@ -423,7 +516,7 @@ class Planner:
             return
         self.journal.delta(step, delta)
         if self.next_step % self.plan.recovery.snapshot_every == 0:
-            self.journal.snapshot(self._snapshot(), min(self.consumed), self._slot_names())
+            self.journal.snapshot(self._snapshot(), min(self.consumed), self._layout_record())
 
     def _recover(self, directory: str) -> dict[str, Any] | None:
         """The state before the step after the last consumed one, from the journal."""
@@ -456,8 +549,9 @@ class Planner:
         if last is not None:
             self.slots = {
                 n: [[self._resolve(name) for name in slot] for slot in slots]
-                for n, slots in last.items()
+                for n, slots in last["slots"].items()
             }
+            self.parts = {n: [Part.of(r) for r in rs] for n, rs in last["parts"].items()}
         self.journal.continue_after(segments[-1])
         self._verify = {s: d for s, d in deltas.items() if s >= want}
         self.events.append(
@@ -533,6 +627,35 @@ class Planner:
             "events": list(self.events),
             "journal": self.journal.stats() if self.journal is not None else None,
         }
+
+
+class Part(NamedTuple):
+    """What a loader slot reads: loader ``loader`` of ``loaders``, shards ``start`` to ``limit``."""
+
+    loader: int
+    loaders: int
+    start: tuple[int, int]
+    limit: tuple[int, int] | None  # None: the source's current partition, without an end
+
+    def record(self) -> list[Any]:
+        """As JSON: ``[loader, loaders, start, limit]``."""
+        limit = None if self.limit is None else list(self.limit)
+        return [self.loader, self.loaders, list(self.start), limit]
+
+    @classmethod
+    def of(cls, record: list[Any]) -> Part:
+        """From :meth:`record`."""
+        loader, loaders, start, limit = record
+        return cls(loader, loaders, tuple(start), None if limit is None else tuple(limit))
+
+
+def _partitions(parts: list[Part]) -> list[tuple[tuple[int, int], int, int]]:
+    """The cursor's partitions, ``(first shard, first slot, loaders)``, from the slots' parts."""
+    out: list[tuple[tuple[int, int], int, int]] = []
+    for k, p in enumerate(parts):
+        if p.loader == 0:
+            out.append((p.start, k, p.loaders))
+    return out
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

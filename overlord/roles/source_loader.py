@@ -97,7 +97,8 @@ class SourceLoader:
     first item, and ``skip``, runs ``[epoch, shard_pos, index, count]`` of
     items after it that were already consumed (from a checkpoint). A
     ``shadow`` reads and holds the same items but serves no metadata until it
-    is promoted.
+    is promoted. ``limit`` (``[epoch, shard_pos]``) ends the loader's shards
+    there: another partition of the source reads from it on.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class SourceLoader:
         start: dict[str, Any] | None = None,
         keep_payloads: bool = True,
         shadow: bool = False,
+        limit: list[int] | None = None,
     ):
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan = validate_plan(plan_data, base_dir=base_dir)
@@ -128,6 +130,12 @@ class SourceLoader:
         self._serving = not shadow  # queues metadata for the planner
         self._send_from: Position = self._start  # first shard whose metadata is queued
         self._last: Position = (-1, -1)  # the last shard published
+        # partitions: this loader's shards end before ``_limit`` (a re-partition set it);
+        # ``_next`` is the first shard it has not started to read
+        self._limit: Position | None = None if limit is None else (int(limit[0]), int(limit[1]))
+        self._frozen = False
+        self._next: Position = self._start
+        self._threads = self.plan.loading.threads
 
         self._lock = threading.Condition()
         self._queue: deque[dict[str, Any]] = deque()
@@ -189,12 +197,21 @@ class SourceLoader:
                     self._lock.wait(0.5)
             return
         positions = self._positions()
-        pending: deque[tuple[tuple[int, int], Future[tuple[ShardItems, float, float]]]] = deque()
+        nxt = next(positions)
+        pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]] = deque()
         try:
             while not self._closed:
-                while len(pending) < self.plan.loading.threads:
-                    at = next(positions)
-                    pending.append((at, _in_daemon_thread(self._load, *at)))
+                with self._lock:
+                    # frozen (a re-partition is choosing its boundary), or every shard it
+                    # owns is read: wait for until() or close()
+                    while not self._closed and not pending and not self._may_read(nxt):
+                        self._lock.wait(0.5)
+                    while self._may_read(nxt) and len(pending) < self._threads:
+                        pending.append((nxt, _in_daemon_thread(self._load, *nxt)))
+                        nxt = next(positions)
+                    self._next = nxt
+                if not pending:
+                    continue
                 (epoch, pos), fut = pending.popleft()
                 order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
                 file_index = order[pos]
@@ -205,6 +222,10 @@ class SourceLoader:
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
+
+    def _may_read(self, at: Position) -> bool:
+        """Whether the reader may start on shard ``at`` now (lock held)."""
+        return not self._frozen and (self._limit is None or at < self._limit)
 
     def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
         at = (items.epoch, items.shard_pos)
@@ -425,6 +446,36 @@ class SourceLoader:
                 self._queue = deque(blocks)
             self._lock.notify_all()
 
+    def freeze(self) -> list[int]:
+        """Start no new shard; the first shard not started, ``[epoch, shard_pos]``.
+
+        The first half of a re-partition: once every loader of the source is
+        frozen, the largest of their answers is a boundary none has read past.
+        """
+        with self._lock:
+            self._frozen = True
+            return list(self._next)
+
+    def until(self, limit: list[int]) -> None:
+        """Read on, but only the shards before ``limit``; the rest is another partition's."""
+        with self._lock:
+            self._limit = (int(limit[0]), int(limit[1]))
+            if self._next > self._limit:
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] started shard {self._next} "
+                    f"already, past the partition boundary {self._limit}"
+                )
+            self._frozen = False
+            self._lock.notify_all()
+
+    def set_threads(self, threads: int) -> None:
+        """Read ``threads`` shards at once from now on (the autoscaler's finer knob)."""
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        with self._lock:
+            self._threads = threads
+            self._lock.notify_all()
+
     def pid(self) -> int:
         """The process this loader runs in (chaos tests kill it)."""
         return os.getpid()
@@ -440,6 +491,8 @@ class SourceLoader:
                 "held_shards": len(self._held),
                 "shadow": not self._serving,
                 "queued_blocks": len(self._queue),
+                "threads": self._threads,
+                "done_reading": self._limit is not None and self._next >= self._limit,
                 "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
                 "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
                 "rss_bytes": _rss(),
