@@ -125,7 +125,21 @@ def summarize(
         "skipped_examples": [e for s in stats["loaders"] for e in s["skipped_examples"]][:5],
         "dropped_docs": sum(s["dropped"] for s in stats["loaders"]),
         "checkpoint_bytes": ckpt_bytes,
+        "scaling": _scaling(stats.get("scaling", [])),
+        "faults": [e for e in stats.get("events", []) if e["event"] != "repartition"],
     }
+
+
+def _scaling(decisions: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per source, the autoscaler's decisions that changed its size, with supply and demand."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for d in decisions:
+        for name, src in d["sources"].items():
+            size = (src["loaders"], src["threads"])
+            seen = out.setdefault(name, [])
+            if not seen or (seen[-1]["loaders"], seen[-1]["threads"]) != size:
+                seen.append({"step": d["step"], **src})
+    return out
 
 
 def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
@@ -154,6 +168,17 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
         print(f"dropped {s['dropped_docs']} document(s) (too long or empty)", file=out)
     if s["checkpoint_bytes"]:
         print(f"checkpoint: {s['checkpoint_bytes']} bytes", file=out)
+    for name, sizes in s.get("scaling", {}).items():
+        print(f"autoscaler, {name}:", file=out)
+        for z in sizes:
+            print(
+                f"  step {z['step']:>6}: {z['loaders']} loader(s) x {z['threads']} thread(s), "
+                f"supply {z['capacity_tokens_per_s']:,.0f} for demand "
+                f"{z['demand_tokens_per_s']:,.0f} tokens/s",
+                file=out,
+            )
+    for e in s.get("faults", []):
+        print(f"fault at step {e['step']}: {e}", file=out)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -431,3 +431,20 @@ def test_failover_and_planner_restart_after_a_repartition(big_plan, big_referenc
     lines, loader = _run(plan, actions, BIG_STEPS)
     assert lines == big_reference
     assert _read_past(loader, "code") == [True]
+
+
+def test_the_autoscaler_resizes_sources_within_its_budget_and_the_stream_stays(
+    big_plan, big_reference
+):
+    plan = _plan(big_plan, autoscale__cpus=5, autoscale__every=4, autoscale__horizon_steps=8)
+    lines, loader = _run(plan, steps=BIG_STEPS)
+    assert lines == big_reference
+    decisions = loader.stats_at_end["scaling"]  # type: ignore[attr-defined]
+    assert len(decisions) >= BIG_STEPS // 4 - 2
+    for d in decisions:
+        assert sum(s["loaders"] * s["threads"] for s in d["sources"].values()) <= 5
+        assert all(s["reason"] for s in d["sources"].values()) and d["reason"]
+    # reading costs a few microseconds a token and this trainer asks a few hundred thousand
+    # tokens a second: one loader a source is enough, and the second ones are let go
+    events = loader.stats_at_end["events"]  # type: ignore[attr-defined]
+    assert any(e["event"] == "repartition" and e["loaders"] == "2 -> 1" for e in events)

@@ -191,6 +191,28 @@ class RecoverySpec(_Model):
     )
 
 
+class AutoscaleSpec(_Model):
+    """Sizing every source's loaders to its cost and share (on when ``cpus`` is given)."""
+
+    cpus: float | None = Field(
+        None, gt=0, description="reader threads all SourceLoaders may use together"
+    )
+    memory_gb: float | None = Field(None, gt=0, description="memory all SourceLoaders may use")
+    every: int = Field(10, ge=1, description="steps between decisions")
+    max_threads_per_loader: int = Field(4, ge=1)
+    min_loaders: int = Field(1, ge=1)
+    thread_efficiency: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="what a loader's second thread adds, as a share of its first (near 0 "
+        "where decoding holds Python's GIL)",
+    )
+    headroom: float = Field(1.25, ge=1)
+    cooldown_steps: int = Field(20, ge=0)
+    horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
+
+
 class LoaderPlacement(str, Enum):
     """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
 
@@ -245,6 +267,7 @@ class Plan(_Model):
     loading: LoadingSpec = LoadingSpec()
     placement: PlacementSpec = PlacementSpec()
     recovery: RecoverySpec = RecoverySpec()
+    autoscale: AutoscaleSpec = AutoscaleSpec()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -281,7 +304,8 @@ class Plan(_Model):
         gets a sample, so a checkpoint resumes across them (elastic resume).
         """
         data = self.model_dump(
-            mode="json", exclude={"world", "balance", "loading", "placement", "recovery"}
+            mode="json",
+            exclude={"world", "balance", "loading", "placement", "recovery", "autoscale"},
         )
         for s in data["sources"]:
             s.pop("loaders")

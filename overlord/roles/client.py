@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +27,15 @@ class Client(Iterator[Batch]):
         self._constructor, self._planner, self._runtime = constructor, planner, runtime
         self.step = start_step
         self.stop_step = stop_step
+        self._returned: float | None = None  # when the last batch was handed over
 
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
+        # the trainer's own time since the last batch: the autoscaler's measure of demand
+        now = time.perf_counter()
+        train_s = None if self._returned is None else now - self._returned
         while True:
             batch: Batch = self._runtime.get(self._constructor.call("batch", self.step, self.rank))
             if (batch.step, batch.rank) == (self.step, self.rank):
@@ -42,8 +47,9 @@ class Client(Iterator[Batch]):
                 f"of rank {batch.rank}"
             )
         # no need to wait: calls from one process reach the planner in order
-        self._planner.call("mark_consumed", self.rank, self.step)
+        self._planner.call("mark_consumed", self.rank, self.step, train_s)
         self.step += 1
+        self._returned = time.perf_counter()
         return batch
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -39,9 +40,10 @@ from overlord.plan.cost import CostModel
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, validate_plan
+from overlord.roles.autoscaler import Autoscaler, Budget, SourceProfile
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_group import MemberHandle, replica_name
-from overlord.roles.source_loader import SourceLoader
+from overlord.roles.source_loader import SourceLoader, token_budget
 from overlord.runtime.base import Handle, Runtime
 from overlord.runtime.inline import DeadHandle
 from overlord.sources.files import resolve_files
@@ -50,6 +52,7 @@ log = logging.getLogger("overlord.planner")
 
 STATE_VERSION = 1
 HISTORY_STEPS = 100_000  # per-step statistics kept for reports
+TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 
 
 class Planner:
@@ -91,6 +94,19 @@ class Planner:
             n: [Part(k, len(hs), (0, 0), None) for k in range(len(hs))] for n, hs in loaders.items()
         }
         self.events: list[dict[str, Any]] = []  # failovers and recoveries, for the summary
+        a = self.plan.autoscale
+        self.scaler = None
+        if a.cpus is not None:
+            memory = math.inf if a.memory_gb is None else a.memory_gb * 2**30
+            budget = Budget(a.cpus, memory, a.max_threads_per_loader, a.min_loaders)
+            self.scaler = Autoscaler(
+                budget,
+                headroom=a.headroom,
+                cooldown_steps=a.cooldown_steps,
+                horizon_steps=a.horizon_steps,
+            )
+        self.scaling: list[dict[str, Any]] = []  # the autoscaler's decisions, with reasons
+        self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal: Journal | None = None
         self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
         recovered = None
@@ -309,8 +325,15 @@ class Planner:
             out.append(self.history[-1])
         return out
 
-    def mark_consumed(self, rank: int, step: int) -> None:
-        """Record that ``rank`` received step ``step``; release what every rank has consumed."""
+    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+        """Record that ``rank`` received step ``step``; release what every rank has consumed.
+
+        ``train_s`` is the time the trainer spent on its last step before asking
+        for this one (not waiting for data): the autoscaler's demand.
+        """
+        if train_s is not None and train_s >= 0:
+            old = self._train_s
+            self._train_s = train_s if old is None else old + TRAIN_EMA * (train_s - old)
         before = min(self.consumed)
         self.consumed[rank] = max(self.consumed[rank], step)
         done = min(self.consumed)
@@ -322,6 +345,12 @@ class Planner:
             self._release(self.plans.pop(s))
         self._prune()
         self._retire()
+        every = self.plan.autoscale.every
+        if self.scaler is not None and (done + 1) // every > (before + 1) // every:
+            try:
+                self._autoscale(done + 1)
+            except ActorDiedError as e:  # a loader died: decide next time, after its failover
+                log.warning("autoscaler skipped a decision at step %d: %s", done + 1, e)
 
     def _consumed_step(self) -> int:
         """The step after the last one every rank consumed (or the next to plan, if earlier).
@@ -479,6 +508,66 @@ class Planner:
         log.warning("source %s: %d -> %d loaders from shard %s", source, len(current), count, at)
         return list(at)
 
+    def _autoscale(self, step: int) -> None:
+        """Measure every source's current loaders, decide, and re-size what the decision moved."""
+        assert self.scaler is not None
+        if self._train_s is None or self._train_s <= 0:
+            return  # no step time measured yet: no demand to size for
+        a = self.plan.autoscale
+        profiles, current = [], {}
+        for name, parts in self.parts.items():
+            mine = [k for k, p in enumerate(parts) if p.limit is None]
+            stats = [self.runtime.get(self.slots[name][k][0].call("stats")) for k in mine]
+            costs = [
+                s["cpu_s_per_token"] for s in stats if s["cpu_s_per_token"] == s["cpu_s_per_token"]
+            ]
+            own = [s["rss_bytes"] for s in stats if s["pid"] != os.getpid()]
+            # in this process (embedded) a loader's own memory is what its budget lets it hold
+            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan)
+            threads = stats[0]["threads"] if stats else 1
+            current[name] = (len(mine), threads)
+            profiles.append(
+                SourceProfile(
+                    name,
+                    float(np.mean(costs)) if costs else 0.0,
+                    memory,
+                    len(mine),
+                    threads,
+                    thread_efficiency=a.thread_efficiency,
+                    max_loaders=len(self.file_names[name]),
+                )
+            )
+        weights = self.scaler.weights_ahead(self.schedule.weights, step)
+        decision = self.scaler.decide(
+            step, profiles, weights, self.plan.batch.tokens_per_step, self._train_s
+        )
+        self.scaling.append(
+            {
+                "step": step,
+                "step_time_s": self._train_s,
+                "bottleneck": decision.bottleneck,
+                "reason": decision.reason,
+                "sources": {
+                    d.name: {
+                        "loaders": d.loaders,
+                        "threads": d.threads,
+                        "demand_tokens_per_s": d.demand_tokens_per_s,
+                        "capacity_tokens_per_s": d.capacity_tokens_per_s,
+                        "reason": d.reason,
+                    }
+                    for d in decision.sources
+                },
+            }
+        )
+        for d in decision.sources:
+            loaders, threads = current[d.name]
+            if d.threads != threads:
+                self.set_threads(d.name, d.threads)
+            if d.loaders != loaders:
+                self.repartition(d.name, d.loaders)
+            if (d.loaders, d.threads) != (loaders, threads):
+                log.warning("autoscaler: %s", d.reason)
+
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source``."""
         for k, part in enumerate(self.parts[source]):
@@ -625,6 +714,7 @@ class Planner:
             "consumed": list(self.consumed),
             "method": BalanceMethod(self.plan.balance.method).value,
             "events": list(self.events),
+            "scaling": list(self.scaling),
             "journal": self.journal.stats() if self.journal is not None else None,
         }
 

@@ -492,6 +492,7 @@ class SourceLoader:
                 "shadow": not self._serving,
                 "queued_blocks": len(self._queue),
                 "threads": self._threads,
+                "pid": os.getpid(),
                 "done_reading": self._limit is not None and self._next >= self._limit,
                 "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
                 "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
