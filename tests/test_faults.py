@@ -448,3 +448,61 @@ def test_the_autoscaler_resizes_sources_within_its_budget_and_the_stream_stays(
     # tokens a second: one loader a source is enough, and the second ones are let go
     events = loader.stats_at_end["events"]  # type: ignore[attr-defined]
     assert any(e["event"] == "repartition" and e["loaders"] == "2 -> 1" for e in events)
+
+
+# ---- per-record transforms ---------------------------------------------------------------
+
+
+def test_a_transform_runs_on_every_record_and_a_failing_one_names_its_place(tmp_path):
+    from overlord import SourceError
+    from overlord.sources.transforms import pack_zlib_json
+
+    records = [{"text": pack_zlib_json(f"document {i} " * (i + 1))} for i in range(12)]
+    plain = make_corpus(
+        tmp_path / "plain",
+        {
+            "web": {
+                "files": {
+                    "data/web/a.jsonl": [{"text": f"document {i} " * (i + 1)} for i in range(12)]
+                }
+            }
+        },
+    )
+    packed = make_corpus(
+        tmp_path / "packed",
+        {
+            "web": {
+                "files": {"data/web/a.jsonl": records},
+                "transform": "overlord.sources.transforms:zlib_json",
+            }
+        },
+    )
+
+    def texts(path: Path) -> tuple[list[str], list[int]]:
+        with Loader(load_plan(path)) as loader:
+            batch = next(loader.client(0))
+        return [s.id for s in batch.samples], batch.input_ids.ravel().tolist()
+
+    ids, tokens = texts(packed)
+    assert (ids, tokens) == texts(plain)  # the same documents' tokens, in the same order
+    assert bytes(t for t in tokens if t < 256).decode().startswith("document")
+
+    broken = make_corpus(
+        tmp_path / "broken",
+        {
+            "web": {
+                "files": {"data/web/a.jsonl": [*records[:3], {"text": "not packed"}, *records[4:]]},
+                "transform": "overlord.sources.transforms:zlib_json",
+            }
+        },
+    )
+    with pytest.raises(SourceError, match=r"file data/web/a\.jsonl, row 3: transform"):
+        texts(broken)
+
+
+def test_a_transform_that_cannot_be_loaded_is_a_plan_error(tmp_path):
+    from overlord import PlanError
+
+    path = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": 3}, "transform": "nope:f"}})
+    with pytest.raises(PlanError, match=r"sources\[0\]\.transform: cannot import module 'nope'"):
+        load_plan(path)

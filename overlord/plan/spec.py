@@ -83,6 +83,11 @@ class SourceSpec(_Model):
     format: Format
     text_field: str = "text"
     loaders: int = Field(1, ge=1, description="SourceLoaders that share this source's shards")
+    transform: str | None = Field(
+        None,
+        description="module:function applied to each record's text (str -> str) before "
+        "tokenizing, on the SourceLoader (e.g. overlord.sources.transforms:zlib_json)",
+    )
     shadows: int | None = Field(
         None,
         ge=0,
@@ -455,7 +460,7 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _glob_problems(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]]:
-    """Every source pattern that matches no file (sources with a usable name and path)."""
+    """Every source pattern that matches no file, and every transform that cannot be loaded."""
     from overlord.sources.files import find_shards
 
     problems: list[tuple[str, str]] = []
@@ -469,6 +474,15 @@ def _glob_problems(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]
             find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir)
         except PlanError as e:
             problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
+    for i, src in enumerate(sources):
+        transform = _get(src, "transform")
+        if isinstance(transform, str):
+            from overlord.sources.transforms import load_transform
+
+            try:
+                load_transform(transform)
+            except ValueError as e:
+                problems.append((f"sources[{i}].transform", str(e)))
     return problems
 
 

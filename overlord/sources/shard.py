@@ -18,12 +18,14 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from overlord.errors import SourceError
 from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
 from overlord.sources.files import Shard
-from overlord.sources.formats import read_shard
+from overlord.sources.formats import ShardTexts, read_shard
 from overlord.sources.tokenizers import Tokenizer
+from overlord.sources.transforms import load_transform
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -68,6 +70,27 @@ class ShardItems:
         return len(self.length)
 
 
+def _transform(spec: SourceSpec, shard: Shard, texts: ShardTexts, skip: bool) -> ShardTexts:
+    """The source's transform on every record; one that fails is a bad record."""
+    assert spec.transform is not None
+    fn = load_transform(spec.transform)
+    rows, out, skipped = [], [], list(texts.skipped)
+    for row, text in zip(texts.rows.tolist(), texts.texts.to_pylist()):
+        try:
+            new = fn(text)
+            if not isinstance(new, str):
+                raise TypeError(f"returned {type(new).__name__}, not str")
+        except Exception as e:
+            err = SourceError(spec.name, shard.name, row, f"transform {spec.transform}: {e!r}")
+            if not skip:
+                raise err from e
+            skipped.append(err)
+            continue
+        rows.append(row)
+        out.append(new)
+    return ShardTexts(np.asarray(rows, dtype=np.int64), pa.array(out, pa.large_string()), skipped)
+
+
 def load_shard_items(
     plan: Plan,
     spec: SourceSpec,
@@ -79,9 +102,10 @@ def load_shard_items(
     """Read, tokenize, order and cut one shard into items."""
     file_index = int(shard_order(plan.seed, spec.name, epoch, len(shards))[shard_pos])
     shard = shards[file_index]
-    texts = read_shard(
-        spec.name, shard, spec.format, spec.text_field, plan.on_error is OnError.SKIP
-    )
+    skip = plan.on_error is OnError.SKIP
+    texts = read_shard(spec.name, shard, spec.format, spec.text_field, skip)
+    if spec.transform is not None:
+        texts = _transform(spec, shard, texts, skip)
     tokens, offsets = tokenizer.encode(texts.texts)
     perm = record_order(plan.seed, spec.name, epoch, file_index, len(texts.rows))
     doc_start = offsets[:-1][perm]
