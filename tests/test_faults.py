@@ -369,7 +369,7 @@ def big_plan(tmp_path_factory) -> Path:
     )
 
 
-BIG_STEPS = 100
+BIG_STEPS = 140
 
 
 @pytest.fixture(scope="module")
@@ -389,8 +389,8 @@ def test_repartitioning_a_source_never_changes_the_stream(big_plan, big_referenc
     actions = {
         (1, 1): _repartition("web", 3),  # mid-step
         (5, 0): _repartition("code", 1),
-        (14, 0): _repartition("web", 1),
-        (20, 1): _repartition("code", 3),
+        (8, 0): _repartition("web", 1),
+        (12, 1): _repartition("code", 3),
     }
     lines, loader = _run(load_plan(big_plan), actions, BIG_STEPS)
     assert lines == big_reference

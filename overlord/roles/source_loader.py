@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 64
 COST_EMA = 0.2
+CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 # metadata columns of a block: key, ShardItems field, dtype
 _BLOCK_COLUMNS = (
     ("tokens", "length", np.int32),
@@ -136,6 +137,7 @@ class SourceLoader:
         self._frozen = False
         self._next: Position = self._start
         self._threads = self.plan.loading.threads
+        self._pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]] = deque()
 
         self._lock = threading.Condition()
         self._queue: deque[dict[str, Any]] = deque()
@@ -198,7 +200,7 @@ class SourceLoader:
             return
         positions = self._positions()
         nxt = next(positions)
-        pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]] = deque()
+        pending = self._pending
         try:
             while not self._closed:
                 with self._lock:
@@ -206,10 +208,7 @@ class SourceLoader:
                     # owns is read: wait for until() or close()
                     while not self._closed and not pending and not self._may_read(nxt):
                         self._lock.wait(0.5)
-                    while self._may_read(nxt) and len(pending) < self._threads:
-                        pending.append((nxt, _in_daemon_thread(self._load, *nxt)))
-                        nxt = next(positions)
-                    self._next = nxt
+                nxt = self._submit(pending, positions, nxt)
                 if not pending:
                     continue
                 (epoch, pos), fut = pending.popleft()
@@ -223,9 +222,23 @@ class SourceLoader:
                 self._error = e
                 self._lock.notify_all()
 
+    def _submit(
+        self,
+        pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]],
+        positions: Iterator[Position],
+        nxt: Position,
+    ) -> Position:
+        """Start reading shards until ``threads`` are in flight; the next shard to start."""
+        with self._lock:
+            while self._may_read(nxt) and len(pending) < self._threads:
+                pending.append((nxt, _in_daemon_thread(self._load, *nxt)))
+                nxt = next(positions)
+            self._next = nxt
+        return nxt
+
     def _may_read(self, at: Position) -> bool:
         """Whether the reader may start on shard ``at`` now (lock held)."""
-        return not self._frozen and (self._limit is None or at < self._limit)
+        return not (self._closed or self._frozen) and (self._limit is None or at < self._limit)
 
     def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
         at = (items.epoch, items.shard_pos)
@@ -509,7 +522,13 @@ class SourceLoader:
             self._held.clear()
             self._queue.clear()
             self._lock.notify_all()
-        self._thread.join(timeout=2)  # a reader stuck in a hung read is a daemon: left behind
+        # let reads in flight end (a process must not exit in the middle of Arrow's C++);
+        # a read that hangs is a daemon thread and is left behind
+        self._thread.join(timeout=2)
+        wait(
+            [f for _, f in list(self._pending)],
+            timeout=min(CLOSE_WAIT_S, self.plan.loading.timeout_s),
+        )
 
 
 def _rss() -> int:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import base64
 import functools
+import html
 import importlib
 import json
+import re
+import unicodedata
 import zlib
 from collections.abc import Callable
 
@@ -45,6 +48,18 @@ def zlib_json(text: str) -> str:
     payload = json.loads(zlib.decompress(base64.b64decode(text)))
     out: str = payload["text"]
     return out
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def clean_text(text: str) -> str:
+    """Web text cleaned: HTML entities decoded, Unicode NFKC-normalized, whitespace collapsed.
+
+    >>> clean_text("caf&eacute;  \uff46ine&lt;br&gt;")
+    'café fine<br>'
+    """
+    return _SPACE.sub(" ", unicodedata.normalize("NFKC", html.unescape(text))).strip()
 
 
 def pack_zlib_json(text: str) -> str:

@@ -1,0 +1,286 @@
+"""Autoscaling: a fixed equal split of reader threads against the autoscaler, same budget.
+
+Two sources. ``clean`` is plain JSONL text. ``web`` is scraped text with HTML
+entities, compatibility characters and ragged whitespace, so its loaders run a
+real extra transform before tokenizing: ``heavy_clean`` below, which is
+``overlord.sources.transforms:clean_text`` (entities decoded, NFKC,
+whitespace collapsed) done ``ROUNDS`` times over, to stand for the decoding or
+parsing that makes a real source expensive (a bytes tokenizer alone costs a few
+nanoseconds a token, so a source must cost about a microsecond a token to be
+the bottleneck of a training step). The script measures what a token of each
+costs (CPU time of one shard's load) and prints the ratio.
+
+A curriculum moves ``web`` from 10% of the tokens at step 0 to 60% at the
+middle of the run (then holds). The trainer is simulated: each step it takes
+every rank's batch, then "trains" for a fixed time, chosen so that at 60% the
+``web`` source needs about 70% of the budget's loaders.
+
+- *fixed*: each source has budget/2 loaders of one reader thread (the equal
+  split), no autoscaler;
+- *autoscaled*: the same budget as ``autoscale.cpus``; every source starts
+  with the same equal split and the autoscaler re-sizes them as it measures.
+
+On Ray (``--runtime ray``, the default) every loader is a process, so
+loaders are cores; on the embedded runtime they are threads of one process
+and Python's GIL serializes the transform. No shadows (they would double the
+reading). Printed: the trainer's time waiting for data as a share of the run
+once warm (after the first 10% of steps), CPU seconds of every process of the
+run (read from ``/proc``) and tokens per CPU-second, and the autoscaler's
+decisions. The comparison needs a machine with at least as many cores as the
+budget: with fewer, both runs share the same cores.
+Targets (issue 5): autoscaled waits under 5% once warm, with no more CPU than
+the fixed split.
+
+    tools/loopback .venv/bin/python benchmarks/autoscale.py            # a few minutes
+    tools/loopback .venv/bin/python benchmarks/autoscale.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from overlord import Loader, load_plan
+from overlord.plan.spec import Plan, validate_plan
+from overlord.sources.files import resolve_files
+from overlord.sources.shard import load_shard_items
+from overlord.sources.tokenizers import make_tokenizer
+from overlord.sources.transforms import clean_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import run_pids, short_name  # noqa: E402
+
+ROUNDS = 8
+
+
+def heavy_clean(text: str) -> str:
+    """``clean_text``, ``ROUNDS`` times: a CPU-bound transform of a known cost."""
+    for _ in range(ROUNDS - 1):
+        clean_text(text)
+    return clean_text(text)
+
+
+CLEAN = ["data", "loader", "shard", "token", "planner", "rank", "step", "mixture", "source"]
+# scraped text: entities, compatibility forms (ligatures, full-width and circled letters),
+# non-breaking spaces
+DIRTY = [
+    *CLEAN[:3],
+    "&eacute;&egrave;&ecirc;",
+    "&#233;&#x00e8;",
+    "\uff21\uff22\uff23\uff24",
+    "\ufb01\ufb02",
+    "&nbsp;&nbsp;",
+    "\u2460\u2461",
+    "&lt;div&gt;",
+]
+
+
+def write_corpus(root: Path, files: int, docs: int) -> Path:
+    rng = random.Random(5)
+    for name, words in (("clean", CLEAN), ("web", DIRTY)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            with open(root / name / f"part-{f:03d}.jsonl", "w") as out:
+                for _ in range(docs):
+                    text = " ".join(rng.choice(words) for _ in range(rng.randint(100, 900)))
+                    out.write(json.dumps({"text": text}) + "\n")
+    plan = {
+        "seed": 9,
+        "sources": [
+            {"name": "clean", "path": "clean/*.jsonl", "format": "jsonl"},
+            {
+                "name": "web",
+                "path": "web/*.jsonl",
+                "format": "jsonl",
+                "transform": "autoscale:heavy_clean",
+            },
+        ],
+        "batch": {"tokens_per_step": 64 * 4096, "max_seq_len": 4096, "prefetch_steps": 2},
+        "world": {"dp": 2},
+        "loading": {"timeout_s": 120},
+    }
+    path = root / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def cost_per_token(plan: Plan, source: str) -> float:
+    """CPU seconds per token of one shard of ``source`` (read, transform, tokenize)."""
+    spec = next(s for s in plan.sources if s.name == source)
+    shards = resolve_files(spec, plan.base_dir)
+    tok = make_tokenizer(plan.tokenizer, str(plan.base_dir))
+    best = float("inf")
+    for pos in range(3):
+        c0 = time.process_time()
+        items = load_shard_items(plan, spec, shards, tok, 0, pos)
+        best = min(best, (time.process_time() - c0) / max(1, int(items.length.sum())))
+    return best
+
+
+def variant(plan: Plan, steps: int, cpus: int, autoscale: bool) -> Plan:
+    data = plan.model_dump(mode="json")
+    half = max(1, cpus // 2)
+    for s in data["sources"]:
+        s["loaders"], s["shadows"] = half, 0
+    data["mixture"] = {
+        "schedule": [
+            {"step": 0, "weights": {"clean": 0.9, "web": 0.1}},
+            {"step": steps // 2, "weights": {"clean": 0.4, "web": 0.6}},
+        ]
+    }
+    if autoscale:
+        data["autoscale"] = {
+            "cpus": cpus,
+            "every": 5,
+            "horizon_steps": max(10, steps // 6),
+            "cooldown_steps": 10,
+            # the transform is pure Python: a second thread in a loader adds nothing (GIL)
+            "thread_efficiency": 0.0,
+        }
+    return validate_plan(data, base_dir=plan.base_dir)
+
+
+class CpuMeter:
+    """CPU seconds of every process of the run (this one and below it), sampled from /proc.
+
+    A process that ends between samples loses at most one interval of its time.
+    """
+
+    def __init__(self, every: float = 0.25):
+        self.seen: dict[int, float] = {}
+        self.titles: dict[int, str] = {}
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in [*run_pids({os.getpid()}), os.getpid()]:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            self.seen[pid] = max(
+                self.seen.get(pid, 0.0), (int(fields[11]) + int(fields[12])) / tick
+            )
+            title = short_name(pid)  # Ray retitles a worker with the actor it runs
+            if title not in ("?", "ray::IDLE"):
+                self.titles[pid] = title.split(".")[0].split(":")[-1] if "::" in title else title
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.every)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return sum(self.seen.values())
+
+    def by_title(self) -> dict[str, float]:
+        """CPU seconds per kind of process (``ray::SourceLoader``, ``raylet``, ...)."""
+        out: dict[str, float] = {}
+        for pid, cpu in self.seen.items():
+            name = self.titles.get(pid, "?")
+            out[name] = out.get(name, 0.0) + cpu
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any]:
+    waits = []
+    tokens = 0
+    loader = Loader(plan, runtime=runtime)
+    try:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        meter, w0 = CpuMeter(), time.perf_counter()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            batches = [next(c) for c in clients]
+            waits.append(time.perf_counter() - t0)
+            tokens += sum(b.num_tokens for b in batches)
+            time.sleep(step_time)  # the training step
+        wall, cpu = time.perf_counter() - w0, meter.stop()
+        stats = loader.stats()
+    finally:
+        loader.close()
+    warm = steps // 10
+    return {
+        "wait_share": sum(waits[warm:]) / (sum(waits[warm:]) + step_time * (steps - warm)),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": tokens / cpu,
+        "cpu_by_process": meter.by_title(),
+        "scaling": stats["scaling"],
+        "events": [e for e in stats["events"] if e["event"] == "repartition"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpus", type=int, default=4, help="loaders in all (the budget)")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--files", type=int, default=40)
+    ap.add_argument("--docs", type=int, default=200)
+    ap.add_argument("--runtime", default="ray", choices=("ray", "inline"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.files, a.docs = 50, 16, 120
+    root = Path(tempfile.mkdtemp(prefix="overlord-autoscale-"))
+    base = load_plan(write_corpus(root, a.files, a.docs))
+    cheap, dear = cost_per_token(base, "clean"), cost_per_token(base, "web")
+    T = base.batch.tokens_per_step
+    # at 60%, web needs 55% of the budget's loaders: a little more than the equal split's half
+    step_time = 0.6 * T * dear / (0.55 * a.cpus)
+    print(
+        f"cost per token: clean {cheap * 1e9:.0f} ns, web {dear * 1e9:.0f} ns "
+        f"({dear / cheap:.1f}x); budget {a.cpus} reader threads; {a.steps} steps of {T:,} "
+        f"tokens; training step {step_time * 1e3:.0f} ms\n"
+    )
+    rows = []
+    for label, auto in (("fixed equal split", False), ("autoscaled", True)):
+        r = run(variant(base, a.steps, a.cpus, auto), a.steps, step_time, a.runtime)
+        rows.append((label, r))
+    print("| run | wait share once warm | wall s | CPU s | tokens per CPU-s |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in rows:
+        print(
+            f"| {label} | {100 * r['wait_share']:.1f}% | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+            f"{r['tokens_per_cpu_s']:,.0f} |"
+        )
+    for label, r in rows:
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["cpu_by_process"].items())[:6])
+        print(f"  CPU s by process, {label}: {top}")
+    auto = rows[1][1]
+    print("\nautoscaler decisions that changed a size:")
+    last: dict[str, tuple[int, int]] = {}
+    for d in auto["scaling"]:
+        for name, s in d["sources"].items():
+            size = (s["loaders"], s["threads"])
+            if last.get(name) != size:
+                last[name] = size
+                print(
+                    f"  step {d['step']:>4} {name}: {size[0]} loader(s) x {size[1]} thread(s), "
+                    f"demand {s['demand_tokens_per_s']:,.0f}, capacity "
+                    f"{s['capacity_tokens_per_s']:,.0f} tokens/s"
+                )
+    ok = auto["wait_share"] < 0.05 and auto["cpu_s"] <= rows[0][1]["cpu_s"] * 1.05
+    print("\nPASS" if ok else "\nMISS: see the table")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
