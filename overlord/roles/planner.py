@@ -468,7 +468,7 @@ class Planner:
         """
         i = self.names.index(source)
         cursor, slots, parts = self.cursors[i], self.slots[source], self.parts[source]
-        current = [k for k, p in enumerate(parts) if p.limit is None]
+        current = self._current(source)
         if count < 1:
             raise ValueError(f"a source needs at least one loader, got {count}")
         if count == len(current):
@@ -515,8 +515,8 @@ class Planner:
             return  # no step time measured yet: no demand to size for
         a = self.plan.autoscale
         profiles, current = [], {}
-        for name, parts in self.parts.items():
-            mine = [k for k, p in enumerate(parts) if p.limit is None]
+        for name in self.names:
+            mine = self._current(name)
             stats = [self.runtime.get(self.slots[name][k][0].call("stats")) for k in mine]
             costs = [
                 s["cpu_s_per_token"] for s in stats if s["cpu_s_per_token"] == s["cpu_s_per_token"]
@@ -561,19 +561,22 @@ class Planner:
         )
         for d in decision.sources:
             loaders, threads = current[d.name]
-            if d.threads != threads:
-                self.set_threads(d.name, d.threads)
             if d.loaders != loaders:
                 self.repartition(d.name, d.loaders)
+            if d.threads != threads or d.loaders != loaders:  # new loaders start with 1
+                self.set_threads(d.name, d.threads)
             if (d.loaders, d.threads) != (loaders, threads):
                 log.warning("autoscaler: %s", d.reason)
 
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source``."""
-        for k, part in enumerate(self.parts[source]):
-            if part.limit is None:
-                for replica in self.slots[source][k]:
-                    replica.call("set_threads", threads)
+        for k in self._current(source):
+            for replica in self.slots[source][k]:
+                replica.call("set_threads", threads)
+
+    def _current(self, source: str) -> list[int]:
+        """The slots of the source's current partition (the one without an end)."""
+        return [k for k, p in enumerate(self.parts[source]) if p.limit is None]
 
     def _retire(self) -> None:
         """Close partitions whose every item every rank has consumed."""
