@@ -174,7 +174,7 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
             print(
                 f"  step {z['step']:>6}: {z['loaders']} loader(s) x {z['threads']} thread(s), "
                 f"supply {z['capacity_tokens_per_s']:,.0f} for demand "
-                f"{z['demand_tokens_per_s']:,.0f} tokens/s",
+                f"{z['demand_tokens_per_s']:,.0f} tokens/s, {z['cpu_cores']:.2f} cores",
                 file=out,
             )
     for e in s.get("faults", []):

@@ -73,20 +73,22 @@ def changes(decisions: list[Decision]) -> int:
 
 
 def within_budget(d: Decision, budget: Budget) -> bool:
-    return d.cpus <= budget.cpus and d.memory_bytes <= budget.memory_bytes * (1 + 1e-9)
+    cores, memory = d.cpu_cores, d.memory_bytes
+    return cores <= budget.cpus + 1e-9 and memory <= budget.memory_bytes * (1 + 1e-9)
 
 
 # ---- sizing ---------------------------------------------------------------------------------
 
 
 def test_sizes_a_source_to_its_demand_with_headroom() -> None:
-    # 0.52 of 1M tok/s at 1e-5 CPU-s per token: 5.2 CPUs, 6.5 with headroom, so 7 threads
+    # 0.52 of 1M tok/s at 1e-5 CPU-s per token: 5.2 CPUs, 6.5 with headroom. Every shape that
+    # meets 6.5 burns 6.5 cores and memory is free, so the fewest loaders win: 2 x 4 threads
     scaler = Autoscaler(Budget(cpus=64, memory_bytes=math.inf))
     d = scaler.decide(0, [prof("web", 1e-5)], np.array([[0.52]]), TOKENS_PER_STEP, STEP_TIME_S)
     web = d.source("web")
-    assert web.cpus == 7 and web.threads <= 4
+    assert (web.loaders, web.threads) == (2, 4) and web.cpu_cores == pytest.approx(6.5)
     assert web.demand_tokens_per_s == pytest.approx(5.2e5)
-    assert web.capacity_tokens_per_s == pytest.approx(7e5)
+    assert web.capacity_tokens_per_s == pytest.approx(8e5)
     assert d.bottleneck is None
     assert "web: demand 520k tok/s now (weight 0.52) needs 6.5 CPUs" in web.reason
 
@@ -96,7 +98,7 @@ def test_sizes_a_source_to_its_demand_with_headroom() -> None:
     [
         (1.0, 64 * GiB, (2, 3)),  # threads scale and loaders cost memory: fill loaders first
         (0.0, 64 * GiB, (6, 1)),  # GIL-bound: a second thread buys nothing
-        (0.5, math.inf, (6, 1)),  # memory free: half-useful threads waste CPUs
+        (0.5, math.inf, (3, 3)),  # memory free: all burn 6 cores; fewest loaders (3 x gain 2)
         (0.5, 8 * GiB, (3, 3)),  # memory dear: half-useful threads are cheaper than loaders
     ],
 )
@@ -117,7 +119,8 @@ def test_unmeasured_sources_keep_their_size() -> None:
     assert shape(d, "a") == (2, 3) and shape(d, "b") == (1, 1)
     assert d.source("a").reason == "a: no cost measured yet; keeps 2 loaders x 3 threads"
     assert math.isnan(d.source("a").capacity_tokens_per_s)
-    assert d.source("c").cpus == 5  # 1/3 of 1M tok/s at 1e-5: 3.3 CPUs, 4.2 with headroom
+    # 1/3 of 1M tok/s at 1e-5: 3.3 CPUs, 4.2 with headroom; 1 x 4 is short, 2 x 3 the fewest
+    assert shape(d, "c") == (2, 3) and d.source("c").cpu_cores == pytest.approx(25 / 6)
 
 
 # ---- the schedule ahead ---------------------------------------------------------------------
@@ -163,8 +166,8 @@ def test_scales_up_before_a_rising_weight() -> None:
 
 
 def test_noisy_measurements_do_not_flap() -> None:
-    # demand sits exactly on 5 threads' worth: without hysteresis every wobble of the
-    # measured cost moves the size between 5 and 6 threads
+    # demand sits exactly on one loader's 4 threads' worth: without hysteresis every wobble
+    # of the measured cost moves the size between 1 loader x 4 threads and 2 x 3
     rng = np.random.default_rng(0)
     noise = np.exp(rng.normal(0.0, 0.05, size=300))
     budget = Budget(cpus=64)
@@ -173,7 +176,7 @@ def test_noisy_measurements_do_not_flap() -> None:
         return run(
             scaler,
             [prof("web", 1e-5)],
-            lambda s: [0.5],
+            lambda s: [0.4],
             range(300),
             noise=lambda s, i: float(noise[s]),
         )
@@ -227,7 +230,9 @@ def test_a_short_budget_is_divided_fairly() -> None:
     d = scaler.decide(0, profiles, np.array([[0.5, 0.5]]), TOKENS_PER_STEP, STEP_TIME_S)
     assert d.source("a").cpus == 4 and d.source("b").cpus == 4
     assert d.bottleneck == "a"  # equal shortfall: the first is named
-    assert d.reason.startswith("budget short: demand with 25% headroom wants 14 CPUs")
+    # the burn of both needs, 2 x 6.25; each 4-thread shape below its need burns 4 cores
+    assert d.reason.startswith("budget short: demand with 25% headroom wants 12.5 CPUs")
+    assert "divided fairly into 8.0 of 8 CPUs" in d.reason
 
 
 def test_the_bottleneck_is_the_source_furthest_below_its_demand() -> None:
@@ -250,12 +255,15 @@ def test_a_source_capped_by_its_shards_is_the_bottleneck() -> None:
 
 
 def test_sizes_kept_by_hysteresis_give_way_to_a_short_source() -> None:
-    scaler = Autoscaler(Budget(cpus=10, memory_bytes=math.inf), cooldown_steps=100)
-    # "old" holds 8 threads it no longer needs (its cooldown has not run out); "new" now needs 7
+    # "old" holds 2 loaders x 4 threads it no longer needs (its cooldown has not run out);
+    # they burn only its need, 1.25 cores, so with "new" needing 6.25 the CPUs are ample
+    # (7.5 of 10) but memory is not: 3 loaders fit, and "new" needs 2 (2 x 4 threads)
+    scaler = Autoscaler(Budget(cpus=10, memory_bytes=1.5 * GiB), cooldown_steps=100)
     profiles = [prof("old", 1e-5, loaders=2, threads=4), prof("new", 1e-5)]
     d = scaler.decide(0, profiles, np.array([[0.1, 0.5]]), TOKENS_PER_STEP, STEP_TIME_S)
-    assert d.source("old").cpus == 2 and d.source("new").cpus == 7 and d.bottleneck is None
+    assert shape(d, "old") == (1, 2) and shape(d, "new") == (2, 4) and d.bottleneck is None
     assert "shrunk at once to fit the budget" in d.source("old").reason
+    assert d.cpu_cores == pytest.approx(7.5) and within_budget(d, scaler.budget)
 
 
 def test_a_short_budget_does_not_flap_either() -> None:
@@ -270,9 +278,65 @@ def test_a_short_budget_does_not_flap_either() -> None:
 
     budget = Budget(cpus=12, memory_bytes=math.inf)
     steady = sizes(Autoscaler(budget))
-    assert all(d.cpus <= 12 and d.bottleneck is not None for d in steady)
+    assert all(within_budget(d, budget) and d.bottleneck is not None for d in steady)
     assert changes(steady) == 0 and "kept as it is" in steady[-1].reason
     assert changes(sizes(Autoscaler(budget, rebalance_gain=0.0))) > 3
+
+
+def test_a_cheap_source_takes_a_sliver_of_the_cpus() -> None:
+    # 0.5 of 262144 tokens every 0.125 s: 1048576 tok/s each, 1310720 with headroom. The
+    # expensive source (1e-6 s/token, GIL-bound) needs 1.31 cores: 2 loaders of 1M tok/s.
+    # The cheap one (6e-9 s/token) burns 1310720 x 6e-9 = 0.0079 cores on its one loader.
+    scaler = Autoscaler(Budget(cpus=2))
+    profiles = [prof("cheap", 6e-9), prof("expensive", 1e-6, thread_efficiency=0.0)]
+    d = scaler.decide(0, profiles, np.array([[0.5, 0.5]]), 262144, 0.125)
+    assert shape(d, "cheap") == (1, 1) and shape(d, "expensive") == (2, 1)
+    assert d.source("cheap").cpu_cores == pytest.approx(1310720 * 6e-9)
+    assert d.cpu_cores == pytest.approx(1.31072 + 1310720 * 6e-9) and d.bottleneck is None
+    assert "on 1.3 of 2 CPUs" in d.reason
+    # counting reader threads, as the budget once did, this takes 3 > 2 CPUs: impossible
+    assert d.cpus == 3 > scaler.budget.cpus
+
+
+def test_a_size_kept_by_hysteresis_burns_only_its_need() -> None:
+    # "old" keeps 2 x 4 threads (cooldown not over) but needs 0.1 x 1M x 1.25 x 1e-5 = 1.25
+    # cores; "new" needs 2.5 (1 x 3 threads): 3.75 of 4 CPUs on 11 reader threads, none shrunk
+    scaler = Autoscaler(Budget(cpus=4), cooldown_steps=100)
+    profiles = [prof("old", 1e-5, loaders=2, threads=4), prof("new", 1e-5)]
+    d = scaler.decide(0, profiles, np.array([[0.1, 0.2]]), TOKENS_PER_STEP, STEP_TIME_S)
+    assert shape(d, "old") == (2, 4) and shape(d, "new") == (1, 3)
+    assert d.source("old").cpu_cores == pytest.approx(1.25)
+    assert d.source("old").capacity_tokens_per_s == pytest.approx(8e5)
+    assert d.cpu_cores == pytest.approx(3.75) and d.cpus == 11
+    assert "needs under 60% of its capacity for 0 of 100 steps" in d.source("old").reason
+
+
+def test_unmeasured_sources_count_their_threads() -> None:
+    # "a" has no cost yet: its 4 threads count as 4 cores, leaving 2 of 6 to "b", which
+    # needs 0.5 x 1M x 1.25 x 1e-5 = 6.25: the fair division gives it 1 x 2 threads
+    scaler = Autoscaler(Budget(cpus=6))
+    profiles = [prof("a", math.nan, threads=4), prof("b", 1e-5)]
+    d = scaler.decide(0, profiles, np.array([[0.5, 0.5]]), TOKENS_PER_STEP, STEP_TIME_S)
+    assert shape(d, "a") == (1, 4) and d.source("a").cpu_cores == 4
+    assert shape(d, "b") == (1, 2) and d.source("b").cpu_cores == pytest.approx(2)
+    assert d.cpu_cores == pytest.approx(6) and d.bottleneck == "b"
+    assert d.reason.startswith("budget short: demand with 25% headroom wants 10.2 CPUs")
+
+
+def test_a_short_budget_of_cores_is_divided_fairly() -> None:
+    # a and b need 0.3 x 1M x 1.25 x 1e-5 = 3.75 cores each, c (1e-8) 0.4 x 1M x 1.25 x 1e-8
+    # = 0.005: 7.505 wanted of 4.5. From 1 thread each, a and b grow in turn to 2 threads
+    # (2 + 2 + 0.005 cores); a third thread for either would burn 5.005
+    scaler = Autoscaler(Budget(cpus=4.5))
+    profiles = [prof("a", 1e-5), prof("b", 1e-5), prof("c", 1e-8)]
+    d = scaler.decide(0, profiles, np.array([[0.3, 0.3, 0.4]]), TOKENS_PER_STEP, STEP_TIME_S)
+    assert [shape(d, n) for n in "abc"] == [(1, 2), (1, 2), (1, 1)]
+    assert d.cpu_cores == pytest.approx(4.005) and within_budget(d, scaler.budget)
+    assert d.cpus == 5 > scaler.budget.cpus  # reader threads: the cheap one's is mostly idle
+    assert d.bottleneck == "a"  # a and b are equally short: the first is named
+    assert d.reason.startswith("budget short: demand with 25% headroom wants 7.5 CPUs")
+    assert "divided fairly into 4.0 of 4.5 CPUs" in d.reason
+    assert "bottleneck a: capacity 200k tok/s for demand 300k tok/s (67%)" in d.reason
 
 
 def test_a_budget_below_the_minimum_is_an_error() -> None:
@@ -334,6 +398,8 @@ def test_the_budget_is_never_exceeded(
         d = scaler.decide(step, profiles, w, tokens_per_s, 1.0)
         assert within_budget(d, budget)
         for p, s in zip(profiles, d.sources):
+            # the burn: at most one core per reader thread; an unmeasured source's threads
+            assert s.cpu_cores == s.cpus if not p.measured else 0 <= s.cpu_cores <= s.cpus
             lo = min(budget.min_loaders, p.max_loaders or budget.min_loaders)
             assert s.loaders >= lo and 1 <= s.threads <= budget.max_threads_per_loader
             assert p.max_loaders is None or s.loaders <= p.max_loaders
@@ -375,13 +441,18 @@ def test_a_curriculum_toward_an_expensive_source(cpus: int) -> None:
     ds = run(scaler, profiles, weights, range(0, 1200, 10))
     workers = [d.source("expensive").cpus for d in ds]
     assert all(within_budget(d, budget) for d in ds)
-    assert workers == sorted(workers)  # never shrinks while its weight rises
+    # never shrinks while its weight rises, but once at 6 CPUs: the burn is counted at the
+    # need, so 2 x 3 threads fit while the need is 5.x cores; once the needs exceed 6 (5.25 +
+    # 0.76 at step 590) the fair division caps its burn to what is left: 5 x 1 thread
+    short = next((i for i, d in enumerate(ds) if d.reason.startswith("budget short")), len(ds))
+    assert workers[:short] == sorted(workers[:short]) and workers[short:] == sorted(workers[short:])
     assert workers[-1] >= 2 * workers[0]
     assert all(d.source("expensive").cpus > d.source("cheap").cpus for d in ds)
     if cpus == 64:
-        assert all(d.bottleneck is None for d in ds)
-    else:  # at 60% it needs 6 CPUs and the cheap source one: the budget falls short
+        assert all(d.bottleneck is None for d in ds) and short == len(ds)
+    else:  # at 60% it needs 7.5 cores and the cheap source 0.5: the budget falls short
         assert ds[-1].bottleneck == "expensive" and ds[-1].source("expensive").cpus == 5
+        assert (ds[short].step, workers[short - 1 : short + 1]) == (590, [6, 5])
 
 
 # ---- determinism and state ------------------------------------------------------------------

@@ -288,6 +288,62 @@ def test_a_read_that_never_returns_times_out_naming_the_source_and_file(tmp_path
         stuck.set()  # let the stuck reader thread end with the test
 
 
+# ---- read-ahead: a source's budget, shared by its loaders --------------------------------
+
+
+def _lone_loader(tmp_path: Path, count: int):
+    """Loader 0 of ``count`` of a source of 16 shards whose budget share is under one shard."""
+    from overlord.roles.source_loader import SourceLoader, token_budget
+    from overlord.sources.shard import shard_order
+
+    plan = load_plan(
+        make_corpus(
+            tmp_path,
+            {"web": {"files": {f"data/web/part-{i:02d}.jsonl": 12 for i in range(16)}}},
+            batch={"tokens_per_step": 128, "max_seq_len": 64, "prefetch_steps": 1, "lookahead": 1},
+        )
+    )
+    loader = SourceLoader(plan.model_dump(mode="json"), str(plan.base_dir), "web", 0, count)
+    assert token_budget(plan, count) == -(-(4 * 128 + 64) // count)
+    return loader, shard_order(plan.seed, "web", 0, 16)
+
+
+def test_loaders_of_a_source_share_its_read_ahead(tmp_path):
+    """With 4 loaders each holds a quarter of the source's budget (and the shard past it)."""
+    loader, _ = _lone_loader(tmp_path, 4)
+    try:
+        time.sleep(1.0)  # let it read as far as its budget allows
+        s = loader.stats()
+        # 12 documents of some 20 tokens are past a 144-token share: one shard, then it waits
+        assert s["budget_tokens"] == 144 and s["held_shards"] == 1 and s["queued_blocks"] == 1
+        assert s["held_tokens"] > s["budget_tokens"]
+    finally:
+        loader.close()
+
+
+def test_a_caller_waiting_for_the_next_shard_lifts_the_budget(tmp_path):
+    """Nothing is released, yet every shard comes: waiting for one lets the reader publish it.
+
+    Without the lift the second ``metadata`` call would wait out its timeout: the
+    loader's share is full of items the planner received and holds.
+    """
+    loader, _ = _lone_loader(tmp_path, 2)
+    try:
+        got = []
+        while len(got) < 8:  # loader 0 of 2 owns 8 of the 16 shards
+            got += [(b["epoch"], b["shard_pos"]) for b in loader.metadata(5.0)]
+        assert got == [(0, p) for p in range(0, 16, 2)]
+        assert loader.stats()["held_tokens"] > 4 * loader.stats()["budget_tokens"]
+    finally:
+        loader.close()
+    fresh, _ = _lone_loader(tmp_path / "b", 2)
+    try:  # a constructor's take waits for an unread shard the same way
+        out = fresh.take(np.array([[1, 4, 0]]))  # epoch 1: a whole epoch past its share
+        assert len(out["lengths"]) == 1 and out["lengths"][0] > 0
+    finally:
+        fresh.close()
+
+
 def test_loaders_measure_what_a_token_costs_them(plan_path):
     """The autoscaler's input: CPU seconds per token and per sample, memory, queue depth."""
     with Loader(load_plan(plan_path)) as loader:
@@ -442,7 +498,12 @@ def test_the_autoscaler_resizes_sources_within_its_budget_and_the_stream_stays(
     decisions = loader.stats_at_end["scaling"]  # type: ignore[attr-defined]
     assert len(decisions) >= BIG_STEPS // 4 - 2
     for d in decisions:
-        assert sum(s["loaders"] * s["threads"] for s in d["sources"].values()) <= 5
+        # the budget bounds the cores the readers are expected to burn, not their threads
+        burn = [s["cpu_cores"] for s in d["sources"].values()]
+        assert d["cpu_cores"] == pytest.approx(sum(burn)) and sum(burn) <= 5 + 1e-9
+        assert all(
+            0 <= c <= s["loaders"] * s["threads"] for c, s in zip(burn, d["sources"].values())
+        )
         assert all(s["reason"] for s in d["sources"].values()) and d["reason"]
     # reading costs a few microseconds a token and this trainer asks a few hundred thousand
     # tokens a second: one loader a source is enough, and the second ones are let go

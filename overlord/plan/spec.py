@@ -200,7 +200,10 @@ class AutoscaleSpec(_Model):
     """Sizing every source's loaders to its cost and share (on when ``cpus`` is given)."""
 
     cpus: float | None = Field(
-        None, gt=0, description="reader threads all SourceLoaders may use together"
+        None,
+        gt=0,
+        description="CPU cores all SourceLoaders' readers may burn together at the schedule's "
+        "peak demand (an idle loader burns none; loaders cost memory)",
     )
     memory_gb: float | None = Field(None, gt=0, description="memory all SourceLoaders may use")
     every: int = Field(10, ge=1, description="steps between decisions")

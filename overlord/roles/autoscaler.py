@@ -21,28 +21,36 @@ The policy, per source ``s``:
    loaders x ``T`` threads supplies ``L * (1 + (T - 1) * thread_efficiency)``
    thread-rates.
 3. **Shape.** Among the shapes that supply ``demand * headroom``, the cheapest
-   wins, each priced by the share of the budget it takes:
-   ``L*T / budget.cpus + L*memory_bytes_per_loader / budget.memory_bytes``.
-   When threads scale, threads cost no memory and loaders do, so a loader is
-   filled with threads before another is added; when they do not
-   (``thread_efficiency`` near 0), a second thread buys nothing and loaders are
-   added instead. Ties go to fewer loaders (fewer processes to start and
+   wins, each priced by the share of the budget it takes: the cores it burns
+   (item 5) over ``budget.cpus`` plus ``L*memory_bytes_per_loader /
+   budget.memory_bytes``. Every shape that meets the need burns the same, so
+   memory decides: loaders cost memory and threads do not, so a loader is
+   filled with threads before another is added; when threads do not scale
+   (``thread_efficiency`` near 0), a second thread buys nothing and loaders
+   are added instead. Ties go to fewer loaders (fewer processes to start and
    reshard), then fewer threads.
 4. **Hysteresis.** Scale up at once when the current capacity is below demand
    (the headroom is the margin spent before acting). Scale down only when the
    needed capacity (demand x headroom) has stayed below ``down_threshold`` of
    the current capacity for ``cooldown_steps`` training steps. In between the
    size is kept, so noise in the measurements changes nothing.
-5. **Budget.** If the chosen sizes do not fit ``Budget.cpus`` (counted as
-   loaders x threads) and ``Budget.memory_bytes``, sources kept above their
-   need by hysteresis are shrunk first. If that is not enough, the budget is
-   re-divided from every source's minimum (``min_loaders`` x 1 thread), always
-   growing the source whose capacity/demand ratio is lowest (max-min
-   fairness): the trainer waits on the worst-supplied source, so raising the
-   lowest ratio is what raises throughput. A re-division replaces the current
-   sizes only if it raises that lowest ratio by ``rebalance_gain``, so a short
-   budget does not flap either. The source left furthest below its demand is
-   named as the ``bottleneck``.
+5. **Budget.** ``Budget.cpus`` counts the cores the readers are expected to
+   burn together at the horizon's peak demand, with headroom: a source burns
+   ``min(capacity, demand * headroom) * cpu_s_per_token``, however many
+   loaders it has, since an idle reader burns none (an unmeasured source
+   counts one core per reader thread). Loaders cost memory, so a cheap
+   source's loader takes a sliver of the CPUs but its whole memory; the reader
+   threads may add up to more than ``cpus`` (loaders that are mostly idle),
+   and a short burst (filling the read-ahead at start) can use more cores for
+   a moment. If the chosen sizes do not fit ``Budget.cpus`` and
+   ``Budget.memory_bytes``, sources kept above their need by hysteresis are
+   shrunk first. If that is not enough, the budget is re-divided from every
+   source's minimum (``min_loaders`` x 1 thread), always growing the source
+   whose capacity/demand ratio is lowest (max-min fairness): the trainer waits
+   on the worst-supplied source, so raising the lowest ratio is what raises
+   throughput. A re-division replaces the current sizes only if it raises that
+   lowest ratio by ``rebalance_gain``, so a short budget does not flap either.
+   The source left furthest below its demand is named as the ``bottleneck``.
 
 Sources without a measured cost yet (``cpu_s_per_token`` 0 or NaN) keep their
 current size, with a reason saying so.
@@ -123,9 +131,12 @@ class SourceProfile:
 class Budget:
     """What all sources' readers may use together.
 
-    ``cpus`` counts reader threads (loaders x threads, summed over sources): a
-    reader thread is taken to occupy at most one core. ``memory_bytes`` bounds
-    the sum of loaders x ``memory_bytes_per_loader``; ``math.inf`` for none.
+    ``cpus`` bounds the cores all readers are expected to burn together at the
+    horizon's peak demand, with headroom: a source's tokens to produce times
+    its ``cpu_s_per_token``, at most one core per reader thread, whatever its
+    loaders (an idle reader burns none); an unmeasured source counts one core
+    per reader thread. Loaders cost memory instead: ``memory_bytes`` bounds the
+    sum of loaders x ``memory_bytes_per_loader``; ``math.inf`` for none.
     """
 
     cpus: float
@@ -152,7 +163,9 @@ class SourceDecision:
     """The size chosen for one source, with the figures behind it.
 
     ``capacity_tokens_per_s`` is what the chosen size supplies by the model
-    (NaN while the source's cost is unmeasured).
+    (NaN while the source's cost is unmeasured); ``cpu_cores`` is what its
+    readers are expected to burn, the share of ``Budget.cpus`` it takes (its
+    reader threads while unmeasured).
     """
 
     name: str
@@ -162,6 +175,7 @@ class SourceDecision:
     capacity_tokens_per_s: float
     memory_bytes: float
     reason: str
+    cpu_cores: float = math.nan
 
     @property
     def cpus(self) -> int:
@@ -180,8 +194,13 @@ class Decision:
 
     @property
     def cpus(self) -> int:
-        """Reader threads of all sources together."""
+        """Reader threads of all sources together (may exceed ``Budget.cpus``)."""
         return sum(s.cpus for s in self.sources)
+
+    @property
+    def cpu_cores(self) -> float:
+        """Cores all readers are expected to burn together: what ``Budget.cpus`` bounds."""
+        return sum(s.cpu_cores for s in self.sources)
 
     @property
     def memory_bytes(self) -> float:
@@ -291,6 +310,13 @@ class _Source:
 
     def memory(self, shape: Shape) -> float:
         return shape.loaders * self.profile.memory_bytes_per_loader
+
+    def cpu_use(self, shape: Shape, headroom: float) -> float:
+        """Cores the readers burn at peak demand: tokens made x cost; unmeasured, threads."""
+        if not self.profile.measured:
+            return float(shape.cpus)
+        made = min(self.capacity(shape), self.demand * headroom)
+        return min(made * self.profile.cpu_s_per_token, float(shape.cpus))
 
     def clamp(self, shape: Shape, max_threads: int) -> Shape:
         loaders = max(shape.loaders, self.lo)
@@ -495,15 +521,16 @@ class Autoscaler:
             raise ValueError(
                 f"budget of {b.cpus:g} CPUs and {_bytes(b.memory_bytes)} cannot hold the minimum "
                 f"of {b.min_loaders} loader(s) x 1 thread for each of {len(srcs)} sources, "
-                f"which takes {sum(m.cpus for m in minimum)} CPUs and "
+                f"which takes {self._cpus(srcs, minimum):g} CPUs and "
                 f"{_bytes(sum(s.memory(m) for s, m in zip(srcs, minimum)))}; "
                 "raise the budget or lower min_loaders"
             )
         return srcs
 
     def _price(self, s: _Source, shape: Shape) -> float:
-        """The share of the budget a shape takes, CPUs and memory added up."""
-        return shape.cpus / self.budget.cpus + s.memory(shape) / self.budget.memory_bytes
+        """The share of the budget a shape takes, cores burned and memory added up."""
+        b = self.budget
+        return s.cpu_use(shape, self.headroom) / b.cpus + s.memory(shape) / b.memory_bytes
 
     def _shape_for(self, s: _Source, need: float) -> Shape:
         """The cheapest shape whose capacity reaches ``need``, else the largest possible."""
@@ -519,13 +546,13 @@ class Autoscaler:
                 best, best_key = shape, key
         return best
 
-    def _fits(self, srcs: Sequence[_Source], shapes: Sequence[Shape]) -> bool:
-        mem = sum(s.memory(x) for s, x in zip(srcs, shapes))
-        return self._within(sum(x.cpus for x in shapes), mem)
+    def _cpus(self, srcs: Sequence[_Source], shapes: Sequence[Shape]) -> float:
+        """Cores the readers of ``shapes`` burn together (see :meth:`_Source.cpu_use`)."""
+        return sum(s.cpu_use(x, self.headroom) for s, x in zip(srcs, shapes))
 
-    def _within(self, cpus: float, mem: float) -> bool:
-        b = self.budget
-        return cpus <= b.cpus + _EPS and mem <= b.memory_bytes * (1 + _EPS)
+    def _fits(self, srcs: Sequence[_Source], shapes: Sequence[Shape]) -> bool:
+        b, mem = self.budget, sum(s.memory(x) for s, x in zip(srcs, shapes))
+        return self._cpus(srcs, shapes) <= b.cpus + _EPS and mem <= b.memory_bytes * (1 + _EPS)
 
     def _worst(self, srcs: Sequence[_Source], shapes: Sequence[Shape]) -> float:
         """The lowest capacity/demand ratio: the trainer waits on that source."""
@@ -545,8 +572,6 @@ class Autoscaler:
         alloc = [Shape(s.lo, 1) if s.profile.measured else current[i] for i, s in enumerate(srcs)]
         if not self._fits(srcs, alloc):
             alloc = [Shape(s.lo, 1) for s in srcs]
-        cpus = sum(x.cpus for x in alloc)
-        mem = sum(s.memory(x) for s, x in zip(srcs, alloc))
         heap = [
             (s.capacity(alloc[i]) / s.demand, i)
             for i, s in enumerate(srcs)
@@ -566,16 +591,13 @@ class Autoscaler:
                 shape = Shape(max(s.lo, math.floor(cap / s.capacity(Shape(1, t)) + _EPS) + 1), t)
                 if s.hi is not None and shape.loaders > s.hi:
                     continue
-                if not self._within(
-                    cpus - cur.cpus + shape.cpus, mem - s.memory(cur) + s.memory(shape)
-                ):
+                if not self._fits(srcs, [*alloc[:i], shape, *alloc[i + 1 :]]):
                     continue
                 key = (self._price(s, shape), -s.capacity(shape), shape.loaders, t)
                 if key < best_key:
                     best, best_key = shape, key
             if best is None:
                 continue  # it cannot grow within the budget: it stays where it is
-            cpus, mem = cpus - cur.cpus + best.cpus, mem - s.memory(cur) + s.memory(best)
             alloc[i] = best
             heapq.heappush(heap, (s.capacity(best) / s.demand, i))
         return alloc
@@ -607,7 +629,7 @@ class Autoscaler:
                 when = f"at step {step + k} (weight {w:.2f} in {k} steps)" if k else "now"
                 when += "" if k else f" (weight {w:.2f})"
                 why = f"{p.name}: demand {_rate(s.demand)} {when} "
-                why += f"needs {s.demand * h / s.rate:.1f} CPUs; "
+                why += f"needs {s.demand * h * p.cpu_s_per_token:.1f} CPUs; "
                 if new == had:
                     why += f"keeps {new} ({_rate(cap)}){note}"
                 else:
@@ -616,7 +638,8 @@ class Autoscaler:
                     why += f"; capped at {s.hi} loaders (max_loaders)"
                 if pressure and s.demand > 0 and cap < s.demand * h * (1 - _EPS):
                     why += f"; budget allows {cap / s.demand:.0%} of demand"
-            out.append(SourceDecision(p.name, *new, s.demand, cap, s.memory(new), why))
+            use = s.cpu_use(new, h)
+            out.append(SourceDecision(p.name, *new, s.demand, cap, s.memory(new), why, use))
 
         short = [
             (d.capacity_tokens_per_s / d.demand_tokens_per_s, i)
@@ -625,10 +648,10 @@ class Autoscaler:
         ]
         neck = out[min(short)[1]] if short else None
         mem_budget = "no memory limit" if math.isinf(b.memory_bytes) else _bytes(b.memory_bytes)
-        used = f"{sum(d.cpus for d in out)} of {b.cpus:g} CPUs, "
+        used = f"{sum(d.cpu_cores for d in out):.1f} of {b.cpus:g} CPUs, "
         used += f"{_bytes(sum(d.memory_bytes for d in out))} of {mem_budget}"
         if pressure:
-            want = f"{sum(x.cpus for x in target)} CPUs and "
+            want = f"{self._cpus(srcs, target):.1f} CPUs and "
             want += _bytes(sum(s.memory(x) for s, x in zip(srcs, target)))
             how = "divided fairly"
             if pressure == "kept":

@@ -523,7 +523,7 @@ class Planner:
             ]
             own = [s["rss_bytes"] for s in stats if s["pid"] != os.getpid()]
             # in this process (embedded) a loader's own memory is what its budget lets it hold
-            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan)
+            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine))
             threads = stats[0]["threads"] if stats else 1
             current[name] = (len(mine), threads)
             profiles.append(
@@ -546,6 +546,7 @@ class Planner:
                 "step": step,
                 "step_time_s": self._train_s,
                 "bottleneck": decision.bottleneck,
+                "cpu_cores": decision.cpu_cores,
                 "reason": decision.reason,
                 "sources": {
                     d.name: {
@@ -553,6 +554,7 @@ class Planner:
                         "threads": d.threads,
                         "demand_tokens_per_s": d.demand_tokens_per_s,
                         "capacity_tokens_per_s": d.capacity_tokens_per_s,
+                        "cpu_cores": d.cpu_cores,
                         "reason": d.reason,
                     }
                     for d in decision.sources

@@ -7,8 +7,12 @@ tokens until a DataConstructor takes them. The planner receives metadata only:
 one block per shard with each item's position and token count.
 
 Memory is bounded: the reader waits while the tokens it holds reach a budget
-derived from the plan (the steps planned ahead plus the lookahead), so at most
-that budget plus the shards being read are in memory.
+derived from the plan (the steps planned ahead plus the lookahead), divided
+among the loaders of the source's partition, so a source reads the same
+distance ahead with one loader or many. A caller that waits for this loader's
+next shard (the planner in ``metadata``, a constructor in ``take``) lifts the
+budget while it waits: the planner can never wait on a loader whose budget is
+full of items it has planned but not released (see :func:`token_budget`).
 
 Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
@@ -76,16 +80,27 @@ def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
     return fut
 
 
-def token_budget(plan: Plan) -> int:
-    """Tokens one loader may hold: what the planner can ask of it before a release.
+def token_budget(plan: Plan, loaders: int = 1) -> int:
+    """Tokens one of ``loaders`` loaders of a source holds before its reader waits.
 
     Items stay held until their step is consumed by every rank. The planner
     plans at most ``prefetch_steps + 1`` steps past the last consumed one, so a
     source may have to hold those steps, the step being planned and the items
     its lookahead skips; one step more of slack covers releases in flight.
+    That is the source's read-ahead, shared by its loaders: more loaders read
+    in parallel, not further ahead (which would cost memory, push a
+    re-partition's boundary further out, and read tokens a run never uses).
+
+    A share can be smaller than what the planner holds of one loader (its
+    shards are the large ones), so the budget alone could stop a loader whose
+    next shard the planner waits for. It does not: a waiting ``metadata`` or
+    ``take`` lets the reader publish past the budget. The excess is bounded by
+    what the planner can hold (the steps above), as it waits only for items it
+    needs.
     """
     b = plan.batch
-    return (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
+    total = (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
+    return -(-total // max(1, loaders))
 
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
@@ -122,7 +137,8 @@ class SourceLoader:
         self.tokenizer = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir))
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
-        self._budget = token_budget(self.plan)
+        self._budget = token_budget(self.plan, count)
+        self._asked = 0  # callers waiting for a shard not published yet: lifts the budget
         # items consumed already, dropped when their shard is read: before ``_floor``,
         # and the runs of ``_skip`` after it
         self._floor = (*self._start, int(start.get("index", 0)))
@@ -244,7 +260,7 @@ class SourceLoader:
         at = (items.epoch, items.shard_pos)
         with self._lock:
             while not self._closed and (
-                self._held_tokens >= self._budget
+                (self._held_tokens >= self._budget and not self._asked)
                 or (self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS)
             ):
                 self._lock.wait(0.5)
@@ -321,15 +337,20 @@ class SourceLoader:
                     f"SourceLoader {self.source}[{self.index}] is a shadow: it serves metadata "
                     "only once promoted"
                 )
-            while not self._queue and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LoaderError(
-                        f"SourceLoader {self.source}[{self.index}] produced no data for "
-                        f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}: "
-                        "check that the source's files can be read, or raise the timeout"
-                    )
-                self._lock.wait(min(left, 0.5))
+            self._asked += 1
+            try:
+                while not self._queue and self._error is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise LoaderError(
+                            f"SourceLoader {self.source}[{self.index}] produced no data for "
+                            f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}: "
+                            "check that the source's files can be read, or raise the timeout"
+                        )
+                    self._lock.notify_all()  # a reader held by the budget may publish now
+                    self._lock.wait(min(left, 0.5))
+            finally:
+                self._asked -= 1
             if self._queue:
                 out = list(self._queue)
                 self._queue.clear()
@@ -368,15 +389,20 @@ class SourceLoader:
     def _wait_until_read(self, at: Position) -> None:
         """Wait (lock held) until shard ``at`` is read: a promoted shadow may lag its primary."""
         deadline = time.monotonic() + self.plan.loading.timeout_s
-        while at > self._last and not self._closed and self._error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LoaderError(
-                    f"SourceLoader {self.source}[{self.index}] did not read shard {at} within "
-                    f"{self.plan.loading.timeout_s:.0f} s (loading.timeout_s) while reading "
-                    f"{self._reading}"
-                )
-            self._lock.wait(min(left, 0.5))
+        self._asked += 1
+        try:
+            while at > self._last and not self._closed and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderError(
+                        f"SourceLoader {self.source}[{self.index}] did not read shard {at} "
+                        f"within {self.plan.loading.timeout_s:.0f} s (loading.timeout_s) while "
+                        f"reading {self._reading}"
+                    )
+                self._lock.notify_all()  # a reader held by the budget may publish now
+                self._lock.wait(min(left, 0.5))
+        finally:
+            self._asked -= 1
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
