@@ -511,6 +511,35 @@ def test_the_autoscaler_resizes_sources_within_its_budget_and_the_stream_stays(
     assert any(e["event"] == "repartition" and e["loaders"] == "2 -> 1" for e in events)
 
 
+def test_loaders_a_repartition_just_started_keep_their_source_measured(big_plan):
+    """A source's cost outlives the loaders that measured it.
+
+    Loaders a re-partition just started have read nothing yet. Were the source
+    then unmeasured, the autoscaler would count it at one core per reader
+    thread and shrink it to fit the budget, and the next decision would grow it
+    again: a flap, each turn a re-partition.
+    """
+    plan = _plan(big_plan, autoscale__cpus=5, autoscale__every=10_000)  # decide when told
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for _ in range(6):
+            for c in clients:
+                next(c)
+        planner = loader.planner.obj  # type: ignore[attr-defined]
+        planner._autoscale(6)
+        before = planner.scaling[-1]["sources"]
+        for name in planner.names:  # every current loader as a fresh one: nothing measured
+            for k in planner._current(name):
+                fresh = planner.slots[name][k][0].obj
+                measured = fresh.stats
+                fresh.stats = lambda m=measured: {**m(), "cpu_s_per_token": float("nan")}
+        planner._autoscale(7)
+        after = planner.scaling[-1]["sources"]
+    for name, d in after.items():
+        assert d["capacity_tokens_per_s"] == before[name]["capacity_tokens_per_s"] > 0
+        assert (d["loaders"], d["threads"]) == (before[name]["loaders"], before[name]["threads"])
+
+
 # ---- per-record transforms ---------------------------------------------------------------
 
 

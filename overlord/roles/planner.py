@@ -106,6 +106,9 @@ class Planner:
                 horizon_steps=a.horizon_steps,
             )
         self.scaling: list[dict[str, Any]] = []  # the autoscaler's decisions, with reasons
+        # CPU seconds per token each source's loaders measured last: a source's cost, which
+        # loaders just started by a re-partition have not measured yet
+        self._cost: dict[str, float] = {}
         self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal: Journal | None = None
         self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
@@ -521,6 +524,8 @@ class Planner:
             costs = [
                 s["cpu_s_per_token"] for s in stats if s["cpu_s_per_token"] == s["cpu_s_per_token"]
             ]
+            if costs:
+                self._cost[name] = float(np.mean(costs))
             own = [s["rss_bytes"] for s in stats if s["pid"] != os.getpid()]
             # in this process (embedded) a loader's own memory is what its budget lets it hold
             memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine))
@@ -529,7 +534,7 @@ class Planner:
             profiles.append(
                 SourceProfile(
                     name,
-                    float(np.mean(costs)) if costs else 0.0,
+                    self._cost.get(name, 0.0),
                     memory,
                     len(mine),
                     threads,
