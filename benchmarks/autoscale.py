@@ -28,9 +28,14 @@ On Ray (``--runtime ray``, the default) every loader is a process, so
 loaders are cores; on the embedded runtime they are threads of one process
 and Python's GIL serializes the transform. No shadows (they would double the
 reading). Printed: the trainer's time waiting for data as a share of the run
-once warm (after the first 10% of steps), CPU seconds of every process of the
-run (read from ``/proc``) and tokens per CPU-second, and the autoscaler's
-decisions. The comparison needs a machine with more cores than the budget
+once warm (after the first 10% of steps), tokens/s per core of the budget,
+CPU seconds of every process of the run (read from ``/proc``) and tokens per
+CPU-second, and the autoscaler's decisions. CPU is read once the loaders are
+idle after the last step: a source that kept up with the trainer holds a full
+read-ahead at the end, one that starved it holds none, so each run is charged
+its tokens plus a full read-ahead. A third run fixes the autoscaler's last
+sizes from the first step: what scaling itself costs, against what reading
+with more loaders costs. The comparison needs a machine with more cores than the budget
 (the planner, constructors and Ray's own processes need some too): with
 fewer, both runs share the same cores. On 2 cores, ``--cpus 2 --rounds 48``
 makes ``web`` dear enough for the loaders to be most of the work.
@@ -186,11 +191,16 @@ class CpuMeter:
         self.seen: dict[int, float] = {}
         self.titles: dict[int, str] = {}
         self.every = every
+        self._lock = threading.Lock()  # the sampling thread and total() both sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
+        with self._lock:
+            self._sample_locked()
+
+    def _sample_locked(self) -> None:
         tick = os.sysconf("SC_CLK_TCK")
         for pid in [*run_pids({os.getpid()}), os.getpid()]:
             try:
@@ -209,6 +219,32 @@ class CpuMeter:
         while not self._stop.is_set():
             self._sample()
             self._stop.wait(self.every)
+
+    def settle(
+        self, idle_cores: float = 0.25, window_s: float = 1.0, limit_s: float = 300
+    ) -> float:
+        """Wait until the run's processes together burn under ``idle_cores`` (its loaders are idle).
+
+        Called when the trainer stops: a source that kept up with the trainer
+        holds a full read-ahead, one that starved it holds none. Letting every
+        loader fill its read-ahead before the last reading charges each run the
+        same: the tokens it delivered, plus a full read-ahead.
+        """
+        t0 = time.monotonic()
+        before = self.total()
+        while time.monotonic() < t0 + limit_s:
+            time.sleep(window_s)
+            now = self.total()
+            if now - before < idle_cores * window_s:
+                break
+            before = now
+        return time.monotonic() - t0
+
+    def total(self) -> float:
+        """CPU seconds so far."""
+        self._sample()
+        with self._lock:
+            return sum(self.seen.values())
 
     def stop(self) -> float:
         self._stop.set()
@@ -238,7 +274,9 @@ def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any
             waits.append(time.perf_counter() - t0)
             tokens += sum(b.num_tokens for b in batches)
             time.sleep(step_time)  # the training step
-        wall, cpu = time.perf_counter() - w0, meter.stop()
+        wall = time.perf_counter() - w0
+        settle_s = meter.settle()
+        cpu = meter.stop()
         stats = loader.stats()
     finally:
         loader.close()
@@ -246,6 +284,7 @@ def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any
     return {
         "wait_share": sum(waits[warm:]) / (sum(waits[warm:]) + step_time * (steps - warm)),
         "wall_s": wall,
+        "settle_s": settle_s,
         "cpu_s": cpu,
         "tokens": tokens,
         "tokens_per_cpu_s": tokens / cpu,
@@ -316,7 +355,10 @@ def main() -> int:
         )
     for label, r in rows:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["cpu_by_process"].items())[:6])
-        print(f"  CPU s by process, {label}: {top}")
+        print(
+            f"  CPU s by process, {label} (loaders idle {r['settle_s']:.0f} s after the last "
+            f"step): {top}"
+        )
     auto = rows[1][1]
     print("\nautoscaler decisions that changed a size:")
     last: dict[str, tuple[int, int]] = {}
