@@ -185,20 +185,25 @@ class CpuMeter:
     """CPU seconds of every process of the run (this one and below it), sampled from /proc.
 
     A process that ends between samples loses at most one interval of its time.
+    The meter's own sampling is not counted.
     """
 
     def __init__(self, every: float = 0.25):
         self.seen: dict[int, float] = {}
         self.titles: dict[int, str] = {}
         self.every = every
+        self.own = 0.0  # CPU seconds the meter itself spent sampling
         self._lock = threading.Lock()  # the sampling thread and total() both sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
+        t0 = time.thread_time()
         with self._lock:
             self._sample_locked()
+            # the meter's own CPU (it walks /proc) is no part of the run: taken off this process
+            self.own += time.thread_time() - t0
 
     def _sample_locked(self) -> None:
         tick = os.sysconf("SC_CLK_TCK")
@@ -244,20 +249,19 @@ class CpuMeter:
         """CPU seconds so far."""
         self._sample()
         with self._lock:
-            return sum(self.seen.values())
+            return sum(self.seen.values()) - self.own
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
-        self._sample()
-        return sum(self.seen.values())
+        return self.total()
 
     def by_title(self) -> dict[str, float]:
         """CPU seconds per kind of process (``ray::SourceLoader``, ``raylet``, ...)."""
         out: dict[str, float] = {}
         for pid, cpu in self.seen.items():
             name = self.titles.get(pid, "?")
-            out[name] = out.get(name, 0.0) + cpu
+            out[name] = out.get(name, 0.0) + cpu - (self.own if pid == os.getpid() else 0.0)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
