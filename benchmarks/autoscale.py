@@ -185,7 +185,8 @@ class CpuMeter:
     """CPU seconds of every process of the run (this one and below it), sampled from /proc.
 
     A process that ends between samples loses at most one interval of its time.
-    The meter's own sampling is not counted.
+    What processes alive at the start had spent before, and the meter's own
+    sampling, are not counted.
     """
 
     def __init__(self, every: float = 0.25):
@@ -195,6 +196,9 @@ class CpuMeter:
         self.own = 0.0  # CPU seconds the meter itself spent sampling
         self._lock = threading.Lock()  # the sampling thread and total() both sample
         self._stop = threading.Event()
+        self._sample()
+        # what processes alive now (this one) had spent before: not the run's
+        self.before, self.own = dict(self.seen), 0.0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -249,7 +253,7 @@ class CpuMeter:
         """CPU seconds so far."""
         self._sample()
         with self._lock:
-            return sum(self.seen.values()) - self.own
+            return sum(self.seen.values()) - sum(self.before.values()) - self.own
 
     def stop(self) -> float:
         self._stop.set()
@@ -261,17 +265,19 @@ class CpuMeter:
         out: dict[str, float] = {}
         for pid, cpu in self.seen.items():
             name = self.titles.get(pid, "?")
-            out[name] = out.get(name, 0.0) + cpu - (self.own if pid == os.getpid() else 0.0)
+            cpu -= self.before.get(pid, 0.0) + (self.own if pid == os.getpid() else 0.0)
+            out[name] = out.get(name, 0.0) + cpu
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any]:
     waits = []
     tokens = 0
+    meter = CpuMeter()  # from before the job starts: its start-up is part of what it costs
     loader = Loader(plan, runtime=runtime)
     try:
         clients = [loader.client(r) for r in range(plan.world.dp)]
-        meter, w0 = CpuMeter(), time.perf_counter()
+        w0 = time.perf_counter()
         for _ in range(steps):
             t0 = time.perf_counter()
             batches = [next(c) for c in clients]
