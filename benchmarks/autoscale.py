@@ -301,6 +301,8 @@ def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any
         "cpu_by_process": meter.by_title(),
         "scaling": stats["scaling"],
         "events": [e for e in stats["events"] if e["event"] == "repartition"],
+        # what a web token cost the run's last web loaders (moving average of thread CPU)
+        "web_cost": [s["cpu_s_per_token"] for s in stats["loaders"] if s["source"] == "web"],
     }
 
 
@@ -365,9 +367,10 @@ def main() -> int:
         )
     for label, r in rows:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["cpu_by_process"].items())[:6])
+        cost = ", ".join(f"{c * 1e9:.0f}" for c in r["web_cost"])
         print(
             f"  CPU s by process, {label} (loaders idle {r['settle_s']:.0f} s after the last "
-            f"step): {top}"
+            f"step): {top}; a web token cost its last loaders {cost} ns"
         )
     auto = rows[1][1]
     print("\nautoscaler decisions that changed a size:")
