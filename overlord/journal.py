@@ -218,7 +218,7 @@ class Journal:
             self._starts.remove(s)
 
     def loaders(self, loaders: dict[str, Any]) -> None:
-        """The replica sets changed (a failover)."""
+        """The replica sets, partitions or autoscaler state changed (failover, scaling)."""
         self._write({"t": "ldr", "loaders": loaders})
 
     def stats(self) -> dict[str, Any]:

@@ -489,6 +489,33 @@ def test_failover_and_planner_restart_after_a_repartition(big_plan, big_referenc
     assert _read_past(loader, "code") == [True]
 
 
+def test_a_restarted_planner_keeps_the_autoscalers_timers_and_costs(
+    big_plan, big_reference, tmp_path
+):
+    """The cooldown a scale-down waits for, and each source's cost, survive a restart."""
+    plan = _plan(
+        big_plan,
+        recovery__journal_dir=str(tmp_path),
+        autoscale__cpus=5,
+        autoscale__every=3,
+        autoscale__cooldown_steps=1_000,  # nothing shrinks: the timers only run
+    )
+    seen: list[tuple[dict, dict]] = []
+
+    def restart(loader: Loader) -> None:
+        before = loader.planner.obj  # type: ignore[attr-defined]
+        state = (before.scaler.state_dict(), dict(before._cost))
+        _restart_planner(loader)
+        after = loader.planner.obj  # type: ignore[attr-defined]
+        seen.append((state, (after.scaler.state_dict(), dict(after._cost))))
+
+    lines, _ = _run(plan, {(10, 0): restart, (25, 1): restart}, BIG_STEPS)
+    assert lines == big_reference
+    for (policy, cost), restored in seen:
+        assert policy["low_since"] and cost  # timers running, costs measured
+        assert restored == (policy, cost)
+
+
 def test_the_autoscaler_resizes_sources_within_its_budget_and_the_stream_stays(
     big_plan, big_reference
 ):

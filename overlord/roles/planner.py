@@ -449,14 +449,21 @@ class Planner:
         return self.runtime.spawn(SourceLoader, *args, self.keep_payloads, shadow, limit, name=name)
 
     def _layout_record(self) -> dict[str, Any]:
-        """Every slot's replicas by name, and its partition: what a restarted planner needs."""
-        return {
+        """What a restarted planner needs besides the state.
+
+        Every slot's replicas by name, its partition, and the autoscaler's
+        hysteresis timers and measured costs.
+        """
+        record: dict[str, Any] = {
             "slots": {
                 n: [[replica_name(h) for h in slot] for slot in slots]
                 for n, slots in self.slots.items()
             },
             "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
         }
+        if self.scaler is not None:
+            record["autoscaler"] = {"policy": self.scaler.state_dict(), "cost": dict(self._cost)}
+        return record
 
     # ---- partitions ------------------------------------------------------------------------
 
@@ -574,6 +581,8 @@ class Planner:
                 self.set_threads(d.name, d.threads)
             if (d.loaders, d.threads) != (loaders, threads):
                 log.warning("autoscaler: %s", d.reason)
+        if self.journal is not None:  # the timers moved: a restarted planner keeps them
+            self.journal.loaders(self._layout_record())
 
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source``."""
@@ -651,6 +660,10 @@ class Planner:
                 for n, slots in last["slots"].items()
             }
             self.parts = {n: [Part.of(r) for r in rs] for n, rs in last["parts"].items()}
+            scaled = last.get("autoscaler")
+            if scaled is not None and self.scaler is not None:
+                self.scaler.load_state_dict(scaled["policy"])
+                self._cost = {n: float(c) for n, c in scaled["cost"].items()}
         self.journal.continue_after(segments[-1])
         self._verify = {s: d for s, d in deltas.items() if s >= want}
         self.events.append(
