@@ -326,3 +326,25 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("steps 0..2: ")
     assert "balance (kk)" in ran.stdout and "web:" in ran.stdout and "code:" in ran.stdout
+
+
+def test_run_summary_shows_each_autoscaler_size_with_supply_demand_and_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = corpus(tmp_path, autoscale={"cpus": 4, "every": 2})
+    assert main(["run", str(plan), "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    for name in ("web", "code"):
+        sizes = re.findall(
+            rf"autoscaler, {name}:\n((?:  step .*\n)+)", out
+        )  # the decisions that set or changed its size, one line each
+        assert sizes, out
+        for line in sizes[0].splitlines():
+            m = re.fullmatch(
+                r"  step +\d+: (\d+) loader\(s\) x (\d+) thread\(s\), supply ([\d,]+) for demand "
+                r"([\d,]+) tokens/s, ([\d.]+) cores",
+                line,
+            )
+            assert m, line
+            loaders, threads, cores = int(m[1]), int(m[2]), float(m[5])
+            assert loaders >= 1 and 0 <= cores <= loaders * threads
