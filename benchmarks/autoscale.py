@@ -150,8 +150,8 @@ def cost_under_load(plan: Plan, source: str, processes: int) -> float:
     """
     ctx = multiprocessing.get_context("fork")  # before Ray starts: nothing to inherit badly
     with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-        costs = list(pool.map(cost_per_token, [plan] * processes, [source] * processes,
-                              range(processes)))  # fmt: skip
+        jobs = [pool.submit(cost_per_token, plan, source, pos) for pos in range(processes)]
+        costs = [job.result() for job in jobs]
     return sum(costs) / len(costs)
 
 
