@@ -684,11 +684,7 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
         TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms (5% of a 1 s step)"
     )
     dps_all = sorted({g[1] for g in grid})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dps_all, [f"{d:,}" for d in dps_all])
-    ax.minorticks_off()
-    ax.set_yscale("log")
-    ax.set_xlabel("DP (ranks)")
+    log_dp_axes(ax, dps_all)
     ax.set_ylabel("planner time per step, ms (median)")
     ax.set_title("Grid as shipped (labels: max_seq_len x rows/rank)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -753,11 +749,7 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
             color=c,
             label=f"{t // MIB}M: out (rank plans)",
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dps_all, [f"{d:,}" for d in dps_all])
-    ax.minorticks_off()
-    ax.set_yscale("log")
-    ax.set_xlabel("DP (ranks)")
+    log_dp_axes(ax, dps_all)
     ax.set_ylabel("MB per step (pickled)")
     ax.set_title(f"Metadata bytes per step ({methods[0]})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -767,6 +759,15 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def log_dp_axes(ax: Any, dps: list[int]) -> None:
+    """Log axes, x the DP sizes (base 2, a tick at each), y log 10."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dps, [f"{d:,}" for d in dps])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("DP (ranks)")
 
 
 def plain_log_ticks(ax: Any) -> None:

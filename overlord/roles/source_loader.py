@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -337,20 +337,15 @@ class SourceLoader:
                     f"SourceLoader {self.source}[{self.index}] is a shadow: it serves metadata "
                     "only once promoted"
                 )
-            self._asked += 1
-            try:
-                while not self._queue and self._error is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise LoaderError(
-                            f"SourceLoader {self.source}[{self.index}] produced no data for "
-                            f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}: "
-                            "check that the source's files can be read, or raise the timeout"
-                        )
-                    self._lock.notify_all()  # a reader held by the budget may publish now
-                    self._lock.wait(min(left, 0.5))
-            finally:
-                self._asked -= 1
+            self._wait_asking(
+                lambda: not self._queue and self._error is None,
+                deadline,
+                lambda: (
+                    f"SourceLoader {self.source}[{self.index}] produced no data for "
+                    f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}: "
+                    "check that the source's files can be read, or raise the timeout"
+                ),
+            )
             if self._queue:
                 out = list(self._queue)
                 self._queue.clear()
@@ -388,17 +383,30 @@ class SourceLoader:
 
     def _wait_until_read(self, at: Position) -> None:
         """Wait (lock held) until shard ``at`` is read: a promoted shadow may lag its primary."""
-        deadline = time.monotonic() + self.plan.loading.timeout_s
+        timeout = self.plan.loading.timeout_s
+        self._wait_asking(
+            lambda: at > self._last and not self._closed and self._error is None,
+            time.monotonic() + timeout,
+            lambda: (
+                f"SourceLoader {self.source}[{self.index}] did not read shard {at} within "
+                f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}"
+            ),
+        )
+
+    def _wait_asking(
+        self, waiting: Callable[[], bool], deadline: float, timed_out: Callable[[], str]
+    ) -> None:
+        """Wait (lock held) while ``waiting()``; past ``deadline`` raise ``timed_out()``.
+
+        The caller needs a shard this loader has not published: while it waits
+        the reader may publish past its budget (see :func:`token_budget`).
+        """
         self._asked += 1
         try:
-            while at > self._last and not self._closed and self._error is None:
+            while waiting():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LoaderError(
-                        f"SourceLoader {self.source}[{self.index}] did not read shard {at} "
-                        f"within {self.plan.loading.timeout_s:.0f} s (loading.timeout_s) while "
-                        f"reading {self._reading}"
-                    )
+                    raise LoaderError(timed_out())
                 self._lock.notify_all()  # a reader held by the budget may publish now
                 self._lock.wait(min(left, 0.5))
         finally:
