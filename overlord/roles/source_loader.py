@@ -48,7 +48,7 @@ from overlord.sources.shard import ShardItems, load_shard_items, shard_order
 from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 64
-COST_EMA = 0.2
+COST_EMA = 0.2  # weight of the newest shard in the per-token cost's moving average
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 # metadata columns of a block: key, ShardItems field, dtype
 _BLOCK_COLUMNS = (
@@ -56,7 +56,7 @@ _BLOCK_COLUMNS = (
     ("row", "row", np.int64),
     ("chunk", "chunk", np.int32),
     ("patches", "patches", np.int32),
-)  # weight of the newest shard in the per-token cost's moving average
+)
 
 
 def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
