@@ -1,9 +1,11 @@
 """Checkpoints: the planner's state as a small, versioned JSON document.
 
 A checkpoint describes what the trainer consumed, never what loaders had read
-ahead. It holds, per source (keyed by name), where its order resumes and its
-mixture account, and a fingerprint of what decides that source's items, so
-that loading it into a plan that reads the source differently fails loudly.
+ahead. It holds, per source (keyed by name), where its order resumes, its
+mixture account, its files (:mod:`overlord.sources.catalog` checks them on
+resume) and a fingerprint of what decides that source's items, so that
+loading it into a plan that reads the source differently fails loudly. The
+format is :mod:`overlord.state`.
 The world and balance settings are not in it: resume with another DP size
 continues the same global stream (elastic resume).
 """
@@ -19,8 +21,7 @@ from typing import Any
 
 from overlord.errors import CheckpointError
 from overlord.plan.spec import Plan
-from overlord.roles.planner import STATE_VERSION
-from overlord.sources.files import resolve_files
+from overlord.state import STATE_VERSION
 
 _NAME = re.compile(r"^step-(\d{8,})\.json$")
 
@@ -33,6 +34,12 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
     if version != STATE_VERSION:
         raise CheckpointError(
             f"checkpoint format version {version!r} is not supported: expected {STATE_VERSION}"
+            + (
+                " (version 1 predates recording each source's files in the state; resume it "
+                "with the overlord release that wrote it)"
+                if version == 1
+                else ""
+            )
         )
     for key in ("step", "sources"):
         if key not in state:
@@ -42,17 +49,13 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
         saved = state["sources"].get(name)
         if saved is None:
             continue  # a source added since: it starts from its beginning
-        files = [
-            sh.name
-            for sh in resolve_files(plan.sources[plan.source_names.index(name)], plan.base_dir)
-        ]
-        want, found = plan.source_fingerprint(name, files), saved.get("fingerprint")
+        want, found = plan.source_fingerprint(name), saved.get("fingerprint")
         if want != found:
             problems.append(f"source '{name}': expected fingerprint {want}, found {found}")
     if problems:
         raise CheckpointError(
             "the checkpoint was written for a plan that reads these sources differently "
-            "(its files, seed, format, text field, tokenizer, max_seq_len, long_docs or "
+            "(its paths, seed, format, text field, tokenizer, max_seq_len, long_docs or "
             "on_error changed), so its positions mean other samples here:\n  "
             + "\n  ".join(problems)
         )

@@ -251,7 +251,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         address = ray.get_runtime_context().gcs_address
         print(
             f"overlord: job '{args.name}' is ready on Ray at {address}: dp={plan.world.dp}, "
-            f"{sum(len(v) for v in loader.loaders.values())} source loader(s), "
+            f"{sum(len(v) for v in loader.slots().values())} source loader(s), "
             f"{len(loader.constructors)} data constructor(s), from step {loader.start_step}.\n"
             f"Trainers: RAY_ADDRESS={address} and overlord.connect('{args.name}', rank=r). "
             "Ctrl-C stops the job.",

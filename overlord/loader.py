@@ -1,4 +1,9 @@
-"""The public entry point: a running data plan, on a runtime."""
+"""The public entry point: a running data plan, on a runtime.
+
+This is the wiring: it lists the job's files once, chooses the runtime and
+how each role is placed on it, spawns the planner (whose pool spawns the
+loaders) and the constructors, and hands out clients.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,41 @@ from pathlib import Path
 from typing import Any
 
 from overlord.checkpoint import check_state
-from overlord.plan.spec import ConstructorSite, Plan, load_plan, validate_plan
+from overlord.plan.spec import ConstructorSite, LoaderPlacement, Plan, load_plan, validate_plan
+from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
-from overlord.roles.loader_group import LoaderGroup, MemberHandle, assign_groups
+from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
 from overlord.roles.source_loader import SourceLoader
-from overlord.runtime import make_runtime
-from overlord.runtime.base import Handle
-from overlord.runtime.inline import InlineHandle
+from overlord.runtime import RUNTIMES
+from overlord.runtime.base import Handle, RoleOptions, Runtime
+from overlord.runtime.inline import InlineHandle, InlineRuntime
+from overlord.sources.catalog import SourceFiles, job_files
+from overlord.sources.tokenizers import make_tokenizer
 
-# a SourceLoader answers the planner (which may wait for data) and constructors at once
-LOADER_CONCURRENCY = 16
+
+def make_runtime(name: str, job: str, address: str | None = None) -> Runtime:
+    """The runtime called ``name`` for job ``job`` (``ray``: on the cluster at ``address``)."""
+    if name == "inline":
+        return InlineRuntime()
+    if name == "ray":
+        from overlord.runtime.ray_runtime import RayRuntime
+
+        return RayRuntime(job, address)
+    raise ValueError(f"unknown runtime '{name}': expected one of {', '.join(RUNTIMES)}")
+
+
+def loader_options(plan: Plan) -> dict[str, RoleOptions]:
+    """How each source's SourceLoaders are placed (the ``placement`` section)."""
+    p = plan.placement
+    spread = "SPREAD" if p.loader_strategy is LoaderPlacement.SPREAD else None
+    return {
+        s.name: RoleOptions(
+            p.loader_cpus, SourceLoader.CONCURRENCY, spread, p.loader_nodes.get(s.name)
+        )
+        for s in plan.sources
+    }
 
 
 def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
@@ -32,19 +60,22 @@ def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
     return [list(range(r, min(r + per_constructor, dp))) for r in range(0, dp, per_constructor)]
 
 
-def local_constructor(layout: dict[str, Any], planner: Handle, runtime: Any, rank: int) -> Handle:
-    """A DataConstructor for ``rank`` in this process, pulling from the job's loaders."""
-    plan = validate_plan(layout["plan"])
-    obj = DataConstructor(
-        layout["plan"],
-        layout["base_dir"],
-        planner,
-        layout["loaders"],
-        runtime,
-        [rank],
-        plan.batch.prefetch_steps,
-    )
-    return InlineHandle(obj, f"constructor-local-{rank}")
+def local_constructor(
+    layout: dict[str, Any], planner: Handle[PlannerRole], rank: int
+) -> DataConstructor:
+    """A DataConstructor for ``rank`` in this process, pulling from the job's loaders.
+
+    ``layout`` is the planner's: the plan, the job's files (never listed again
+    here) and the loaders.
+    """
+    plan = validate_plan(layout["plan"], base_dir=layout["base_dir"])
+    files = {
+        n: SourceFiles.of_record(n, record, layout["base_dir"])
+        for n, record in layout["files"].items()
+    }
+    loaders: dict[str, list[Handle[LoaderRole] | None]] = layout["loaders"]
+    prefetch = plan.batch.prefetch_steps
+    return DataConstructor(plan, files, planner, loaders, [rank], prefetch, layout["pad_id"])
 
 
 class Loader:
@@ -76,15 +107,13 @@ class Loader:
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
             check_state(state, self.plan)
-        self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
-        self.runtime = make_runtime(runtime, self.plan, self.job, address)
-        distributed = runtime != "inline"
-        data = self.plan.model_dump(mode="json")
         base = str(self.plan.base_dir)
-        saved = (state or {}).get("sources", {})
-        spawn = self.runtime.spawn
-        self.loaders: dict[str, list[Handle]] = {}
-        self.shadows: dict[str, list[list[Handle]]] = {}
+        # the job's data: listed once, here; every role reads this list
+        self.files = job_files(((s.name, _patterns(s.path)) for s in self.plan.sources), base, state)
+        self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
+        self.runtime = make_runtime(runtime, self.job, address)
+        # each role in a process of its own (its memory its own, ranks that wait for each other)
+        distributed = runtime != "inline"
         # the planner's journal, for a planner that Ray restarts; a fresh folder per run
         self.journal: str | None = None
         recovery = self.plan.recovery
@@ -93,153 +122,92 @@ class Loader:
             self.journal = str(
                 Path(root) / "overlord-journal" / f"{self.job}-{uuid.uuid4().hex[:8]}"
             )
-        self.constructors: list[Handle] = []
-        self._constructor_of: dict[int, Handle] = {}
+        default_shadows = 1 if distributed else 0
+        config = PoolConfig(
+            shadows={
+                s.name: default_shadows if s.shadows is None else s.shadows
+                for s in self.plan.sources
+            },
+            options=loader_options(self.plan),
+            processes=self.plan.placement.loader_processes if distributed else None,
+            keep_payloads=build_batches,
+            measure_rss=distributed,
+        )
+        pad_id = make_tokenizer(self.plan.tokenizer, base).pad_id if build_batches else 0
+        p = self.plan.placement
+        self.constructors: list[Handle[ConstructorRole]] = []
+        self._owned: list[DataConstructor] = []  # trainer-side constructors, closed here
+        self._constructor_of: dict[int, Handle[ConstructorRole]] = {}
         try:
-            processes = self.plan.placement.loader_processes
-            if distributed and processes is not None:
-                self._spawn_grouped(data, base, saved, build_batches, processes)
-            else:
-                for spec in self.plan.sources:
-                    start = saved.get(spec.name, {}).get("cursor")
-                    n, copies = spec.loaders, self._shadow_count(spec.shadows, distributed)
-                    args = (data, base, spec.name)
-                    self.loaders[spec.name] = [
-                        spawn(
-                            SourceLoader,
-                            *(*args, k, n, start, build_batches),
-                            name=f"loader-{spec.name}-{k}",
-                        )
-                        for k in range(n)
-                    ]
-                    self.shadows[spec.name] = [
-                        [
-                            spawn(
-                                SourceLoader,
-                                *(*args, k, n, start, build_batches, True),
-                                name=f"loader-{spec.name}-{k}-shadow{j}",
-                            )
-                            for j in range(copies)
-                        ]
-                        for k in range(n)
-                    ]
-            self.planner = spawn(
+            self.planner: Handle[PlannerRole] = self.runtime.spawn(
                 Planner,
-                *(data, base, self.loaders, self.runtime, state, distributed),
-                *(self.shadows, self.journal, build_batches),
+                *(self.plan, self.files, self.runtime, config, state, self.journal),
+                *(distributed, pad_id),
                 name="planner",
+                options=RoleOptions(p.planner_cpus, 1, restartable=True),
             )
-            groups = constructor_ranks(
-                self.plan.world.dp, self.plan.placement.ranks_per_constructor
-            )
+            layout = self.planner.call(PlannerRole.layout).result()
+            in_trainer = distributed and p.constructors is ConstructorSite.TRAINER
             prefetch = self.plan.batch.prefetch_steps if distributed else 0
-            in_trainer = distributed and self.plan.placement.constructors is ConstructorSite.TRAINER
+            groups = constructor_ranks(self.plan.world.dp, p.ranks_per_constructor)
             for i, ranks in enumerate(groups if build_batches and not in_trainer else []):
-                h = spawn(
+                h: Handle[ConstructorRole] = self.runtime.spawn(
                     DataConstructor,
-                    *(data, base, self.planner, self.loaders, self.runtime, ranks, prefetch),
+                    *(self.plan, self.files, self.planner, layout["loaders"], ranks, prefetch),
+                    pad_id,
                     name=f"constructor-{i}",
+                    options=RoleOptions(p.constructor_cpus, 1, restartable=True),
                 )
                 self.constructors.append(h)
                 self._constructor_of.update({r: h for r in ranks})
-            if build_batches and in_trainer:  # each client builds its own batches, here
-                layout = self.runtime.get(self.planner.call("layout"))
-                for r in range(self.plan.world.dp):
-                    h = local_constructor(layout, self.planner, self.runtime, r)
-                    self.constructors.append(h)
-                    self._constructor_of[r] = h
+            for r in range(self.plan.world.dp) if build_batches and in_trainer else []:
+                obj = local_constructor(layout, self.planner, r)  # each client builds its own
+                self._owned.append(obj)
+                self._constructor_of[r] = InlineHandle(obj, f"constructor-local-{r}")
         except BaseException:
             self.close()
             raise
         self.start_step = int((state or {}).get("step", 0))
 
-    def _spawn_grouped(
-        self,
-        data: dict[str, Any],
-        base: str,
-        saved: dict[str, Any],
-        build_batches: bool,
-        processes: int,
-    ) -> None:
-        """SourceLoaders spread over ``processes`` LoaderGroup actors (shadows over as many more).
-
-        Shadow ``j`` of every member of group ``g`` lives in group ``shadow{j}-g``,
-        so that a group's process dying never takes a slot's shadow with it.
-        """
-        specs = {s.name: s for s in self.plan.sources}
-        wanted = [(s.name, k) for s in self.plan.sources for k in range(s.loaders)]
-        copies = max(self._shadow_count(s.shadows, True) for s in self.plan.sources)
-        handles: dict[tuple[str, int, int], Handle] = {}
-        for g, group in enumerate(assign_groups(wanted, processes)):
-            members = [
-                (f"{src}-{k}", src, k, specs[src].loaders, saved.get(src, {}).get("cursor"))
-                for src, k in group
-            ]
-            for j in range(1 + copies):
-                mine = [
-                    m
-                    for m, (src, _) in zip(members, group)
-                    if j <= self._shadow_count(specs[src].shadows, True)
-                ]
-                if not mine:
-                    continue
-                name = f"loader-group{g}" if j == 0 else f"loader-shadow{j}-group{g}"
-                handle = self.runtime.spawn(
-                    LoaderGroup, data, base, mine, build_batches, j > 0, name=name
-                )
-                for member, src, k, *_ in mine:
-                    handles[(src, k, j)] = MemberHandle(handle, member)
-        for src, spec in specs.items():
-            n = self._shadow_count(spec.shadows, True)
-            self.loaders[src] = [handles[(src, k, 0)] for k in range(spec.loaders)]
-            self.shadows[src] = [
-                [handles[(src, k, j)] for j in range(1, n + 1)] for k in range(spec.loaders)
-            ]
-
-    @staticmethod
-    def _shadow_count(shadows: int | None, distributed: bool) -> int:
-        """Shadows per loader: the plan's, else 1 on a distributed runtime and 0 inline."""
-        if shadows is not None:
-            return shadows
-        return 1 if distributed else 0
-
     def client(self, rank: int, stop_step: int | None = None) -> Client:
         """Iterator of batches for DP rank ``rank``, from the resumed step on."""
         dp = self.plan.world.dp
-        if not self.constructors:
+        if not self._constructor_of:
             raise ValueError("this Loader was made with build_batches=False: it has no clients")
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
-        return Client(
-            rank, self._constructor_of[rank], self.planner, self.runtime, self.start_step, stop_step
-        )
+        constructor = self._constructor_of[rank]
+        return Client(rank, constructor, self.planner, self.start_step, stop_step)
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
-        history: list[dict[str, Any]] = self.runtime.get(self.planner.call("dry_run", steps))
-        return history
+        return self.planner.call(PlannerRole.dry_run, steps).result()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state as of the last step every rank has consumed."""
-        state: dict[str, Any] = self.runtime.get(self.planner.call("state_dict"))
-        return state
+        return self.planner.call(PlannerRole.state_dict).result()
 
     def stats(self) -> dict[str, Any]:
-        """Planner history and every loader's counters."""
-        out: dict[str, Any] = self.runtime.get(self.planner.call("stats"))
-        loaders = self.runtime.get(self.planner.call("layout"))["loaders"]  # after failovers
-        out["loaders"] = [
-            self.runtime.get(h.call("stats")) for hs in loaders.values() for h in hs if h
-        ]
-        return out
+        """Planner history, events, scaling and every current loader's counters."""
+        return self.planner.call(PlannerRole.stats).result()
+
+    def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
+        """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
+        return self.planner.call(PlannerRole.slots).result()
+
+    def repartition(self, source: str, count: int) -> list[int] | None:
+        """Read ``source`` with ``count`` loaders from the next shard boundary on (online)."""
+        return self.planner.call(PlannerRole.repartition, source, count).result()
+
+    def set_threads(self, source: str, threads: int) -> None:
+        """Reader threads of every current loader of ``source`` (online)."""
+        self.planner.call(PlannerRole.set_threads, source, threads).result()
 
     def close(self) -> None:
         """Stop every role, free what they hold, and remove the planner's journal."""
         try:
-            for h in self.constructors:  # trainer-side constructors are not the runtime's
-                close = getattr(getattr(h, "obj", None), "close", None)
-                if close is not None:
-                    close()
+            for obj in self._owned:  # trainer-side constructors are not the runtime's
+                obj.close()
             self.runtime.shutdown()
         finally:
             if self.journal is not None:
@@ -250,3 +218,7 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _patterns(path: str | list[str]) -> list[str]:
+    return [path] if isinstance(path, str) else list(path)

@@ -17,8 +17,10 @@ from overlord import checkpoint
 from overlord.errors import LoaderError
 from overlord.loader import Loader, local_constructor
 from overlord.plan.spec import ConstructorSite, Plan
+from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.roles.client import Client
 from overlord.runtime.base import Handle
+from overlord.runtime.inline import InlineHandle
 
 
 def serve(
@@ -56,21 +58,22 @@ def connect(
     Reads ``RAY_ADDRESS`` when ``address`` is None; a job started by
     ``overlord serve`` on a local instance is found with ``address="auto"``.
     """
-    from overlord.runtime.ray_runtime import RayRuntime, init_ray, lookup
+    from overlord.runtime.ray_runtime import init_ray, lookup
 
     init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
-    planner = lookup(job, "planner")
-    runtime = RayRuntime(job, connect=False)
-    layout = runtime.get(planner.call("layout"))
+    planner: Handle[PlannerRole] = lookup(job, "planner")
+    layout = planner.call(PlannerRole.layout).result()
     dp = layout["dp"]
     if not 0 <= rank < dp:
         raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
+    owned = None
     if layout["constructors"] == ConstructorSite.TRAINER.value:
-        constructor: Handle = local_constructor(layout, planner, runtime, rank)
+        owned = local_constructor(layout, planner, rank)
+        constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{rank}")
     else:
         constructor = lookup(job, f"constructor-{rank // layout['ranks_per_constructor']}")
-    start = runtime.get(planner.call("position", rank))
-    return Client(rank, constructor, planner, runtime, start, stop_step)
+    start = planner.call(PlannerRole.position, rank).result()
+    return Client(rank, constructor, planner, start, stop_step, owned)
 
 
 def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:

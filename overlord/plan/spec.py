@@ -321,15 +321,14 @@ class Plan(_Model):
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def source_fingerprint(self, name: str, files: list[str]) -> str:
+    def source_fingerprint(self, name: str) -> str:
         """Hash of what decides one source's items and their order (checked on resume).
 
-        ``files`` are the source's shard names: a file added to or removed from
-        a glob changes the order, so it changes the fingerprint too.
+        The source's files are not in it: the state records them, and a resume
+        checks them file by file (:mod:`overlord.sources.catalog`).
         """
         spec = next(s for s in self.sources if s.name == name)
         data = {
-            "files": files,
             "seed": self.seed,
             "source": spec.model_dump(mode="json", exclude={"loaders", "shadows"}),
             "tokenizer": self.tokenizer.model_dump(mode="json"),

@@ -8,36 +8,45 @@ from typing import Any
 
 from overlord.batch import Batch
 from overlord.errors import LoaderError
-from overlord.runtime.base import Handle, Runtime
+from overlord.roles.api import ConstructorRole, PlannerRole
+from overlord.runtime.base import Handle, OneWay
 
 
 class Client(Iterator[Batch]):
-    """Batches of one DP rank, step after step, from ``start_step`` (until ``stop_step``)."""
+    """Batches of one DP rank, step after step, from ``start_step`` (until ``stop_step``).
+
+    Consumption notices go to the planner one way (the trainer does not wait
+    for them); an error of one is raised by the next ``next()``, or by
+    :meth:`close`, naming the call.
+    """
 
     def __init__(
         self,
         rank: int,
-        constructor: Handle,
-        planner: Handle,
-        runtime: Runtime,
+        constructor: Handle[ConstructorRole],
+        planner: Handle[PlannerRole],
         start_step: int,
         stop_step: int | None = None,
+        owned: ConstructorRole | None = None,
     ):
         self.rank = rank
-        self._constructor, self._planner, self._runtime = constructor, planner, runtime
+        self._constructor, self._planner = constructor, planner
+        self._owned = owned  # a constructor in this process that this client closes
+        self._notices = OneWay(f"client of rank {rank}")
         self.step = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
 
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
+        self._notices.check()
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
         # the trainer's own time since the last batch: the autoscaler's measure of demand
         now = time.perf_counter()
         train_s = None if self._returned is None else now - self._returned
         while True:
-            batch: Batch = self._runtime.get(self._constructor.call("batch", self.step, self.rank))
+            batch = self._constructor.call(ConstructorRole.batch, self.step, self.rank).result()
             if (batch.step, batch.rank) == (self.step, self.rank):
                 break
             if batch.step < self.step and batch.rank == self.rank:
@@ -47,18 +56,18 @@ class Client(Iterator[Batch]):
                 f"of rank {batch.rank}"
             )
         # no need to wait: calls from one process reach the planner in order
-        self._planner.call("mark_consumed", self.rank, self.step, train_s)
+        self._notices.send(self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s)
         self.step += 1
         self._returned = time.perf_counter()
         return batch
 
     def close(self) -> None:
-        """Stop a constructor that runs in this process (``placement.constructors: trainer``)."""
-        close = getattr(getattr(self._constructor, "obj", None), "close", None)
-        if close is not None and getattr(self._constructor, "name", "").startswith(
-            "constructor-local"
-        ):
-            close()
+        """Wait for the last consumption notices (raising their errors); stop an owned constructor."""
+        try:
+            self._notices.flush()
+        finally:
+            if self._owned is not None:
+                self._owned.close()
 
     def __enter__(self) -> Client:
         return self
@@ -72,5 +81,4 @@ class Client(Iterator[Batch]):
         Call it where the trainer checkpoints, once every rank has trained on
         the same step (as synchronous data-parallel training does).
         """
-        state: dict[str, Any] = self._runtime.get(self._planner.call("state_dict", self.step))
-        return state
+        return self._planner.call(PlannerRole.state_dict, self.step).result()

@@ -13,20 +13,18 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from overlord.batch import Batch, Sample
-from overlord.errors import ActorDiedError, LoaderError
+from overlord.errors import LoaderError
 from overlord.plan.packing import pack
-from overlord.plan.spec import validate_plan
-from overlord.roles.loader_group import MemberHandle, replica_name
-from overlord.runtime.base import Handle, Runtime
-from overlord.sources.files import resolve_files
-from overlord.sources.tokenizers import make_tokenizer
-
-MAX_FAILOVERS = 8  # replacements of one batch's loaders before giving up
+from overlord.plan.spec import Plan
+from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.loader_pool import PoolView, by_slot
+from overlord.runtime.base import Handle
+from overlord.sources.catalog import SourceFiles
 
 
 class DataConstructor:
@@ -34,27 +32,22 @@ class DataConstructor:
 
     def __init__(
         self,
-        plan_data: dict[str, Any],
-        base_dir: str,
-        planner: Handle,
-        loaders: dict[str, list[Handle]],
-        runtime: Runtime,
+        plan: Plan,
+        files: dict[str, SourceFiles],
+        planner: Handle[PlannerRole],
+        loaders: dict[str, list[Handle[LoaderRole] | None]],
         ranks: list[int],
         prefetch: int = 0,
+        pad_id: int = 0,
     ):
-        self.plan = validate_plan(plan_data, base_dir=base_dir)
-        self.planner, self.runtime, self.ranks = planner, runtime, list(ranks)
+        self.plan, self.files, self.pad_id = plan, files, pad_id
+        self.planner, self.ranks = planner, list(ranks)
         self.prefetch = prefetch
         self._lock = threading.Lock()
         self._built: dict[tuple[int, int], Future[Batch]] = {}
         self._pool = ThreadPoolExecutor(1, "overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
-        self.loaders = [list(loaders[n]) for n in self.names]  # current primaries
-        self.file_names = [
-            [sh.name for sh in resolve_files(s, self.plan.base_dir)] for s in self.plan.sources
-        ]
-        self.pad_id = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir)).pad_id
-
+        self.loaders = PoolView(self.names, loaders, planner)
     def batch(self, step: int, rank: int) -> Batch:
         """The packed batch of ``rank`` for ``step`` (built ahead when prefetching)."""
         if rank not in self.ranks:
@@ -78,7 +71,7 @@ class DataConstructor:
         deadline = time.monotonic() + self.plan.loading.timeout_s
         pause = 0.001
         while True:
-            rp = self.runtime.get(self.planner.call("rank_plan", step, rank))
+            rp = self.planner.call(PlannerRole.rank_plan, step, rank).result()
             if rp is not None:
                 return dict(rp)
             if time.monotonic() > deadline:
@@ -98,11 +91,7 @@ class DataConstructor:
         if n:
             np.cumsum(lengths[:-1], out=starts[1:])
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        slots = [
-            (s, k, np.flatnonzero((src == s) & (ldr == k)))
-            for s, k in sorted(set(zip(src.tolist(), ldr.tolist())))
-        ]
-        for mine, got in self._take(slots, keys):
+        for mine, got in self.loaders.take(by_slot(src, ldr), keys):
             got_starts = np.concatenate(([0], np.cumsum(got["lengths"])[:-1]))
             for j, g0, g_len in zip(mine.tolist(), got_starts.tolist(), got["lengths"].tolist()):
                 tokens[starts[j] : starts[j] + g_len] = got["tokens"][g0 : g0 + g_len]
@@ -112,12 +101,13 @@ class DataConstructor:
         samples = [
             Sample(
                 self.names[s],
-                _sample_id(self.file_names[s][f], r, c),
+                _sample_id(self.files[self.names[s]].at(e)[f].name, r, c),
                 t,
                 row,
             )
-            for s, f, r, c, t, row in zip(
+            for s, e, f, r, c, t, row in zip(
                 src.tolist(),
+                keys[:, 0].tolist(),
                 rp["file_index"].tolist(),
                 rp["rec_row"].tolist(),
                 rp["chunk"].tolist(),
@@ -126,53 +116,6 @@ class DataConstructor:
             )
         ]
         return Batch(step=step, rank=rank, samples=samples, cost=rp["cost"], **arrays)
-
-    def _take(
-        self, slots: list[tuple[int, int, np.ndarray]], keys: np.ndarray
-    ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """Payloads of the items of each ``(source, loader, item indexes)``, from their loaders.
-
-        Every loader is asked at once (loaders that share a process in one
-        call). A loader that died is replaced by the planner (its shadow, or a
-        new loader) and asked again: takes only read, so asking twice is safe.
-        """
-        out = []
-        todo = slots
-        for _ in range(MAX_FAILOVERS):
-            # each call, and the (source, loader, item indexes, group member) it answers
-            calls: list[tuple[Any, list[tuple[int, int, np.ndarray, str | None]]]] = []
-            grouped: dict[int, tuple[Handle, dict[str, Any], list[Any]]] = {}
-            for s, k, mine in todo:
-                if k >= len(self.loaders[s]):  # a partition added after this constructor started
-                    got = self.runtime.get(self.planner.call("primaries", self.names[s]))
-                    self.loaders[s] = list(got)
-                handle = self.loaders[s][k]
-                if isinstance(handle, MemberHandle):
-                    group = grouped.setdefault(id(handle.group), (handle.group, {}, []))
-                    group[1][handle.name] = keys[mine]
-                    group[2].append((s, k, mine, handle.name))
-                else:
-                    calls.append((handle.call("take", keys[mine]), [(s, k, mine, None)]))
-            for group_handle, asked, members in grouped.values():
-                calls.append((group_handle.call("take_many", asked), members))
-            todo = []
-            for ref, members in calls:
-                try:
-                    got = self.runtime.get(ref)
-                except ActorDiedError:
-                    for s, k, mine, _ in members:
-                        dead = replica_name(self.loaders[s][k])
-                        new = self.planner.call("failover", self.names[s], k, dead)
-                        self.loaders[s][k] = self.runtime.get(new)
-                        todo.append((s, k, mine))
-                    continue
-                out += [(mine, got if m is None else got[m]) for _, _, mine, m in members]
-            if not todo:
-                return out
-        raise LoaderError(
-            f"loaders of sources {sorted({self.names[s] for s, _, _ in todo})} kept dying: "
-            f"{MAX_FAILOVERS} failovers in a row"
-        )
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""
@@ -186,3 +129,7 @@ class DataConstructor:
 
 def _sample_id(file: str, row: int, chunk: int) -> str:
     return f"{file}:{row}" if chunk < 0 else f"{file}:{row}#{chunk}"
+
+
+if TYPE_CHECKING:  # the class answers every call of its role
+    _role: type[ConstructorRole] = DataConstructor

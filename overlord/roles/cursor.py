@@ -16,45 +16,39 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from overlord.errors import ActorDiedError, LoaderError, SourceError
-from overlord.roles.loader_group import replica_name
-from overlord.runtime.base import Handle, Runtime
+from overlord.errors import LoaderError, SourceError
 
 Key = tuple[int, int, int]
 
 
 class SourceCursor:
-    """Pending items of one source, fetched from its loaders on demand."""
+    """Pending items of one source, fetched from its loaders on demand.
+
+    ``fetch(k)`` returns the new metadata blocks of loader slot ``k`` (waiting
+    for one); ``shards(epoch)`` is how many shards that epoch of the source
+    has; ``partitions()`` are the partitions of its order, whose owner (the
+    loader pool) adds one when it re-partitions the source.
+    """
 
     def __init__(
         self,
         name: str,
-        n_shards: int,
-        loaders: list[Handle],
-        runtime: Runtime,
-        timeout: float,
+        shards: Callable[[int], int],
+        fetch: Callable[[int], list[dict[str, Any]]],
+        partitions: Callable[[], list[tuple[tuple[int, int], int, int]]],
         start: dict[str, Any] | None = None,
-        failover: Callable[[int, str], Handle] | None = None,
-        partitions: list[tuple[tuple[int, int], int, int]] | None = None,
     ):
-        self.name, self.n_shards = name, n_shards
-        self.loaders, self.runtime, self.timeout = list(loaders), runtime, timeout
-        # called with (loader index, dead handle's name) when a loader died; returns the
-        # slot's live primary
-        self.failover = failover
-        self._received: list[list[int] | None] = [None] * len(loaders)  # last shard, per loader
-        # partitions of the source's order: (first shard, first loader, loaders), by shard;
-        # loader ``first + shard_pos % loaders`` reads a shard (re-partitioning adds one)
-        self._partitions = list(partitions or [((0, 0), 0, len(loaders))])
+        self.name, self.shards, self.fetch = name, shards, fetch
+        # partitions of the source's order: (first shard, first slot, loaders), by shard;
+        # slot ``first + shard_pos % loaders`` reads a shard (re-partitioning adds one)
+        self.partitions = partitions
+        self._blocks: dict[int, deque[dict[str, Any]]] = {}  # per slot
         start = start or {}
         self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._start_index = int(start.get("index", 0))  # where the first shard resumes
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
-        self._blocks: list[deque[dict[str, Any]]] = [deque() for _ in loaders]  # per loader
-        # pending items, in source order: key, tokens, loader, file index, record row, chunk,
+        # pending items, in source order: key, tokens, slot, file index, record row, chunk,
         # image patches
         self.keys: list[Key] = []
         self.tokens: list[int] = []
@@ -77,12 +71,9 @@ class SourceCursor:
     def _fetch(self) -> None:
         epoch, pos = self._expect
         k = self.loader_of(epoch, pos)
-        queue = self._blocks[k]
+        queue = self._blocks.setdefault(k, deque())
         if not queue:
-            blocks = self._metadata(k)
-            if blocks:
-                self._received[k] = [int(blocks[-1]["epoch"]), int(blocks[-1]["shard_pos"])]
-            queue.extend(blocks)  # never empty: metadata() waits for a block or raises
+            queue.extend(self.fetch(k))  # never empty: a loader waits for a block or raises
         block = queue.popleft()
         got = (int(block["epoch"]), int(block["shard_pos"]))
         if got != (epoch, pos):
@@ -100,13 +91,13 @@ class SourceCursor:
         self.patches += block["patches"].tolist()
         self._epoch_items += n
         pos += 1
-        if pos == self.n_shards:
+        if pos == self.shards(epoch):
             if self._full_epoch and self._epoch_items == 0:
                 raise SourceError(
                     self.name,
                     None,
                     None,
-                    f"a whole epoch of its {self.n_shards} file(s) yielded no sample: every "
+                    f"a whole epoch of its {pos} file(s) yielded no sample: every "
                     "record is bad (skipped), empty, or dropped as longer than max_seq_len",
                 )
             epoch, pos = epoch + 1, 0
@@ -114,38 +105,12 @@ class SourceCursor:
         self._expect = (epoch, pos)
         self._start_index = 0
 
-    def _metadata(self, k: int) -> list[dict[str, Any]]:
-        """New metadata blocks of loader ``k``, failing over to a replica if it died."""
-        while True:
-            handle = self.loaders[k]
-            try:
-                blocks: list[dict[str, Any]] = self.runtime.get(
-                    handle.call("metadata", self.timeout)
-                )
-                return blocks
-            except ActorDiedError:
-                if self.failover is None:
-                    raise
-                self.loaders[k] = self.failover(k, replica_name(handle))
-
     def loader_of(self, epoch: int, pos: int) -> int:
         """The loader that reads shard ``pos`` of epoch ``epoch``."""
-        for at, first, count in reversed(self._partitions):
+        for at, first, count in reversed(self.partitions()):
             if (epoch, pos) >= at:
                 return first + pos % count
         raise AssertionError("the first partition starts at the first shard")
-
-    def add_partition(self, at: list[int], loaders: list[Handle]) -> None:
-        """From shard ``at`` on, ``loaders`` read the source (``pos % len(loaders)``)."""
-        first = len(self.loaders)
-        self.loaders += loaders
-        self._received += [None] * len(loaders)
-        self._blocks += [deque() for _ in loaders]
-        self._partitions.append(((int(at[0]), int(at[1])), first, len(loaders)))
-
-    def received(self, k: int) -> list[int] | None:
-        """The last shard ``[epoch, shard_pos]`` received from loader ``k`` (None: none yet)."""
-        return self._received[k]
 
     def take(self, indices: list[int]) -> dict[str, list[Any]]:
         """Remove pending items (by pending index) and return what the plan needs of them."""
@@ -192,7 +157,3 @@ class SourceCursor:
             else:
                 runs.append([ke, kp, ki, 1])
         return {"epoch": e, "shard_pos": p, "index": i, "skip": runs}
-
-    def pending_tokens(self) -> int:
-        """Tokens read and not yet placed."""
-        return int(np.sum(self.tokens)) if self.tokens else 0

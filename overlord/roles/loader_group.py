@@ -4,8 +4,9 @@ A process costs tens of MB before it holds any data (a Ray actor with numpy and
 pyarrow imported: about 60 MB), so a job with many small sources spends more
 on processes than on source state. ``placement.loader_processes`` caps how
 many processes hold the job's SourceLoaders; each loader then lives in a
-:class:`LoaderGroup`, and a :class:`MemberHandle` makes it look to the planner
-and the constructors exactly like a loader of its own.
+:class:`LoaderGroup`, and a :class:`overlord.roles.loader_pool.MemberHandle`
+makes it look to the planner and the constructors exactly like a loader of its
+own.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from overlord.plan.spec import Plan
 from overlord.roles.source_loader import SourceLoader
-from overlord.runtime.base import Handle
+from overlord.sources.catalog import SourceFiles
 
 
 class LoaderGroup:
@@ -22,15 +24,15 @@ class LoaderGroup:
 
     def __init__(
         self,
-        plan_data: dict[str, Any],
-        base_dir: str,
+        plan: Plan,
+        files: dict[str, SourceFiles],
         members: list[tuple[str, str, int, int, dict[str, Any] | None]],
         keep_payloads: bool = True,
         shadow: bool = False,
     ):
         # members: (member name, source, loader index, loaders of the source, start)
         self.loaders = {
-            name: SourceLoader(plan_data, base_dir, source, k, n, start, keep_payloads, shadow)
+            name: SourceLoader(plan, files[source], source, k, n, start, keep_payloads, shadow)
             for name, source, k, n, start in members
         }
 
@@ -55,24 +57,6 @@ class LoaderGroup:
         """Close every member."""
         for loader in self.loaders.values():
             loader.close()
-
-
-class MemberHandle:
-    """A handle to one SourceLoader inside a LoaderGroup."""
-
-    def __init__(self, group: Handle, member: str):
-        self.group, self.name = group, member
-
-    def call(self, method: str, *args: Any) -> Any:
-        """Start ``method(*args)`` on the member."""
-        return self.group.call("call", self.name, method, *args)
-
-
-def replica_name(handle: Handle) -> str:
-    """A loader's name in the planner's journal: its role name, ``group/member`` in a group."""
-    if isinstance(handle, MemberHandle):
-        return f"{handle.group.name}/{handle.name}"
-    return handle.name
 
 
 def assign_groups(loaders: list[tuple[str, int]], processes: int) -> list[list[tuple[str, int]]]:

@@ -36,14 +36,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from overlord.errors import LoaderError, OverlordError
-from overlord.plan.spec import Plan, validate_plan
-from overlord.sources.files import resolve_files
+from overlord.plan.spec import Plan
+from overlord.roles.api import LoaderRole
+from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, load_shard_items, shard_order
 from overlord.sources.tokenizers import make_tokenizer
 
@@ -117,10 +118,13 @@ class SourceLoader:
     there: another partition of the source reads from it on.
     """
 
+    # calls served at once: the planner (which may wait for data) and constructors
+    CONCURRENCY = 16
+
     def __init__(
         self,
-        plan_data: dict[str, Any],
-        base_dir: str,
+        plan: Plan,
+        files: SourceFiles,
         source: str,
         index: int,
         count: int,
@@ -130,10 +134,9 @@ class SourceLoader:
         limit: list[int] | None = None,
     ):
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
-        self.plan = validate_plan(plan_data, base_dir=base_dir)
+        self.plan, self.files = plan, files  # the job's files, listed once when it started
         self.spec = next(s for s in self.plan.sources if s.name == source)
         self.source, self.index, self.count = source, index, count
-        self.shards = resolve_files(self.spec, self.plan.base_dir)
         self.tokenizer = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir))
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
@@ -151,7 +154,7 @@ class SourceLoader:
         # ``_next`` is the first shard it has not started to read
         self._limit: Position | None = None if limit is None else (int(limit[0]), int(limit[1]))
         self._frozen = False
-        self._next: Position = self._start
+        self._next: Position | None = self._start  # None: it owns no shard from here on
         self._threads = self.plan.loading.threads
         self._pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]] = deque()
 
@@ -174,19 +177,24 @@ class SourceLoader:
 
     # ---- reader thread -------------------------------------------------------------------
 
-    def _positions(self) -> Iterator[tuple[int, int]]:
+    def _positions(self) -> Iterator[Position]:
+        """This loader's shards in source order; ends if no epoch from here on has one."""
         epoch, pos = self._start
-        n = len(self.shards)
+        last_list = self.files.lists[-1][0]
         while True:
+            n = len(self.files.at(epoch))
             for p in range(pos, n):
                 if p % self.count == self.index:
                     yield epoch, p
+            if epoch >= last_list and self.index >= n:
+                return  # more loaders than shards: this one owns none from here on
             epoch, pos = epoch + 1, 0
 
     def _load(self, epoch: int, pos: int) -> tuple[ShardItems, float, float]:
         """One shard's items, the wall seconds and the CPU seconds (this thread's) it took."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        items = load_shard_items(self.plan, self.spec, self.shards, self.tokenizer, epoch, pos)
+        files = self.files.at(epoch)
+        items = load_shard_items(self.plan, self.spec, files, self.tokenizer, epoch, pos)
         # the shard's text is gone; hand Arrow's freed pages back instead of keeping them
         pa.default_memory_pool().release_unused()
         return items, time.perf_counter() - t0, time.thread_time() - c0
@@ -208,14 +216,8 @@ class SourceLoader:
         return keep
 
     def _run(self) -> None:
-        if self.index >= len(self.shards):
-            # more loaders than shards: this one owns none, and waits to be closed
-            with self._lock:
-                while not self._closed:
-                    self._lock.wait(0.5)
-            return
         positions = self._positions()
-        nxt = next(positions)
+        nxt = next(positions, None)
         pending = self._pending
         try:
             while not self._closed:
@@ -228,9 +230,8 @@ class SourceLoader:
                 if not pending:
                     continue
                 (epoch, pos), fut = pending.popleft()
-                order = shard_order(self.plan.seed, self.source, epoch, len(self.shards))
-                file_index = order[pos]
-                self._reading = self.shards[file_index].name
+                files = self.files.at(epoch)
+                self._reading = files[shard_order(self.plan.seed, self.source, epoch, len(files))[pos]].name
                 items, seconds, cpu = fut.result()
                 self._publish(items, seconds, cpu)
         except BaseException as e:  # handed to the planner by metadata()
@@ -242,18 +243,20 @@ class SourceLoader:
         self,
         pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]],
         positions: Iterator[Position],
-        nxt: Position,
-    ) -> Position:
+        nxt: Position | None,
+    ) -> Position | None:
         """Start reading shards until ``threads`` are in flight; the next shard to start."""
         with self._lock:
-            while self._may_read(nxt) and len(pending) < self._threads:
+            while nxt is not None and self._may_read(nxt) and len(pending) < self._threads:
                 pending.append((nxt, _in_daemon_thread(self._load, *nxt)))
-                nxt = next(positions)
+                nxt = next(positions, None)
             self._next = nxt
         return nxt
 
-    def _may_read(self, at: Position) -> bool:
+    def _may_read(self, at: Position | None) -> bool:
         """Whether the reader may start on shard ``at`` now (lock held)."""
+        if at is None:
+            return False  # this loader owns no shard from here on
         return not (self._closed or self._frozen) and (self._limit is None or at < self._limit)
 
     def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
@@ -315,8 +318,8 @@ class SourceLoader:
 
     def _published(self, first: Position) -> Iterator[tuple[Position, int]]:
         """Shards of this loader from ``first`` to the last one published, with file indexes."""
-        n = len(self.shards)
         for epoch in range(max(first[0], self._start[0]), self._last[0] + 1):
+            n = len(self.files.at(epoch))
             order = shard_order(self.plan.seed, self.source, epoch, n)
             lo = first[1] if epoch == first[0] else 0
             if epoch == self._start[0]:
@@ -493,21 +496,22 @@ class SourceLoader:
                 self._queue = deque(blocks)
             self._lock.notify_all()
 
-    def freeze(self) -> list[int]:
+    def freeze(self) -> list[int] | None:
         """Start no new shard; the first shard not started, ``[epoch, shard_pos]``.
 
         The first half of a re-partition: once every loader of the source is
         frozen, the largest of their answers is a boundary none has read past.
+        None: this loader owns no shard from here on.
         """
         with self._lock:
             self._frozen = True
-            return list(self._next)
+            return None if self._next is None else list(self._next)
 
     def until(self, limit: list[int]) -> None:
         """Read on, but only the shards before ``limit``; the rest is another partition's."""
         with self._lock:
             self._limit = (int(limit[0]), int(limit[1]))
-            if self._next > self._limit:
+            if self._next is not None and self._next > self._limit:
                 raise LoaderError(
                     f"SourceLoader {self.source}[{self.index}] started shard {self._next} "
                     f"already, past the partition boundary {self._limit}"
@@ -540,7 +544,8 @@ class SourceLoader:
                 "queued_blocks": len(self._queue),
                 "threads": self._threads,
                 "pid": os.getpid(),
-                "done_reading": self._limit is not None and self._next >= self._limit,
+                "done_reading": self._next is None
+                or (self._limit is not None and self._next >= self._limit),
                 "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
                 "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
                 "rss_bytes": _rss(),
@@ -572,3 +577,7 @@ def _rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
+
+
+if TYPE_CHECKING:  # the class answers every call of its role
+    _role: type[LoaderRole] = SourceLoader

@@ -1,28 +1,103 @@
-"""The runtime seam: spawn a role, call its methods, wait for results.
+"""The runtime seam: spawn a role, look it up, call its methods, kill it, shut down.
 
 Roles never know what runs them. ``inline`` runs every role as an object in
-the calling process; a distributed runtime runs each as an actor. Calls return
-a :class:`Ref` at once so that several calls can be in flight together;
-``runtime.get`` waits for one.
+the calling process; ``ray`` runs each as an actor. A call names the method of
+the role's Protocol (``planner.call(PlannerRole.rank_plan, step, rank)``), so
+mypy checks its arguments and its result at every call site, and it returns a
+:class:`Ref` at once, so that several calls can be in flight together. A Ref
+resolves itself: ``ref.result()`` is the value, or the role's error raised
+here with the role and the method named.
+
+A call nobody waits for is sent through :class:`OneWay`, which keeps its Ref
+and raises its error at the sender's next check: no error is dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
+from overlord.errors import ActorDiedError, LoaderError
 
-class Ref(Protocol):
+log = logging.getLogger("overlord.runtime")
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+P = ParamSpec("P")
+
+class Ref(Protocol[T_co]):
     """The pending result of a call."""
 
+    def result(self, timeout: float | None = None) -> T_co:
+        """Wait for the call; its value, or the role's error raised here."""
+        ...
 
-class Handle(Protocol):
-    """A spawned role."""
+    def done(self) -> bool:
+        """Whether the call has finished (without waiting)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """A call that already ran: its value or its error."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+    def result(self, timeout: float | None = None) -> T:
+        """The value, or the error raised."""
+        if self.error is not None:
+            raise self.error
+        out: T = self.value
+        return out
+
+    def done(self) -> bool:
+        """Always finished."""
+        return True
+
+
+class Handle(Protocol[R_co]):
+    """A spawned role whose methods are those of the Protocol ``R``."""
 
     name: str
 
-    def call(self, method: str, *args: Any) -> Ref:
+    def call(
+        self, method: Callable[Concatenate[R_co, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> Ref[T]:
         """Start ``method(*args)`` on the role; returns at once."""
         ...
+
+
+class Gone:
+    """A role known to be gone (a restarted planner finds no live role by that name).
+
+    Every call fails as a call to a dead role does, so the caller's failover
+    takes over. It stands for any role on any runtime.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> Ref[T]:
+        """Fail with :class:`ActorDiedError`."""
+        return Done(error=ActorDiedError(f"{self.name}: no such live role ({method.__name__})"))
+
+
+@dataclass(frozen=True)
+class RoleOptions:
+    """How a runtime places one role (the ``ray`` runtime reads them; ``inline`` needs none)."""
+
+    num_cpus: float = 0.0
+    max_concurrency: int = 1  # calls the role serves at once
+    scheduling_strategy: str | None = None  # "SPREAD", or None for the runtime's default
+    node: str | None = None  # pin the role to this node (a Ray node id)
+    # the runtime restarts the role (same constructor arguments) and retries calls in flight
+    restartable: bool = False
 
 
 class Runtime(Protocol):
@@ -30,18 +105,74 @@ class Runtime(Protocol):
 
     name: str
 
-    def spawn(self, cls: type, *args: Any, name: str) -> Handle:
+    def spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+    ) -> Handle[Any]:
         """Create a role ``cls(*args)`` named ``name``."""
         ...
 
-    def get(self, ref: Ref, timeout: float | None = None) -> Any:
-        """The result of a call, or its exception raised here."""
+    def lookup(self, name: str) -> Handle[Any]:
+        """The live role called ``name``, or a :class:`Gone` stand-in; never raises."""
         ...
 
-    def kill(self, handle: Handle) -> None:
+    def kill(self, handle: Handle[Any]) -> None:
         """Stop a role and free what it holds."""
         ...
 
     def shutdown(self) -> None:
         """Stop every role this runtime spawned."""
         ...
+
+
+class OneWay:
+    """Calls whose result nobody waits for, whose errors still reach the sender.
+
+    ``send`` starts a call and keeps its Ref; ``check`` (called by the sender
+    at its next step, and by ``send`` itself) raises the first error of a
+    finished call as a :class:`LoaderError` naming the sender, the role and the
+    method, and logs every one. Errors of the ``ignore`` types are expected
+    (a release sent to a loader that died holds nothing to release) and only
+    logged at debug level. At most ``limit`` calls are kept in flight; the
+    oldest is waited for beyond that, so memory stays bounded.
+    """
+
+    def __init__(
+        self, sender: str, ignore: tuple[type[BaseException], ...] = (), limit: int = 1024
+    ):
+        self.sender, self.ignore, self.limit = sender, ignore, limit
+        self._pending: deque[tuple[Ref[Any], str]] = deque()
+
+    def send(
+        self,
+        handle: Handle[R],
+        method: Callable[Concatenate[R, P], Any],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> None:
+        """Start ``method(*args)`` on ``handle`` without waiting for it."""
+        ref = handle.call(method, *args, **kwargs)
+        self._pending.append((ref, f"{handle.name}.{method.__name__}"))
+        while len(self._pending) > self.limit:
+            self._settle(*self._pending.popleft(), timeout=None)
+        self.check()
+
+    def check(self) -> None:
+        """Raise the error of the first finished call that failed; forget the finished ones."""
+        while self._pending and self._pending[0][0].done():
+            self._settle(*self._pending.popleft(), timeout=0)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every call in flight, raising the first error."""
+        while self._pending:
+            self._settle(*self._pending.popleft(), timeout=timeout)
+
+    def _settle(self, ref: Ref[Any], what: str, timeout: float | None) -> None:
+        try:
+            ref.result(timeout)
+        except self.ignore as e:
+            log.debug("%s: one-way call %s failed (expected): %s", self.sender, what, e)
+        except Exception as e:
+            log.error("%s: one-way call %s failed: %s: %s", self.sender, what, type(e).__name__, e)
+            raise LoaderError(
+                f"{self.sender}: the one-way call {what} failed: {type(e).__name__}: {e}"
+            ) from e

@@ -2,51 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError
-from overlord.runtime.base import Handle
-
-
-@dataclass
-class InlineRef:
-    """A call that already ran: its value or its exception."""
-
-    value: Any = None
-    error: BaseException | None = None
+from overlord.runtime.base import Done, Gone, Handle, RoleOptions
 
 
 class InlineHandle:
     """A role object; calls run synchronously in the caller's thread."""
 
-    def __init__(self, obj: Any, name: str):
+    def __init__(self, obj: Any, name: str, cls: type[Any] | None = None, args: tuple[Any, ...] = ()):
         self.obj = obj
         self.name = name
         self.dead = False  # killed: calls fail as calls to a dead actor do
+        self._cls, self._args = cls, args  # to construct it again (restart)
 
-    def call(self, method: str, *args: Any) -> InlineRef:
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Done[Any]:
         """Run the method now and keep what it returned or raised."""
         if self.dead:
-            return InlineRef(error=ActorDiedError(f"{self.name}: the role was killed"))
+            return Done(error=ActorDiedError(f"{self.name}: the role was killed"))
         try:
-            return InlineRef(getattr(self.obj, method)(*args))
-        except Exception as e:  # handed to the caller by InlineRuntime.get
-            return InlineRef(error=e)
-
-
-class DeadHandle:
-    """A role known to be gone (a restarted planner finds no actor by its name).
-
-    Calls fail as calls to a dead actor do, so the caller's failover takes over.
-    """
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def call(self, method: str, *args: Any) -> InlineRef:
-        """Fail with :class:`ActorDiedError`."""
-        return InlineRef(error=ActorDiedError(f"{self.name}: no such live role"))
+            return Done(getattr(self.obj, method.__name__)(*args, **kwargs))
+        except Exception as e:  # raised by Done.result, in the caller
+            return Done(error=e)
 
 
 class InlineRuntime:
@@ -57,33 +36,36 @@ class InlineRuntime:
     def __init__(self) -> None:
         self._handles: list[InlineHandle] = []
 
-    def spawn(self, cls: type, *args: Any, name: str) -> InlineHandle:
-        """Construct the role here."""
-        h = InlineHandle(cls(*args), name)
+    def spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+    ) -> InlineHandle:
+        """Construct the role here (``options`` place actors; here there is one process)."""
+        h = InlineHandle(cls(*args), name, cls, args)
         self._handles.append(h)
         return h
 
-    def handle(self, name: str) -> InlineHandle:
-        """The live role called ``name``."""
+    def lookup(self, name: str) -> Handle[Any]:
+        """The live role called ``name``, or a :class:`Gone` stand-in."""
         for h in self._handles:
             if h.name == name and not h.dead:
                 return h
-        raise KeyError(f"no live role named '{name}'")
+        return Gone(name)
 
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
-        """Return the value or raise the error of a finished call."""
-        assert isinstance(ref, InlineRef)
-        if ref.error is not None:
-            raise ref.error
-        return ref.value
+    def restart(self, handle: InlineHandle) -> None:
+        """Close the role and construct it again from the same arguments, as Ray restarts one.
 
-    def kill(self, handle: Handle) -> None:
+        Holders of ``handle`` reach the new object; what the old one held is gone.
+        """
+        assert handle._cls is not None, "only a spawned role can be restarted"
+        _close(handle.obj)
+        handle.obj = handle._cls(*handle._args)
+
+    def kill(self, handle: Handle[Any]) -> None:
         """Close the role (stops its threads); later calls to it fail with ActorDiedError."""
-        assert isinstance(handle, InlineHandle)
+        if not isinstance(handle, InlineHandle):
+            return  # a Gone stand-in: nothing runs
         handle.dead = True
-        close = getattr(handle.obj, "close", None)
-        if close is not None:
-            close()
+        _close(handle.obj)
         if handle in self._handles:
             self._handles.remove(handle)
 
@@ -91,3 +73,9 @@ class InlineRuntime:
         """Close every role, newest first."""
         for h in reversed(list(self._handles)):
             self.kill(h)
+
+
+def _close(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if close is not None:
+        close()

@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError, OverlordError
-from overlord.runtime.base import Handle
-from overlord.runtime.inline import InlineRef
+from overlord.runtime.base import Gone, Handle, RoleOptions
 
 NAMESPACE = "overlord"
 
@@ -35,16 +34,24 @@ def _ray() -> Any:
     return ray
 
 
-@dataclass(frozen=True)
-class RoleOptions:
-    """Ray actor options of one role (``nodes``: actor name prefix -> node id)."""
+class RayRef:
+    """The pending result of a call to an actor; resolves itself with ``ray.get``."""
 
-    num_cpus: float = 0.0
-    max_concurrency: int = 1
-    scheduling_strategy: str | None = None  # "SPREAD", or None for Ray's default
-    nodes: tuple[tuple[str, str], ...] = ()
-    # Ray restarts the actor (same constructor arguments) and retries the calls in flight
-    restartable: bool = False
+    def __init__(self, ref: Any, what: str):
+        self.ref, self.what = ref, what
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value, or the role's own error raised here, naming the role and the method."""
+        ray = _ray()
+        try:
+            return ray.get(self.ref, timeout=timeout)
+        except ray.exceptions.RayError as e:
+            raise _unwrap(e, self.what) from None
+
+    def done(self) -> bool:
+        """Whether the call has finished."""
+        ready, _ = _ray().wait([self.ref], timeout=0)
+        return bool(ready)
 
 
 class RayHandle:
@@ -54,9 +61,10 @@ class RayHandle:
         self.actor = actor
         self.name = name
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Start ``method(*args)`` on the actor; returns an ObjectRef."""
-        return getattr(self.actor, method).remote(*args)
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> RayRef:
+        """Start ``method(*args)`` on the actor."""
+        name = method.__name__
+        return RayRef(getattr(self.actor, name).remote(*args, **kwargs), f"{self.name}.{name}")
 
 
 def _unwrap(err: BaseException, what: str) -> BaseException:
@@ -75,69 +83,62 @@ def _unwrap(err: BaseException, what: str) -> BaseException:
 
 
 class RayRuntime:
-    """Spawns roles as named actors of job ``job``; waits with ``ray.get``.
+    """Spawns roles as named actors of job ``job``.
 
     ``address`` is a Ray cluster address (``auto``, ``ray://host:10001``); None
     starts a local instance (bound to 127.0.0.1, dashboard off) unless Ray is
-    already initialized in this process.
+    already initialized in this process. With ``connect=False`` (inside an
+    actor) it only uses the Ray this process already runs in.
     """
 
     name = "ray"
 
-    def __init__(
-        self,
-        job: str,
-        address: str | None = None,
-        options: dict[str, RoleOptions] | None = None,
-        connect: bool = True,
-    ):
+    def __init__(self, job: str, address: str | None = None, connect: bool = True):
         self.job = job
-        self.options = options or {}
         self._handles: list[RayHandle] = []
         self._started_ray = False
-        # inside an actor (the planner spawning a replacement loader) an actor must not be
-        # owned by the caller, or it dies with it: it is detached, and removed by name
+        # inside an actor (the planner spawning a loader) an actor must not be owned by the
+        # caller, or it dies with it: it is detached, and removed by the job's name prefix
         self._detached = not connect
         if connect:
             self._started_ray = init_ray(address)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # inside an actor the runtime only calls and waits; it owns no actor there
-        return (RayRuntime, (self.job, None, self.options, False))
+        # sent into an actor (the planner), the runtime spawns there without owning Ray
+        return (RayRuntime, (self.job, None, False))
 
     def actor_name(self, role: str) -> str:
         """The name of a role's actor in Ray."""
         return f"{self.job}.{role}"
 
-    def spawn(self, cls: type, *args: Any, name: str) -> RayHandle:
+    def spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+    ) -> RayHandle:
         """Create ``cls(*args)`` as a named actor; fails if the name is taken."""
         ray = _ray()
-        role = name.split("-")[0]
-        opts = self.options.get(role, RoleOptions())
         kwargs: dict[str, Any] = {
             "name": self.actor_name(name),
             "namespace": NAMESPACE,
-            "num_cpus": opts.num_cpus,
-            "max_concurrency": opts.max_concurrency,
+            "num_cpus": options.num_cpus,
+            "max_concurrency": options.max_concurrency,
         }
-        if opts.scheduling_strategy:
-            kwargs["scheduling_strategy"] = opts.scheduling_strategy
-        if opts.restartable:
+        if options.scheduling_strategy:
+            kwargs["scheduling_strategy"] = options.scheduling_strategy
+        if options.restartable:
             kwargs["max_restarts"] = -1
             kwargs["max_task_retries"] = -1
         if self._detached:
             kwargs["lifetime"] = "detached"
-        for prefix, node in opts.nodes:
-            if name.startswith(prefix):
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        if options.node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-                if node not in alive:
-                    raise LoaderError(
-                        f"placement.loader_nodes puts '{name}' on node {node}, which is not an "
-                        f"alive node of this Ray cluster (alive: {sorted(alive)})"
-                    )
-                kwargs["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if options.node not in alive:
+                raise LoaderError(
+                    f"placement.loader_nodes puts '{name}' on node {options.node}, which is not "
+                    f"an alive node of this Ray cluster (alive: {sorted(alive)})"
+                )
+            kwargs["scheduling_strategy"] = NodeAffinitySchedulingStrategy(options.node, soft=False)
         try:
             ray.get_actor(kwargs["name"], namespace=NAMESPACE)
         except ValueError:
@@ -152,28 +153,21 @@ class RayRuntime:
         self._handles.append(handle)
         return handle
 
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
-        """The result of a call, with the role's own error raised here."""
-        if isinstance(ref, InlineRef):  # a role in this process (a trainer-side constructor)
-            if ref.error is not None:
-                raise ref.error
-            return ref.value
-        ray = _ray()
+    def lookup(self, name: str) -> Handle[Any]:
+        """The running actor of role ``name`` of this job, or a :class:`Gone` stand-in."""
         try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.RayError as e:
-            raise _unwrap(e, "an overlord actor") from None
+            actor = _ray().get_actor(self.actor_name(name), namespace=NAMESPACE)
+        except ValueError:
+            return Gone(name)
+        return RayHandle(actor, name)
 
-    def kill(self, handle: Handle) -> None:
+    def kill(self, handle: Handle[Any]) -> None:
         """Stop one actor."""
-        assert isinstance(handle, RayHandle)
+        if not isinstance(handle, RayHandle):
+            return  # a Gone stand-in
         _ray().kill(handle.actor, no_restart=True)
         if handle in self._handles:
             self._handles.remove(handle)
-
-    def handle(self, name: str) -> RayHandle:
-        """The running actor of role ``name`` of this job."""
-        return lookup(self.job, name)
 
     def job_actors(self) -> list[str]:
         """Names of every live actor of this job, also those other roles spawned."""
@@ -188,8 +182,8 @@ class RayRuntime:
     def shutdown(self) -> None:
         """Stop every actor of this job, and the local Ray instance if this runtime started one.
 
-        Actors the planner spawned (replacement loaders, shadows) are detached, so they
-        are found by the job's name prefix rather than by handle.
+        Actors the planner spawned (loaders, shadows) are detached, so they are
+        found by the job's name prefix rather than by handle.
         """
         ray = _ray()
         for h in reversed(list(self._handles)):

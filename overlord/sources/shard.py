@@ -15,6 +15,7 @@ order and the item's place in that shard's order.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ import pyarrow as pa
 
 from overlord.errors import SourceError
 from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
+from overlord.sources.catalog import File
 from overlord.sources.files import Shard
 from overlord.sources.formats import ShardTexts, read_shard
 from overlord.sources.tokenizers import Tokenizer
@@ -70,7 +72,7 @@ class ShardItems:
         return len(self.length)
 
 
-def _transform(spec: SourceSpec, shard: Shard, texts: ShardTexts, skip: bool) -> ShardTexts:
+def _transform(spec: SourceSpec, shard: File, texts: ShardTexts, skip: bool) -> ShardTexts:
     """The source's transform on every record; one that fails is a bad record."""
     assert spec.transform is not None
     fn = load_transform(spec.transform)
@@ -94,16 +96,16 @@ def _transform(spec: SourceSpec, shard: Shard, texts: ShardTexts, skip: bool) ->
 def load_shard_items(
     plan: Plan,
     spec: SourceSpec,
-    shards: list[Shard],
+    files: Sequence[File],
     tokenizer: Tokenizer,
     epoch: int,
     shard_pos: int,
 ) -> ShardItems:
-    """Read, tokenize, order and cut one shard into items."""
-    file_index = int(shard_order(plan.seed, spec.name, epoch, len(shards))[shard_pos])
-    shard = shards[file_index]
+    """Read, tokenize, order and cut one shard into items; ``files`` are the epoch's files."""
+    file_index = int(shard_order(plan.seed, spec.name, epoch, len(files))[shard_pos])
+    shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
-    texts = read_shard(spec.name, shard, spec.format, spec.text_field, skip)
+    texts = read_shard(spec.name, Shard(shard.url, shard.name), spec.format, spec.text_field, skip)
     if spec.transform is not None:
         texts = _transform(spec, shard, texts, skip)
     tokens, offsets = tokenizer.encode(texts.texts)

@@ -72,208 +72,17 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from overlord.plan.sizing import Budget, Decision, SourceDecision, SourceProfile, check_all
+
+__all__ = ["Autoscaler", "Budget", "Decision", "SourceDecision", "SourceProfile"]
+
 STATE_VERSION = 1
 VERSION_KEY, LOW_SINCE_KEY = "version", "low_since"
 _EPS = 1e-9  # relative slack, so that 6.000000000001 threads' worth is still 6
-
-
-# ---- inputs ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SourceProfile:
-    """What a source's loaders measured (moving averages) and how it is sized now.
-
-    ``cpu_s_per_token`` is one reader's busy seconds per token produced (read +
-    decode + tokenize, per-document and per-file overheads included): the
-    SourceLoader's read time over its tokens. 0 or NaN means not measured yet.
-    ``thread_efficiency`` is the gain of each extra reader thread in one loader,
-    as a fraction of the first thread's rate, ``(rate(T)/rate(1) - 1)/(T - 1)``.
-    ``max_loaders`` is how many loaders can be busy at all (a loader owns whole
-    shards, so at most the number of shards); None for no limit.
-    """
-
-    name: str
-    cpu_s_per_token: float
-    memory_bytes_per_loader: float
-    loaders: int
-    threads: int
-    thread_efficiency: float = 1.0
-    max_loaders: int | None = None
-
-    def __post_init__(self) -> None:
-        c, m, e = self.cpu_s_per_token, self.memory_bytes_per_loader, self.thread_efficiency
-        _check(f"source profile {self.name!r}", [
-            (isinstance(self.name, str) and bool(self.name),
-             f"name must be a non-empty string, found {self.name!r}"),
-            (math.isnan(c) or 0 <= c < math.inf,
-             f"cpu_s_per_token must be >= 0 and finite (0 or NaN: unmeasured), found {c}"),
-            (0 <= m < math.inf, f"memory_bytes_per_loader must be >= 0 and finite, found {m}"),
-            (self.loaders >= 0, f"loaders must be >= 0, found {self.loaders}"),
-            (self.threads >= 1, f"threads must be >= 1, found {self.threads}"),
-            (0 <= e <= 1, f"thread_efficiency must be in [0, 1], found {e}"),
-            (self.max_loaders is None or self.max_loaders >= 1,
-             f"max_loaders must be >= 1 or None, found {self.max_loaders}"),
-        ])  # fmt: skip
-
-    @property
-    def measured(self) -> bool:
-        """Whether a cost has been measured (False while 0 or NaN)."""
-        return self.cpu_s_per_token > 0
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What all sources' readers may use together.
-
-    ``cpus`` bounds the cores all readers are expected to burn together at the
-    horizon's peak demand, with headroom: a source's tokens to produce times
-    its ``cpu_s_per_token``, at most one core per reader thread, whatever its
-    loaders (an idle reader burns none); an unmeasured source counts one core
-    per reader thread. Loaders cost memory instead: ``memory_bytes`` bounds the
-    sum of loaders x ``memory_bytes_per_loader``; ``math.inf`` for none.
-    """
-
-    cpus: float
-    memory_bytes: float = math.inf
-    max_threads_per_loader: int = 4
-    min_loaders: int = 1
-
-    def __post_init__(self) -> None:
-        _check("budget", [
-            (1 <= self.cpus < math.inf, f"cpus must be >= 1 and finite, found {self.cpus}"),
-            (self.memory_bytes > 0,
-             f"memory_bytes must be > 0 (inf: no limit), found {self.memory_bytes}"),
-            (self.max_threads_per_loader >= 1,
-             f"max_threads_per_loader must be >= 1, found {self.max_threads_per_loader}"),
-            (self.min_loaders >= 1, f"min_loaders must be >= 1, found {self.min_loaders}"),
-        ])  # fmt: skip
-
-
-# ---- outputs --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SourceDecision:
-    """The size chosen for one source, with the figures behind it.
-
-    ``capacity_tokens_per_s`` is what the chosen size supplies by the model
-    (NaN while the source's cost is unmeasured); ``cpu_cores`` is what its
-    readers are expected to burn, the share of ``Budget.cpus`` it takes (its
-    reader threads while unmeasured).
-    """
-
-    name: str
-    loaders: int
-    threads: int
-    demand_tokens_per_s: float
-    capacity_tokens_per_s: float
-    memory_bytes: float
-    reason: str
-    cpu_cores: float = math.nan
-
-    @property
-    def cpus(self) -> int:
-        """Reader threads of this source in all."""
-        return self.loaders * self.threads
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Sizes for every source at one step; ``bottleneck`` is the source furthest below demand."""
-
-    step: int
-    sources: tuple[SourceDecision, ...]
-    bottleneck: str | None
-    reason: str
-
-    @property
-    def cpus(self) -> int:
-        """Reader threads of all sources together (may exceed ``Budget.cpus``)."""
-        return sum(s.cpus for s in self.sources)
-
-    @property
-    def cpu_cores(self) -> float:
-        """Cores all readers are expected to burn together: what ``Budget.cpus`` bounds."""
-        return sum(s.cpu_cores for s in self.sources)
-
-    @property
-    def memory_bytes(self) -> float:
-        """Memory of all loaders together."""
-        return sum(s.memory_bytes for s in self.sources)
-
-    def source(self, name: str) -> SourceDecision:
-        """The decision for source ``name``."""
-        for s in self.sources:
-            if s.name == name:
-                return s
-        raise KeyError(f"no source {name!r} in this decision: {[s.name for s in self.sources]}")
-
-    def changed(self, profiles: Sequence[SourceProfile]) -> bool:
-        """Whether any source's size differs from what ``profiles`` report."""
-        now = {p.name: (p.loaders, p.threads) for p in profiles}
-        return any(now.get(s.name) != (s.loaders, s.threads) for s in self.sources)
-
-
-class ActionKind(str, Enum):
-    """What to do to a source's loaders."""
-
-    ADD_LOADERS = "add_loaders"
-    REMOVE_LOADERS = "remove_loaders"
-    SET_THREADS = "set_threads"
-
-
-@dataclass(frozen=True)
-class Action:
-    """One change: add or remove ``count`` loaders, or set every loader's threads to ``count``."""
-
-    source: str
-    kind: ActionKind
-    count: int
-    reason: str
-
-
-def plan_actions(profiles: Sequence[SourceProfile], decision: Decision) -> list[Action]:
-    """The changes that take the sizes ``profiles`` report to those ``decision`` chose.
-
-    Every shrink (removed loaders, fewer threads) comes before every growth, so
-    the job never holds more than the larger of the old and new totals while
-    the actions are applied. A source's threads are set before loaders are
-    added, so new loaders start with the right count.
-
-    >>> p = SourceProfile("web", 1e-5, 1e9, loaders=3, threads=1)
-    >>> d = Decision(0, (SourceDecision("web", 1, 4, 1.0, 1.0, 1e9, "r"),), None, "r")
-    >>> [(a.kind.value, a.count) for a in plan_actions([p], d)]
-    [('remove_loaders', 2), ('set_threads', 4)]
-    """
-    now = {p.name: p for p in profiles}
-    missing = [s.name for s in decision.sources if s.name not in now]
-    if missing:
-        raise ValueError(
-            f"plan_actions: the decision sizes sources {missing} that have no profile; "
-            "pass the profiles the decision was made from"
-        )
-    shrink: list[Action] = []
-    grow: list[Action] = []
-    for s in decision.sources:
-        p, why = now[s.name], s.reason
-        if s.loaders < p.loaders:
-            shrink.append(Action(s.name, ActionKind.REMOVE_LOADERS, p.loaders - s.loaders, why))
-        if s.threads < p.threads:
-            shrink.append(Action(s.name, ActionKind.SET_THREADS, s.threads, why))
-        if s.threads > p.threads:
-            grow.append(Action(s.name, ActionKind.SET_THREADS, s.threads, why))
-        if s.loaders > p.loaders:
-            grow.append(Action(s.name, ActionKind.ADD_LOADERS, s.loaders - p.loaders, why))
-    return shrink + grow
-
-
-# ---- the model of one source ----------------------------------------------------------------
 
 
 class Shape(NamedTuple):
@@ -350,7 +159,7 @@ class Autoscaler:
         efficiency: float = 1.0,
         rebalance_gain: float = 0.1,
     ):
-        _check("autoscaler", [
+        check_all("autoscaler", [
             (1 <= headroom < math.inf, f"headroom must be >= 1 and finite, found {headroom}"),
             (0 < down_threshold <= 1, f"down_threshold must be in (0, 1], found {down_threshold}"),
             (cooldown_steps >= 0, f"cooldown_steps must be >= 0, found {cooldown_steps}"),
@@ -488,7 +297,7 @@ class Autoscaler:
         dup = sorted({n for n in names if names.count(n) > 1})
         w = np.asarray(weights_ahead, dtype=np.float64)
         shape_ok = w.ndim == 2 and w.shape[0] >= 1 and w.shape[1] == len(profiles)
-        _check("Autoscaler.decide", [
+        check_all("Autoscaler.decide", [
             (bool(profiles), "no source profiles: pass one per source"),
             (not dup, f"source names must be unique, found {dup} more than once"),
             (step >= 0, f"step must be >= 0, found {step}"),
@@ -686,11 +495,3 @@ def _bytes(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.3g} {unit}"
     return f"{x:.0f} B"
-
-
-def _check(what: str, rules: Sequence[tuple[bool, str]]) -> None:
-    """Raise one ValueError that lists every rule broken, not only the first."""
-    problems = [msg for ok, msg in rules if not ok]
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"{what}: {len(problems)} problem(s):\n{lines}")

@@ -1,0 +1,161 @@
+"""What each role answers: one Protocol per role, the types of every call across the seam.
+
+A caller names the Protocol's method, ``planner.call(PlannerRole.rank_plan,
+step, rank)``, so mypy checks the arguments and the result at every call site;
+the runtime sends the method's name. The roles' classes are checked against
+these Protocols where they are defined.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from overlord.batch import Batch
+    from overlord.runtime.base import Handle
+
+
+class LoaderRole(Protocol):
+    """A SourceLoader: reads one source's shards ahead and holds their tokens."""
+
+    def metadata(self, timeout: float) -> list[dict[str, Any]]:
+        """Blocks of item metadata read since the last call."""
+        ...
+
+    def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """The tokens of items ``[[epoch, shard_pos, index], ...]``."""
+        ...
+
+    def release(self, keys: np.ndarray) -> None:
+        """Free items whose step every rank consumed."""
+        ...
+
+    def promote(self, after: list[int] | None) -> None:
+        """Start serving metadata after shard ``after`` (a shadow whose primary died)."""
+        ...
+
+    def rewind(self, start: dict[str, Any]) -> None:
+        """Serve metadata again from a source cursor's state (a restarted planner)."""
+        ...
+
+    def freeze(self) -> list[int] | None:
+        """Start no new shard; the first shard not started (None: it owns no more)."""
+        ...
+
+    def until(self, limit: list[int]) -> None:
+        """Read on, but only the shards before ``limit``."""
+        ...
+
+    def set_threads(self, threads: int) -> None:
+        """Read ``threads`` shards at once."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and measured costs."""
+        ...
+
+    def pid(self) -> int:
+        """The loader's process."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading and free every held shard."""
+        ...
+
+
+class LoaderGroupRole(Protocol):
+    """Several SourceLoaders in one process, by member name."""
+
+    def call(self, member: str, method: str, *args: Any) -> Any:
+        """``method(*args)`` on one member."""
+        ...
+
+    def take_many(self, keys: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+        """``take`` on several members in one call."""
+        ...
+
+    def release_many(self, keys: dict[str, np.ndarray]) -> None:
+        """``release`` on several members in one call."""
+        ...
+
+    def close(self) -> None:
+        """Close every member."""
+        ...
+
+
+class PlannerRole(Protocol):
+    """The planner: plans steps, tracks consumption, owns the loaders (through its pool)."""
+
+    def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
+        """One rank's plan of one step (None: ask again later)."""
+        ...
+
+    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+        """``rank`` received ``step``."""
+        ...
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The state before ``step``."""
+        ...
+
+    def dry_run(self, steps: int) -> list[dict[str, Any]]:
+        """Plan ``steps`` steps without building batches."""
+        ...
+
+    def layout(self) -> dict[str, Any]:
+        """What a connecting trainer needs: the plan, the files, the loaders."""
+        ...
+
+    def position(self, rank: int) -> int:
+        """The next step ``rank`` should consume."""
+        ...
+
+    def failover(self, source: str, k: int, dead: str) -> Handle[LoaderRole]:
+        """Replace the dead primary of slot ``k`` of ``source``; the new primary."""
+        ...
+
+    def primaries(self, source: str) -> list[Handle[LoaderRole] | None]:
+        """The primary of every slot of ``source``."""
+        ...
+
+    def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
+        """Every slot's replicas (primary first), per source."""
+        ...
+
+    def repartition(self, source: str, count: int) -> list[int] | None:
+        """Read ``source`` with ``count`` loaders from a shard boundary on."""
+        ...
+
+    def set_threads(self, source: str, threads: int) -> None:
+        """Reader threads of every current loader of ``source``."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """History, positions, faults, scaling, journal."""
+        ...
+
+    def pid(self) -> int:
+        """The planner's process."""
+        ...
+
+    def close(self) -> None:
+        """Close the journal."""
+        ...
+
+
+class ConstructorRole(Protocol):
+    """A DataConstructor: builds the batches of some DP ranks."""
+
+    def batch(self, step: int, rank: int) -> Batch:
+        """The packed batch of ``rank`` for ``step``."""
+        ...
+
+    def pid(self) -> int:
+        """The constructor's process."""
+        ...
+
+    def close(self) -> None:
+        """Stop building ahead."""
+        ...

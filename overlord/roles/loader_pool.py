@@ -1,0 +1,590 @@
+"""LoaderPool: the one owner of every SourceLoader of a job.
+
+A source is read by *slots*; slot ``k`` holds a primary loader and its
+shadows (hot standbys reading the same shards), primary first. A slot belongs
+to a *partition* of the source's order: loader ``k`` of ``n`` from shard
+``start`` to ``limit``. The pool spawns the loaders, serves their metadata to
+the planner's cursors (failing a dead primary over on the way), releases what
+every rank consumed, re-partitions a source online, sizes it as the
+autoscaler decides, closes partitions once consumed, and records all of it in
+the planner's journal so that a restarted planner finds its loaders again.
+
+It lives in the planner's process and never imports the planner or its
+cursors: what it needs of them (the state every rank consumed, the step being
+planned) comes through two callables. Constructors in other processes reach
+the loaders through a :class:`PoolView`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from overlord.errors import ActorDiedError, LoaderError
+from overlord.journal import Journal
+from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
+from overlord.plan.spec import Plan
+from overlord.roles.api import LoaderGroupRole, LoaderRole, PlannerRole
+from overlord.roles.loader_group import LoaderGroup, assign_groups
+from overlord.roles.source_loader import SourceLoader, token_budget
+from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
+from overlord.sources.catalog import SourceFiles
+
+log = logging.getLogger("overlord.pool")
+
+MAX_FAILOVERS = 8  # replacements of one batch's loaders before giving up
+Position = tuple[int, int]
+
+
+class Part(NamedTuple):
+    """What a loader slot reads: loader ``loader`` of ``loaders``, shards ``start`` to ``limit``."""
+
+    loader: int
+    loaders: int
+    start: Position
+    limit: Position | None  # None: the source's current partition, without an end
+
+    def record(self) -> list[Any]:
+        """As JSON: ``[loader, loaders, start, limit]``."""
+        limit = None if self.limit is None else list(self.limit)
+        return [self.loader, self.loaders, list(self.start), limit]
+
+    @classmethod
+    def of(cls, record: list[Any]) -> Part:
+        """From :meth:`record`."""
+        loader, loaders, (e, p), limit = record
+        return cls(loader, loaders, (e, p), None if limit is None else (limit[0], limit[1]))
+
+
+def partitions(parts: list[Part]) -> list[tuple[Position, int, int]]:
+    """A source's partitions, ``(first shard, first slot, loaders)``, from its slots' parts.
+
+    >>> partitions([Part(0, 2, (0, 0), (0, 4)), Part(1, 2, (0, 0), (0, 4)), Part(0, 1, (0, 4), None)])
+    [((0, 0), 0, 2), ((0, 4), 2, 1)]
+    """
+    return [(p.start, k, p.loaders) for k, p in enumerate(parts) if p.loader == 0]
+
+
+class MemberHandle:
+    """A handle to one SourceLoader inside a :class:`LoaderGroup`; calls go through the group."""
+
+    def __init__(self, group: Handle[LoaderGroupRole], member: str):
+        self.group, self.name = group, member
+
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref[Any]:
+        """Start ``method(*args)`` on the member."""
+        return self.group.call(LoaderGroupRole.call, self.name, method.__name__, *args, **kwargs)
+
+
+def replica_name(handle: Handle[Any]) -> str:
+    """A loader's name in the journal: its role name, ``group/member`` inside a group."""
+    if isinstance(handle, MemberHandle):
+        return f"{handle.group.name}/{handle.name}"
+    return handle.name
+
+
+def by_slot(
+    source: np.ndarray, loader: np.ndarray
+) -> list[tuple[int, int, np.ndarray]]:
+    """Item indexes per ``(source, loader)`` slot, in slot order.
+
+    >>> [(s, k, i.tolist()) for s, k, i in by_slot(np.array([1, 0, 1]), np.array([0, 0, 0]))]
+    [(0, 0, [1]), (1, 0, [0, 2])]
+    """
+    if len(source) == 0:
+        return []
+    key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
+    order = np.argsort(key, kind="stable")
+    cuts = np.flatnonzero(np.diff(key[order])) + 1
+    return [(int(source[g[0]]), int(loader[g[0]]), g) for g in np.split(order, cuts)]
+
+
+def _grouped(
+    calls: list[tuple[Handle[LoaderRole], np.ndarray, Any]],
+) -> list[tuple[Handle[Any], dict[str, np.ndarray] | np.ndarray, list[tuple[str | None, Any]]]]:
+    """Calls to loaders, with those that share a process (a group) merged into one.
+
+    Each entry: the handle to call, its keys (by member name for a group),
+    and ``(member, tag)`` of every loader the call answers for.
+    """
+    out: list[Any] = []
+    groups: dict[int, Any] = {}
+    for handle, keys, tag in calls:
+        if isinstance(handle, MemberHandle):
+            entry = groups.get(id(handle.group))
+            if entry is None:
+                entry = groups[id(handle.group)] = [handle.group, {}, []]
+                out.append(entry)
+            entry[1][handle.name] = keys
+            entry[2].append((handle.name, tag))
+        else:
+            out.append([handle, keys, [(None, tag)]])
+    return [tuple(e) for e in out]
+
+
+class PoolView:
+    """The loaders as a DataConstructor sees them: handles, and the planner for failovers.
+
+    Takes only read, so asking a replacement again for what a dead loader
+    was asked is safe.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        loaders: dict[str, list[Handle[LoaderRole] | None]],
+        planner: Handle[PlannerRole],
+    ):
+        self.names, self.planner = names, planner
+        self.loaders = [list(loaders[n]) for n in names]  # current primaries
+
+    def take(
+        self, slots: list[tuple[int, int, np.ndarray]], keys: np.ndarray
+    ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Payloads of each ``(source, loader, item indexes)``, every loader asked at once."""
+        out = []
+        todo = slots
+        for _ in range(MAX_FAILOVERS):
+            calls = []
+            for s, k, mine in todo:
+                if k >= len(self.loaders[s]):  # a partition added after this view was made
+                    now = self.planner.call(PlannerRole.primaries, self.names[s]).result()
+                    self.loaders[s] = list(now)
+                handle = self.loaders[s][k]
+                if handle is None:
+                    raise LoaderError(f"loader {k} of '{self.names[s]}' was retired")
+                calls.append((handle, keys[mine], (s, k, mine)))
+            refs: list[tuple[Ref[Any], list[tuple[str | None, Any]]]] = []
+            for target, asked, members in _grouped(calls):
+                if isinstance(asked, dict):
+                    refs.append((target.call(LoaderGroupRole.take_many, asked), members))
+                else:
+                    refs.append((target.call(LoaderRole.take, asked), members))
+            todo = []
+            for ref, members in refs:
+                try:
+                    got: Any = ref.result()
+                except ActorDiedError:
+                    for _, (s, k, mine) in members:
+                        dead = self.loaders[s][k]
+                        assert dead is not None
+                        self.loaders[s][k] = self.planner.call(
+                            PlannerRole.failover, self.names[s], k, replica_name(dead)
+                        ).result()
+                        todo.append((s, k, mine))
+                    continue
+                out += [(mine, got if m is None else got[m]) for m, (_, _, mine) in members]
+            if not todo:
+                return out
+        raise LoaderError(
+            f"loaders of sources {sorted({self.names[s] for s, _, _ in todo})} kept dying: "
+            f"{MAX_FAILOVERS} failovers in a row"
+        )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How a job's loaders are deployed (decided by the wiring, :class:`overlord.Loader`)."""
+
+    shadows: dict[str, int]  # hot standbys per loader, per source
+    options: dict[str, RoleOptions] = field(default_factory=dict)  # per source
+    processes: int | None = None  # processes that hold the loaders (None: one each)
+    keep_payloads: bool = True  # False: metadata only (``overlord plan``)
+    measure_rss: bool = False  # loaders run in processes of their own, whose memory is theirs
+
+
+class LoaderPool:
+    """Every loader slot of every source of one job.
+
+    ``consumed(source)`` is the source cursor's state that every rank has
+    consumed (where a new loader starts); ``clock()`` is the step being planned
+    (for the events it records).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        files: dict[str, SourceFiles],
+        runtime: Runtime,
+        config: PoolConfig,
+        consumed: Callable[[str], dict[str, Any]],
+        clock: Callable[[], int],
+        journal: Journal | None = None,
+    ):
+        self.plan, self.files, self.runtime, self.config = plan, files, runtime, config
+        self.shadows, self.options, self.journal = config.shadows, config.options, journal
+        self._consumed, self._clock = consumed, clock
+        self.names = plan.source_names
+        self.slots: dict[str, list[list[Handle[LoaderRole]]]] = {n: [] for n in self.names}
+        self.parts: dict[str, list[Part]] = {n: [] for n in self.names}
+        self._received: dict[tuple[str, int], list[int]] = {}  # last shard the planner got
+        self._releases = OneWay("planner", ignore=(ActorDiedError,))
+        self.events: list[dict[str, Any]] = []  # failovers and re-partitions
+        self.scaling: list[dict[str, Any]] = []  # the autoscaler's decisions, with reasons
+        # CPU seconds per token each source's loaders measured last: a source's cost, which
+        # loaders a re-partition just started have not measured yet
+        self.cost: dict[str, float] = {}
+        a = plan.autoscale
+        self.scaler = None
+        if a.cpus is not None:
+            memory = math.inf if a.memory_gb is None else a.memory_gb * 2**30
+            budget = Budget(a.cpus, memory, a.max_threads_per_loader, a.min_loaders)
+            self.scaler = Autoscaler(
+                budget,
+                headroom=a.headroom,
+                cooldown_steps=a.cooldown_steps,
+                horizon_steps=a.horizon_steps,
+            )
+
+    # ---- the slots -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn every source's loaders (in ``config.processes`` shared processes, if set)."""
+        for spec in self.plan.sources:
+            self.parts[spec.name] = [Part(k, spec.loaders, (0, 0), None) for k in range(spec.loaders)]
+        if self.config.processes is not None:
+            self._start_grouped(self.config.processes)
+            return
+        for spec in self.plan.sources:
+            copies = 1 + self.shadows[spec.name]
+            self.slots[spec.name] = [
+                [self._spawn(spec.name, k, s > 0) for s in range(copies)] for k in range(spec.loaders)
+            ]
+
+    def _start_grouped(self, processes: int) -> None:
+        """SourceLoaders spread over ``processes`` LoaderGroup actors (shadows over as many more).
+
+        Shadow ``j`` of every member of group ``g`` lives in group ``shadow{j}-g``,
+        so that a group's process dying never takes a slot's shadow with it.
+        """
+        specs = {s.name: s for s in self.plan.sources}
+        wanted = [(s.name, k) for s in self.plan.sources for k in range(s.loaders)]
+        copies = max(self.shadows.values())
+        tag = uuid.uuid4().hex[:6]
+        for name, spec in specs.items():
+            self.slots[name] = [[] for _ in range(spec.loaders)]
+        for g, group in enumerate(assign_groups(wanted, processes)):
+            for j in range(1 + copies):
+                members = [
+                    (f"{src}-{k}", src, k, specs[src].loaders, self._consumed(src))
+                    for src, k in group
+                    if j <= self.shadows[src]
+                ]
+                if not members:
+                    continue
+                name = f"loader-group{g}-{tag}" if j == 0 else f"loader-shadow{j}-group{g}-{tag}"
+                args = (self.plan, self.files, members, self.config.keep_payloads, j > 0)
+                options = self.options.get(group[0][0], RoleOptions())
+                handle = self.runtime.spawn(LoaderGroup, *args, name=name, options=options)
+                for member, src, k, *_ in members:
+                    self.slots[src][k].append(MemberHandle(handle, member))
+
+    def _spawn(self, source: str, k: int, shadow: bool) -> Handle[LoaderRole]:
+        """A loader for slot ``k`` that starts where every rank has consumed (or its partition)."""
+        part = self.parts[source][k]
+        start = self._consumed(source)
+        if (start["epoch"], start["shard_pos"]) < part.start:
+            start = {"epoch": part.start[0], "shard_pos": part.start[1], "index": 0, "skip": []}
+        limit = None if part.limit is None else list(part.limit)
+        name = f"loader-{source}-{k}{'-shadow' if shadow else ''}-{uuid.uuid4().hex[:6]}"
+        args = (self.plan, self.files[source], source, part.loader, part.loaders, start)
+        handle: Handle[LoaderRole] = self.runtime.spawn(
+            SourceLoader,
+            *args,
+            self.config.keep_payloads,
+            shadow,
+            limit,
+            name=name,
+            options=self.options.get(source, RoleOptions()),
+        )
+        return handle
+
+    def primaries(self, source: str) -> list[Handle[LoaderRole] | None]:
+        """The primary of every slot of ``source`` (None: a retired partition's)."""
+        return [slot[0] if slot else None for slot in self.slots[source]]
+
+    def current(self, source: str) -> list[int]:
+        """The slots of the source's current partition (the one without an end)."""
+        return [k for k, p in enumerate(self.parts[source]) if p.limit is None]
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def metadata(self, source: str, k: int, timeout: float) -> list[dict[str, Any]]:
+        """New metadata blocks of slot ``k``, failing over to a replica if its primary died."""
+        while True:
+            handle = self.slots[source][k][0]
+            try:
+                blocks = handle.call(LoaderRole.metadata, timeout).result()
+            except ActorDiedError:
+                self.failover(source, k, replica_name(handle))
+                continue
+            if blocks:
+                last = blocks[-1]
+                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"])]
+            return blocks
+
+    def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:
+        """Tell every replica of every slot that these items (of a consumed step) can go.
+
+        One-way: the planner does not wait, and the error of a release (other
+        than a dead replica's) is raised at the next release.
+        """
+        calls = [
+            (replica, keys[mine], None)
+            for s, k, mine in by_slot(source, loader)
+            for replica in self.slots[self.names[s]][k]
+        ]
+        for handle, asked, _ in _grouped(calls):
+            if isinstance(asked, dict):
+                self._releases.send(handle, LoaderGroupRole.release_many, asked)
+            else:
+                self._releases.send(handle, LoaderRole.release, asked)
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    def failover(self, source: str, k: int, dead: str) -> Handle[LoaderRole]:
+        """Replace slot ``k`` of ``source`` whose primary ``dead`` died; returns the new primary.
+
+        Idempotent: a caller that learns late of a failover gets the current
+        primary. The next shadow is promoted (it serves metadata after the last
+        shard the planner received); without one, a new loader reads again from
+        the state every rank consumed. A new shadow is then started.
+        """
+        slot = self.slots[source][k]
+        if slot and replica_name(slot[0]) != dead:
+            return slot[0]
+        t0 = time.perf_counter()
+        after = self._received.get((source, k))
+        if slot:
+            slot.pop(0)
+        how = "promoted its shadow"
+        while slot:
+            try:
+                slot[0].call(LoaderRole.promote, after).result()
+                break
+            except ActorDiedError:
+                slot.pop(0)
+        if not slot:
+            how = "started a new loader from the consumed state (no live shadow)"
+            fresh = self._spawn(source, k, shadow=False)
+            fresh.call(LoaderRole.promote, after).result()
+            slot.append(fresh)
+        while len(slot) < 1 + self.shadows[source]:
+            slot.append(self._spawn(source, k, shadow=True))
+        self._journal()
+        self.events.append(
+            {
+                "event": "failover",
+                "source": source,
+                "loader": k,
+                "dead": dead,
+                "now": replica_name(slot[0]),
+                "how": how,
+                "step": self._clock(),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        log.warning("SourceLoader %s[%d] (%s) died: %s", source, k, dead, how)
+        return slot[0]
+
+    # ---- partitions and sizes --------------------------------------------------------------
+
+    def repartition(self, source: str, count: int) -> Position | None:
+        """Read ``source`` with ``count`` loaders from a shard boundary on; the boundary.
+
+        The current partition's loaders (shadows too) are frozen: none starts
+        a new shard. The boundary is the first shard none of them has started;
+        they read on up to it, and ``count`` new loaders read from it. Items
+        keep their positions, so the order, and every step, stay the same.
+        The old loaders are closed once every rank consumed their last items.
+        """
+        if count < 1:
+            raise ValueError(f"a source needs at least one loader, got {count}")
+        slots, parts = self.slots[source], self.parts[source]
+        current = self.current(source)
+        if count == len(current):
+            return None
+        frozen, nexts = [], []
+        for k in current:
+            for replica in slots[k]:
+                with contextlib.suppress(ActorDiedError):  # failed over when next asked
+                    nxt = replica.call(LoaderRole.freeze).result()
+                    frozen.append(replica)
+                    if nxt is not None:
+                        nexts.append((nxt[0], nxt[1]))
+        at = max(nexts, default=parts[current[0]].start)
+        for replica in frozen:
+            with contextlib.suppress(ActorDiedError):
+                replica.call(LoaderRole.until, list(at)).result()
+        for k in current:
+            parts[k] = parts[k]._replace(limit=at)
+        first = len(slots)
+        parts += [Part(j, count, at, None) for j in range(count)]
+        for k in range(first, first + count):
+            copies = 1 + self.shadows[source]
+            slots.append([self._spawn(source, k, s > 0) for s in range(copies)])
+        self._journal()
+        self.events.append(
+            {
+                "event": "repartition",
+                "source": source,
+                "step": self._clock(),
+                "at": list(at),
+                "loaders": f"{len(current)} -> {count}",
+            }
+        )
+        log.warning("source %s: %d -> %d loaders from shard %s", source, len(current), count, at)
+        return at
+
+    def set_threads(self, source: str, threads: int) -> None:
+        """Reader threads of every current loader of ``source``."""
+        for k in self.current(source):
+            for replica in self.slots[source][k]:
+                with contextlib.suppress(ActorDiedError):  # its replacement starts as planned
+                    replica.call(LoaderRole.set_threads, threads).result()
+
+    def retire(self) -> None:
+        """Close partitions whose every item every rank has consumed."""
+        for source, parts in self.parts.items():
+            c = self._consumed(source)
+            done = (c["epoch"], c["shard_pos"])
+            for k, part in enumerate(parts):
+                slot = self.slots[source][k]
+                if slot and part.limit is not None and done >= part.limit:
+                    for replica in slot:
+                        with contextlib.suppress(Exception):  # gone already
+                            self.runtime.kill(replica)
+                    slot.clear()
+                    self._journal()
+
+    def autoscale(
+        self, step: int, train_s: float, weights: Callable[[int], np.ndarray]
+    ) -> Decision | None:
+        """Measure every source's current loaders, decide, and re-size what the decision moved."""
+        if self.scaler is None:
+            return None
+        a = self.plan.autoscale
+        profiles, now = [], {}
+        for name in self.names:
+            mine = self.current(name)
+            stats = [self.slots[name][k][0].call(LoaderRole.stats).result() for k in mine]
+            costs = [s["cpu_s_per_token"] for s in stats if not math.isnan(s["cpu_s_per_token"])]
+            if costs:
+                self.cost[name] = float(np.mean(costs))
+            # a loader in a process of its own reports its memory; embedded, a loader's
+            # memory is what its budget lets it hold
+            own = [s["rss_bytes"] for s in stats] if self.config.measure_rss else []
+            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine))
+            threads = stats[0]["threads"] if stats else 1
+            now[name] = (len(mine), threads)
+            profiles.append(
+                SourceProfile(
+                    name,
+                    self.cost.get(name, 0.0),
+                    memory,
+                    len(mine),
+                    threads,
+                    thread_efficiency=a.thread_efficiency,
+                    max_loaders=max(len(fs) for _, fs in self.files[name].lists),
+                )
+            )
+        ahead = self.scaler.weights_ahead(weights, step)
+        decision = self.scaler.decide(step, profiles, ahead, self.plan.batch.tokens_per_step, train_s)
+        self.scaling.append(_decision_record(step, train_s, decision))
+        for d in decision.sources:
+            loaders, threads = now[d.name]
+            if d.loaders != loaders:
+                self.repartition(d.name, d.loaders)
+            if d.threads != threads or d.loaders != loaders:  # new loaders start with 1
+                self.set_threads(d.name, d.threads)
+            if (d.loaders, d.threads) != (loaders, threads):
+                log.warning("autoscaler: %s", d.reason)
+        self._journal()  # the timers moved: a restarted planner keeps them
+        return decision
+
+    # ---- journal and restart ---------------------------------------------------------------
+
+    def record(self) -> dict[str, Any]:
+        """What a restarted planner needs: every slot's replicas by name, partitions, scaling."""
+        record: dict[str, Any] = {
+            "slots": {
+                n: [[replica_name(h) for h in slot] for slot in slots]
+                for n, slots in self.slots.items()
+            },
+            "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
+        }
+        if self.scaler is not None:
+            record["autoscaler"] = {"policy": self.scaler.state_dict(), "cost": dict(self.cost)}
+        return record
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Find the loaders of a :meth:`record` again (a dead one fails over when asked)."""
+        self.slots = {
+            n: [[self._lookup(name) for name in slot] for slot in slots]
+            for n, slots in record["slots"].items()
+        }
+        self.parts = {n: [Part.of(r) for r in rs] for n, rs in record["parts"].items()}
+        scaled = record.get("autoscaler")
+        if scaled is not None and self.scaler is not None:
+            self.scaler.load_state_dict(scaled["policy"])
+            self.cost = {n: float(c) for n, c in scaled["cost"].items()}
+
+    def _lookup(self, name: str) -> Handle[LoaderRole]:
+        actor, _, member = name.partition("/")
+        handle = self.runtime.lookup(actor)
+        return MemberHandle(handle, member) if member else handle
+
+    def rewind(self, cursors: dict[str, dict[str, Any]]) -> None:
+        """Have every replica serve again what the recovered state has not consumed."""
+        calls = [
+            r.call(LoaderRole.rewind, cursors[name])
+            for name, slots in self.slots.items()
+            for slot in slots
+            for r in slot
+        ]
+        for ref in calls:
+            with contextlib.suppress(ActorDiedError):  # failed over when next asked for data
+                ref.result()
+
+    def _journal(self) -> None:
+        if self.journal is not None:
+            self.journal.loaders(self.record())
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every primary's counters."""
+        return [
+            h.call(LoaderRole.stats).result()
+            for n in self.names
+            for h in self.primaries(n)
+            if h is not None
+        ]
+
+
+def _decision_record(step: int, train_s: float, decision: Decision) -> dict[str, Any]:
+    """An autoscaler decision as the run summary shows it."""
+    return {
+        "step": step,
+        "step_time_s": train_s,
+        "bottleneck": decision.bottleneck,
+        "cpu_cores": decision.cpu_cores,
+        "reason": decision.reason,
+        "sources": {
+            d.name: {
+                "loaders": d.loaders,
+                "threads": d.threads,
+                "demand_tokens_per_s": d.demand_tokens_per_s,
+                "capacity_tokens_per_s": d.capacity_tokens_per_s,
+                "cpu_cores": d.cpu_cores,
+                "reason": d.reason,
+            }
+            for d in decision.sources
+        },
+    }
