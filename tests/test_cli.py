@@ -344,6 +344,7 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
     assert "balance (kk)" in ran.stdout and "web:" in ran.stdout and "code:" in ran.stdout
 
 
+@integration
 def test_run_summary_shows_each_autoscaler_size_with_supply_demand_and_cores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
