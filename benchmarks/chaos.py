@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import rollup, run_pids  # noqa: E402
 
 from overlord import Loader, load_plan  # noqa: E402
-from overlord.cli import dump_line, run_plan  # noqa: E402
 from overlord.plan.spec import Plan, validate_plan  # noqa: E402
+from overlord.run import dump_line, run_plan  # noqa: E402
 
 ROLES = ("loader", "constructor", "planner")
 ACTOR_TITLES = ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")

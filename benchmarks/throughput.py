@@ -9,7 +9,7 @@ library ``.py`` files: two sources, ``lib`` and ``tests`` (files under a
   parse it with pyarrow's vectorized JSON reader, tokenize the text column
   with overlord's tokenizer (``BytesTokenizer`` / ``HFTokenizer.encode`` on
   the Arrow string array) and count the tokens. No shuffling, no packing.
-- *overlord*: ``overlord.cli.run_plan`` on a plan over the same files (DP 4,
+- *overlord*: ``overlord.run.run_plan`` on a plan over the same files (DP 4,
   262,144 tokens per step, rows of 8,192, ``kk`` balancing, mixture weights
   equal to each source's share of the corpus) for about one pass over the
   corpus, consuming every rank's batch as a trainer would. Tokens are real
@@ -50,8 +50,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.json as pa_json
 
-from overlord.cli import run_plan
 from overlord.plan.spec import validate_plan
+from overlord.run import run_plan
 from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer
 
 TOKENS_PER_STEP = 262144

@@ -31,11 +31,11 @@ from typing import Any
 import yaml
 
 from overlord import checkpoint
-from overlord.cli import summarize
 from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan, load_plan
 from overlord.report import Report, write_report
+from overlord.run import summarize
 
 MANIFEST = "corpus.json"  # written last: its presence means the corpus is complete
 JSONL_SHARDS = 8  # per JSONL source; the last GZIP_SHARDS of them compressed

@@ -272,21 +272,37 @@ def test_run_prints_its_summary_to_stdout(
 # ---- plan --------------------------------------------------------------------------------------
 
 
+def plan_table(out: str) -> tuple[list[list[float]], str]:
+    """The rows of ``overlord plan`` as numbers (percent signs dropped), and its last line."""
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "max/LB", "none/LB", "fill", "web", "code"]
+    rows = [[float(x.rstrip("%")) for x in line.split()] for line in lines[1:-1]]
+    return rows, lines[-1]
+
+
 @integration
 def test_plan_prints_a_line_per_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(corpus(tmp_path)), "--steps", "8", "--dp", "4"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["step", "max/LB", "none/LB", "fill", "web", "code"]
-    rows = lines[1:-1]
-    assert [int(r.split()[0]) for r in rows] == list(range(8))
+    rows, last = plan_table(capsys.readouterr().out)
+    assert [int(r[0]) for r in rows] == list(range(8))
     for r in rows:
-        f = r.split()
-        assert float(f[1]) >= 1.0 - 1e-9 and float(f[2]) >= 1.0 - 1e-9  # max/LB, none/LB
-        shares = [float(x.rstrip("%")) for x in f[4:]]
+        shares = r[4:]
         assert len(shares) == 2 and sum(shares) == pytest.approx(100, abs=0.2)
-    assert lines[-1].startswith("mean max/LB ")
+    # the last line is the mean of each balance column, and kk beats the baseline on this corpus
+    m = re.fullmatch(r"mean max/LB ([\d.]+) \(kk\); without balancing ([\d.]+)", last)
+    assert m, last
+    assert float(m[1]) == pytest.approx(sum(r[1] for r in rows) / 8, abs=1.5e-4)
+    assert float(m[2]) == pytest.approx(sum(r[2] for r in rows) / 8, abs=1.5e-4)
+    assert float(m[1]) < float(m[2])
+    # with balancing off, the plan's column is the baseline's, and the baseline is unchanged
+    off = corpus(
+        tmp_path / "off", balance={"method": "none", "cost": {"alpha": ALPHA, "beta": BETA}}
+    )
+    assert main(["plan", str(off), "--steps", "8", "--dp", "4"]) == 0
+    off_rows, _ = plan_table(capsys.readouterr().out)
+    assert [r[1] for r in off_rows] == [r[2] for r in off_rows] == [r[2] for r in rows]
     # the curriculum moves from web to code
-    web = [float(r.split()[4].rstrip("%")) for r in rows]
+    web = [r[4] for r in rows]
     assert web[0] > 50 > web[-1]
 
 
@@ -328,6 +344,7 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
     assert "balance (kk)" in ran.stdout and "web:" in ran.stdout and "code:" in ran.stdout
 
 
+@integration
 def test_run_summary_shows_each_autoscaler_size_with_supply_demand_and_cores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -17,9 +17,9 @@ import pytest
 from conftest import make_corpus
 
 from overlord import Loader, LoaderError, load_plan
-from overlord.cli import dump_line
 from overlord.journal import JournalError, decode, encode, read_segment, recover, segments
 from overlord.roles.planner import Planner
+from overlord.run import dump_line
 
 STEPS = 16
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from overlord import Loader, LoaderError, SourceError, connect, load_plan
-from overlord.cli import dump_line, run_plan
+from overlord.run import dump_line, run_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 
@@ -164,7 +164,7 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
         env = {**os.environ, "RAY_ADDRESS": ":".join(address)}
         trainer = (
             "import sys, overlord\n"
-            "from overlord.cli import dump_line\n"
+            "from overlord.run import dump_line\n"
             "c = overlord.connect('t-serve', rank=int(sys.argv[1]), stop_step=5)\n"
             "print('\\n'.join(dump_line(b) for b in c))\n"
         )

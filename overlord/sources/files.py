@@ -6,11 +6,27 @@ import glob as _glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import fsspec
 
 from overlord.errors import PlanError
-from overlord.plan.spec import SourceSpec
+
+
+class SourcePaths(Protocol):
+    """What finding a source's files needs of it: its name and its path pattern(s).
+
+    :class:`overlord.plan.spec.SourceSpec` is one; this module does not import the plan's
+    module, which imports this one to check a plan's globs.
+    """
+
+    @property
+    def name(self) -> str:
+        """The source's name, for error messages."""
+
+    @property
+    def path(self) -> str | list[str]:
+        """One glob or URL, or a list of them."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +37,7 @@ class Shard:
     name: str  # path relative to the plan's folder (local), else the URL
 
 
-def resolve_files(spec: SourceSpec, base_dir: Path) -> list[Shard]:
+def resolve_files(spec: SourcePaths, base_dir: Path) -> list[Shard]:
     """Every shard of a source, sorted by name, so that the order is the same everywhere.
 
     Raises :class:`PlanError` naming each pattern that matches nothing.

@@ -1,0 +1,137 @@
+"""Running a plan as a trainer with every DP rank would: the loop, its dump and its summary.
+
+Library functions that the CLI, the demo, the tests and the benchmarks share. The
+``overlord`` command (:mod:`overlord.cli`) prints what :func:`run_plan` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from overlord import checkpoint
+from overlord.loader import Loader
+from overlord.plan.spec import Plan
+
+
+def _progress(total: int | None, initial: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    # on a terminal only: a bar in CI logs is noise
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=None, leave=False)
+
+
+def dump_line(batch: Any) -> str:
+    """One JSON line of ``--dump``: a rank's samples of a step."""
+    return json.dumps(
+        {
+            "step": batch.step,
+            "rank": batch.rank,
+            "samples": [
+                {"source": s.source, "id": s.id, "tokens": s.tokens} for s in batch.samples
+            ],
+            "tokens": batch.num_tokens,
+            "cost": batch.cost,
+        },
+        separators=(",", ":"),
+    )
+
+
+def run_plan(
+    plan: Plan,
+    steps: int,
+    runtime: str = "inline",
+    dump: TextIO | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    state: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Consume ``plan`` as a trainer with every DP rank would, up to global step ``steps``.
+
+    Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
+    """
+    t0 = time.perf_counter()
+    ckpt_bytes = 0
+    with Loader(plan, runtime=runtime, state=state) as loader:
+        first = loader.start_step
+        clients = [loader.client(r, stop_step=steps) for r in range(plan.world.dp)]
+        tokens = 0
+        bar = _progress(steps, first, "overlord run") if progress else None
+        for step in range(first, steps):
+            for c in clients:
+                batch = next(c)
+                tokens += batch.num_tokens
+                if dump is not None:
+                    dump.write(dump_line(batch) + "\n")
+            done = step + 1
+            if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0:
+                ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        seconds = time.perf_counter() - t0
+        if checkpoint_dir:
+            ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
+        stats = loader.stats()
+    return summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
+
+
+def summarize(
+    plan: Plan,
+    stats: dict[str, Any],
+    first: int,
+    last: int,
+    tokens: int,
+    seconds: float,
+    ckpt_bytes: int,
+) -> dict[str, Any]:
+    """Figures of a run: throughput, balance against the per-rank baseline, mixture."""
+    # steps planned ahead (prefetch) but never consumed are not part of the run
+    hist = [h for h in stats["history"] if first <= h["step"] < last]
+    names = stats["sources"]
+    ratio = [h["max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
+    base = [h["baseline_max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
+    tok = np.array([h["tokens"] for h in hist]) if hist else np.zeros((0, len(names)))
+    want = np.array([h["weights"] for h in hist]) if hist else np.zeros((0, len(names)))
+    steps_tokens = tok.sum(axis=1, keepdims=True)
+    realized = tok.sum(axis=0) / max(tok.sum(), 1)
+    target = (want * steps_tokens).sum(axis=0) / max(steps_tokens.sum(), 1)
+    skipped = sum(s["skipped"] for s in stats["loaders"])
+    return {
+        "steps": [first, last],
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "balance_method": stats["method"],
+        "balance_mean": float(np.mean(ratio)) if ratio else 1.0,
+        "balance_p95": float(np.percentile(ratio, 95)) if ratio else 1.0,
+        "baseline_balance_mean": float(np.mean(base)) if base else 1.0,
+        "fill_mean": float(np.mean([h["fill"] for h in hist])) if hist else 0.0,
+        "mixture": {
+            n: {"realized": float(realized[i]), "target": float(target[i])}
+            for i, n in enumerate(names)
+        },
+        "skipped_records": skipped,
+        "skipped_examples": [e for s in stats["loaders"] for e in s["skipped_examples"]][:5],
+        "dropped_docs": sum(s["dropped"] for s in stats["loaders"]),
+        "checkpoint_bytes": ckpt_bytes,
+        "scaling": _scaling(stats.get("scaling", [])),
+        "faults": [e for e in stats.get("events", []) if e["event"] != "repartition"],
+    }
+
+
+def _scaling(decisions: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per source, the autoscaler's decisions that changed its size, with supply and demand."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for d in decisions:
+        for name, src in d["sources"].items():
+            size = (src["loaders"], src["threads"])
+            seen = out.setdefault(name, [])
+            if not seen or (seen[-1]["loaders"], seen[-1]["threads"]) != size:
+                seen.append({"step": d["step"], **src})
+    return out

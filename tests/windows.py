@@ -1,0 +1,32 @@
+"""Helpers shared by the pure planning tests: a source's pending items as a plain array."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ArrayWindow:
+    """A source's pending items: an endless cycle over an array of lengths."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.source = [int(x) for x in lengths]
+        self.read = 0
+        self.pending: list[int] = []
+
+    def peek(self, i: int) -> int:
+        while i >= len(self.pending):
+            self.pending.append(self.source[self.read % len(self.source)])
+            self.read += 1
+        return self.pending[i]
+
+    def take(self, indices: list[int]) -> None:
+        gone = set(indices)
+        self.pending = [x for i, x in enumerate(self.pending) if i not in gone]
+
+
+def windows(rng: np.random.Generator, n_sources: int, cap: int, n: int = 4000) -> list[ArrayWindow]:
+    """``n_sources`` windows of lognormal lengths in ``[1, cap]``, longer for a later source."""
+    return [
+        ArrayWindow(np.clip(rng.lognormal(5 + s, 1.2, n).astype(int), 1, cap))
+        for s in range(n_sources)
+    ]
