@@ -109,7 +109,9 @@ class Loader:
             check_state(state, self.plan)
         base = str(self.plan.base_dir)
         # the job's data: listed once, here; every role reads this list
-        self.files = job_files(((s.name, _patterns(s.path)) for s in self.plan.sources), base, state)
+        self.files = job_files(
+            ((s.name, _patterns(s.path)) for s in self.plan.sources), base, state
+        )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)
         # each role in a process of its own (its memory its own, ranks that wait for each other)

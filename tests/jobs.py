@@ -29,7 +29,7 @@ def run_job(
     state: dict[str, Any] | None = None,
     **loader_kwargs: Any,
 ) -> Ran:
-    """Every rank's batches of steps up to ``steps``; ``actions[(step, rank)](loader)`` runs before."""
+    """Every rank's batches up to step ``steps``; ``actions[(step, rank)](loader)`` runs first."""
     lines = []
     with Loader(plan, state=state, **loader_kwargs) as loader:
         clients = [loader.client(r) for r in range(loader.plan.world.dp)]

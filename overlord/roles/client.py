@@ -62,7 +62,7 @@ class Client(Iterator[Batch]):
         return batch
 
     def close(self) -> None:
-        """Wait for the last consumption notices (raising their errors); stop an owned constructor."""
+        """Wait for the last consumption notices (raising their errors); stop an owned one."""
         try:
             self._notices.flush()
         finally:

@@ -48,6 +48,7 @@ class DataConstructor:
         self._pool = ThreadPoolExecutor(1, "overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = PoolView(self.names, loaders, planner)
+
     def batch(self, step: int, rank: int) -> Batch:
         """The packed batch of ``rank`` for ``step`` (built ahead when prefetching)."""
         if rank not in self.ranks:

@@ -67,7 +67,8 @@ class Part(NamedTuple):
 def partitions(parts: list[Part]) -> list[tuple[Position, int, int]]:
     """A source's partitions, ``(first shard, first slot, loaders)``, from its slots' parts.
 
-    >>> partitions([Part(0, 2, (0, 0), (0, 4)), Part(1, 2, (0, 0), (0, 4)), Part(0, 1, (0, 4), None)])
+    >>> old = [Part(k, 2, (0, 0), (0, 4)) for k in range(2)]
+    >>> partitions([*old, Part(0, 1, (0, 4), None)])
     [((0, 0), 0, 2), ((0, 4), 2, 1)]
     """
     return [(p.start, k, p.loaders) for k, p in enumerate(parts) if p.loader == 0]
@@ -91,9 +92,7 @@ def replica_name(handle: Handle[Any]) -> str:
     return handle.name
 
 
-def by_slot(
-    source: np.ndarray, loader: np.ndarray
-) -> list[tuple[int, int, np.ndarray]]:
+def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     """Item indexes per ``(source, loader)`` slot, in slot order.
 
     >>> [(s, k, i.tolist()) for s, k, i in by_slot(np.array([1, 0, 1]), np.array([0, 0, 0]))]
@@ -249,14 +248,17 @@ class LoaderPool:
     def start(self) -> None:
         """Spawn every source's loaders (in ``config.processes`` shared processes, if set)."""
         for spec in self.plan.sources:
-            self.parts[spec.name] = [Part(k, spec.loaders, (0, 0), None) for k in range(spec.loaders)]
+            self.parts[spec.name] = [
+                Part(k, spec.loaders, (0, 0), None) for k in range(spec.loaders)
+            ]
         if self.config.processes is not None:
             self._start_grouped(self.config.processes)
             return
         for spec in self.plan.sources:
             copies = 1 + self.shadows[spec.name]
             self.slots[spec.name] = [
-                [self._spawn(spec.name, k, s > 0) for s in range(copies)] for k in range(spec.loaders)
+                [self._spawn(spec.name, k, s > 0) for s in range(copies)]
+                for k in range(spec.loaders)
             ]
 
     def _start_grouped(self, processes: int) -> None:
@@ -497,7 +499,9 @@ class LoaderPool:
                 )
             )
         ahead = self.scaler.weights_ahead(weights, step)
-        decision = self.scaler.decide(step, profiles, ahead, self.plan.batch.tokens_per_step, train_s)
+        decision = self.scaler.decide(
+            step, profiles, ahead, self.plan.batch.tokens_per_step, train_s
+        )
         self.scaling.append(_decision_record(step, train_s, decision))
         for d in decision.sources:
             loaders, threads = now[d.name]

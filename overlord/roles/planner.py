@@ -77,7 +77,13 @@ class Planner:
         self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
         recovered = self._recover(journal) if journal is not None else None
         self.pool = LoaderPool(
-            plan, files, runtime, config, self._consumed_cursor, lambda: self.next_step, self.journal
+            plan,
+            files,
+            runtime,
+            config,
+            self._consumed_cursor,
+            lambda: self.next_step,
+            self.journal,
         )
         self._build(recovered[0] if recovered is not None else state)
         if recovered is not None and recovered[1] is not None:

@@ -165,6 +165,7 @@ class SourceLoader:
         self._error: BaseException | None = None
         self._closed = False
         self._reading = ""  # the shard the reader waits for, for error messages
+        self._waits_on: str | None = None  # what holds a read shard back: "budget" or "queue"
         self._stats = {"shards": 0, "items": 0, "tokens": 0, "read_s": 0.0, "skipped": 0}
         self._cost: dict[str, float] = {}
         self._skipped: list[str] = []
@@ -178,7 +179,7 @@ class SourceLoader:
     # ---- reader thread -------------------------------------------------------------------
 
     def _positions(self) -> Iterator[Position]:
-        """This loader's shards in source order; ends if no epoch from here on has one."""
+        """The shards this loader reads, in source order; ends if no later epoch has one."""
         epoch, pos = self._start
         last_list = self.files.lists[-1][0]
         while True:
@@ -231,7 +232,9 @@ class SourceLoader:
                     continue
                 (epoch, pos), fut = pending.popleft()
                 files = self.files.at(epoch)
-                self._reading = files[shard_order(self.plan.seed, self.source, epoch, len(files))[pos]].name
+                self._reading = files[
+                    shard_order(self.plan.seed, self.source, epoch, len(files))[pos]
+                ].name
                 items, seconds, cpu = fut.result()
                 self._publish(items, seconds, cpu)
         except BaseException as e:  # handed to the planner by metadata()
@@ -262,11 +265,15 @@ class SourceLoader:
     def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
         at = (items.epoch, items.shard_pos)
         with self._lock:
-            while not self._closed and (
-                (self._held_tokens >= self._budget and not self._asked)
-                or (self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS)
-            ):
+            while not self._closed:
+                if self._held_tokens >= self._budget and not self._asked:
+                    self._waits_on = "budget"
+                elif self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS:
+                    self._waits_on = "queue"
+                else:
+                    break
                 self._lock.wait(0.5)
+            self._waits_on = None
             if self._closed:
                 return
             keep = self._keep_mask(at, len(items))
@@ -542,6 +549,7 @@ class SourceLoader:
                 "held_shards": len(self._held),
                 "shadow": not self._serving,
                 "queued_blocks": len(self._queue),
+                "waits_on": self._waits_on,
                 "threads": self._threads,
                 "pid": os.getpid(),
                 "done_reading": self._next is None

@@ -30,6 +30,7 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 P = ParamSpec("P")
 
+
 class Ref(Protocol[T_co]):
     """The pending result of a call."""
 
@@ -100,13 +101,16 @@ class RoleOptions:
     restartable: bool = False
 
 
+DEFAULT_OPTIONS = RoleOptions()
+
+
 class Runtime(Protocol):
     """What runs the roles."""
 
     name: str
 
     def spawn(
-        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> Handle[Any]:
         """Create a role ``cls(*args)`` named ``name``."""
         ...

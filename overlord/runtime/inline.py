@@ -6,13 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError
-from overlord.runtime.base import Done, Gone, Handle, RoleOptions
+from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptions
 
 
 class InlineHandle:
     """A role object; calls run synchronously in the caller's thread."""
 
-    def __init__(self, obj: Any, name: str, cls: type[Any] | None = None, args: tuple[Any, ...] = ()):
+    def __init__(
+        self, obj: Any, name: str, cls: type[Any] | None = None, args: tuple[Any, ...] = ()
+    ):
         self.obj = obj
         self.name = name
         self.dead = False  # killed: calls fail as calls to a dead actor do
@@ -37,7 +39,7 @@ class InlineRuntime:
         self._handles: list[InlineHandle] = []
 
     def spawn(
-        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> InlineHandle:
         """Construct the role here (``options`` place actors; here there is one process)."""
         h = InlineHandle(cls(*args), name, cls, args)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError, OverlordError
-from overlord.runtime.base import Gone, Handle, RoleOptions
+from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, Ref, RoleOptions
 
 NAMESPACE = "overlord"
 
@@ -61,10 +61,17 @@ class RayHandle:
         self.actor = actor
         self.name = name
 
-    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> RayRef:
-        """Start ``method(*args)`` on the actor."""
-        name = method.__name__
-        return RayRef(getattr(self.actor, name).remote(*args, **kwargs), f"{self.name}.{name}")
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref[Any]:
+        """Start ``method(*args)`` on the actor.
+
+        Arguments that do not fit the method fail here, before anything is
+        sent; the error is the Ref's, as the role's own would be.
+        """
+        what = f"{self.name}.{method.__name__}"
+        try:
+            return RayRef(getattr(self.actor, method.__name__).remote(*args, **kwargs), what)
+        except TypeError as e:
+            return Done(error=LoaderError(f"{what} failed: TypeError: {e}"))
 
 
 def _unwrap(err: BaseException, what: str) -> BaseException:
@@ -112,7 +119,7 @@ class RayRuntime:
         return f"{self.job}.{role}"
 
     def spawn(
-        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = RoleOptions()
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> RayHandle:
         """Create ``cls(*args)`` as a named actor; fails if the name is taken."""
         ray = _ray()

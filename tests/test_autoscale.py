@@ -1,4 +1,4 @@
-"""The Autoscaler's policy on recorded figures: pure, no roles, no threads, no sleeping."""
+"""The autoscaler's policy on recorded figures: pure, no roles, no threads, no sleeping."""
 
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.plan.schedule import Schedule
-from overlord.plan.spec import validate_plan
-from overlord.roles.autoscaler import (
-    ActionKind,
+from overlord.plan.autoscale import (
     Autoscaler,
     Budget,
     Decision,
-    SourceDecision,
     SourceProfile,
-    plan_actions,
 )
+from overlord.plan.schedule import Schedule
+from overlord.plan.spec import validate_plan
 
 GiB = 2.0**30
 TOKENS_PER_STEP = 1_000_000.0
@@ -532,43 +529,3 @@ def test_every_problem_of_a_profile_budget_or_policy_is_named_at_once() -> None:
         Budget(cpus=0, max_threads_per_loader=0)
     with pytest.raises(ValueError, match=r"autoscaler: 2 problem\(s\)"):
         Autoscaler(Budget(cpus=4), headroom=0.5, down_threshold=1.5)
-
-
-# ---- actions --------------------------------------------------------------------------------
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(1, 6), st.integers(1, 4)),
-        min_size=1,
-        max_size=4,
-    )
-)
-def test_actions_reach_the_decision_shrinking_first(moves: list[tuple[int, int, int, int]]) -> None:
-    profiles = [
-        prof(f"s{i}", 1e-5, loaders=l0, threads=t0) for i, (l0, t0, _, _) in enumerate(moves)
-    ]
-    decision = Decision(
-        0,
-        tuple(
-            SourceDecision(f"s{i}", l1, t1, 1.0, 1.0, 0.0, "why")
-            for i, (_, _, l1, t1) in enumerate(moves)
-        ),
-        None,
-        "",
-    )
-    sizes = {p.name: [p.loaders, p.threads] for p in profiles}
-    start = sum(lo * t for lo, t in sizes.values())
-    peak = start
-    for a in plan_actions(profiles, decision):
-        if a.kind is ActionKind.ADD_LOADERS:
-            sizes[a.source][0] += a.count
-        elif a.kind is ActionKind.REMOVE_LOADERS:
-            sizes[a.source][0] -= a.count
-        else:
-            sizes[a.source][1] = a.count
-        peak = max(peak, sum(lo * t for lo, t in sizes.values()))
-    assert sizes == {s.name: [s.loaders, s.threads] for s in decision.sources}
-    assert peak == max(start, decision.cpus)
-    assert decision.changed(profiles) == any((l0, t0) != (l1, t1) for l0, t0, l1, t1 in moves)

@@ -1,0 +1,58 @@
+"""Client: one rank's batches in order; a repeated delivery is dropped, a wrong one refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from overlord import LoaderError
+from overlord.batch import Batch
+from overlord.roles.client import Client
+from overlord.runtime.inline import InlineHandle
+
+
+def batch(step: int, rank: int = 1) -> Batch:
+    z = np.zeros(0, dtype=np.int32)
+    return Batch(step, rank, z, z, z, z, z, [], 0.0)
+
+
+class Replays:
+    """Answers the first request for step 1 with step 0 again (a retried call)."""
+
+    def __init__(self) -> None:
+        self.replayed = False
+
+    def batch(self, step: int, rank: int) -> Batch:
+        if step == 1 and not self.replayed:
+            self.replayed = True
+            return batch(0)
+        return batch(step)
+
+
+class Planner:
+    def __init__(self) -> None:
+        self.consumed: list[tuple[int, int]] = []
+
+    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+        self.consumed.append((rank, step))
+
+    def state_dict(self, step: int | None = None) -> dict:
+        return {"step": step}
+
+
+def test_a_repeated_delivery_is_dropped_by_its_step_and_rank():
+    planner = Planner()
+    client = Client(1, InlineHandle(Replays(), "c"), InlineHandle(planner, "p"), 0, 3)
+    assert [b.step for b in client] == [0, 1, 2]
+    assert planner.consumed == [(1, 0), (1, 1), (1, 2)]  # each step marked once
+    assert client.state_dict() == {"step": 3}  # the state at this rank's position
+
+
+def test_a_batch_of_another_step_is_refused():
+    class Wrong(Replays):
+        def batch(self, step: int, rank: int) -> Batch:
+            return batch(step + 1)
+
+    client = Client(1, InlineHandle(Wrong(), "c"), InlineHandle(Planner(), "p"), 0)
+    with pytest.raises(LoaderError, match="asked for step 0 and received step 1"):
+        next(client)

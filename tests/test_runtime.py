@@ -1,0 +1,128 @@
+"""The runtime seam's contract, the same on every runtime.
+
+One small role runs on ``inline`` and on ``ray``: a call's Ref resolves
+itself, a role's error is raised where the result is asked for with the role
+and the method named, a gone role answers as a dead one does, and a one-way
+call's error reaches its sender.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from overlord.batch import Batch
+from overlord.errors import ActorDiedError, LoaderError
+from overlord.roles.client import Client
+from overlord.runtime.base import Gone, OneWay
+from overlord.runtime.inline import InlineRuntime
+
+
+def echo_role() -> type:
+    """A role class made inside a function, so that Ray sends it by value to its worker."""
+
+    class Echo:
+        def __init__(self, base: int):
+            self.base = base
+
+        def add(self, x: int, times: int = 1) -> int:
+            return self.base + x * times
+
+        def fail(self, why: str) -> None:
+            raise ValueError(why)
+
+    return Echo
+
+
+def trainer_side_roles() -> tuple[type, type]:
+    """A constructor that hands out empty batches, and a planner stub of the wrong arity."""
+
+    class Constructor:
+        def batch(self, step: int, rank: int) -> Batch:
+            z = np.zeros(0, dtype=np.int32)
+            return Batch(step, rank, z, z, z, z, z, [], 0.0)
+
+    class OldPlanner:  # the client passes (rank, step, train_s): a TypeError in the role
+        def mark_consumed(self, rank: int, step: int) -> None:
+            pass
+
+    return Constructor, OldPlanner
+
+
+@pytest.fixture(params=["inline", pytest.param("ray", marks=pytest.mark.ray)])
+def runtime(request) -> Any:
+    if request.param == "inline":
+        rt: Any = InlineRuntime()
+    else:
+        request.getfixturevalue("ray_session")
+        from overlord.runtime.ray_runtime import RayRuntime
+
+        rt = RayRuntime(f"contract-{uuid.uuid4().hex[:6]}")
+    yield rt
+    rt.shutdown()
+
+
+def test_a_call_returns_a_ref_that_resolves_itself(runtime):
+    Echo = echo_role()
+    h = runtime.spawn(Echo, 40, name="echo")
+    refs = [h.call(Echo.add, 2), h.call(Echo.add, 1, times=3)]  # in flight together
+    assert [r.result(timeout=30) for r in refs] == [42, 43]
+    assert all(r.done() for r in refs)
+
+
+def test_a_roles_error_is_raised_where_its_result_is_asked_for(runtime):
+    Echo = echo_role()
+    h = runtime.spawn(Echo, 0, name="echo")
+    ref = h.call(Echo.fail, "the shard is gone")
+    with pytest.raises(Exception, match="the shard is gone") as err:
+        ref.result(timeout=30)
+    if runtime.name == "ray":  # crossed a process: the role and the method are named
+        assert isinstance(err.value, LoaderError) and "echo.fail" in str(err.value)
+
+
+def test_lookup_finds_a_live_role_and_stands_in_for_a_gone_one(runtime):
+    Echo = echo_role()
+    h = runtime.spawn(Echo, 1, name="echo")
+    assert runtime.lookup("echo").call(Echo.add, 1).result(timeout=30) == 2
+    gone = runtime.lookup("no-such-role")
+    assert isinstance(gone, Gone)
+    with pytest.raises(ActorDiedError, match="no-such-role"):
+        gone.call(Echo.add, 1).result()
+    runtime.kill(h)
+    with pytest.raises(ActorDiedError):
+        h.call(Echo.add, 1).result(timeout=30)
+    assert isinstance(runtime.lookup("echo"), Gone)
+
+
+def test_a_one_way_calls_error_reaches_its_sender_naming_the_call(runtime):
+    Echo = echo_role()
+    h = runtime.spawn(Echo, 0, name="echo")
+    told = OneWay("the test")
+    told.send(h, Echo.add, 1)  # fine
+    with pytest.raises(LoaderError, match=r"the test: the one-way call echo\.fail failed.*lost"):
+        told.send(h, Echo.fail, "lost release")  # inline: raised here, the call has run
+        told.flush(timeout=30)  # ray: raised once it has run
+    told.send(h, Echo.add, 1)
+    told.flush(timeout=30)  # nothing left over
+
+
+def test_errors_of_a_dead_role_can_be_expected(runtime):
+    Echo = echo_role()
+    h = runtime.spawn(Echo, 0, name="echo")
+    runtime.kill(h)
+    told = OneWay("the planner", ignore=(ActorDiedError,))
+    told.send(h, Echo.add, 1)  # a release to a loader that died holds nothing: not an error
+    told.flush(timeout=30)
+
+
+def test_a_consumption_notice_that_fails_reaches_the_trainer(runtime):
+    """The client does not wait for ``mark_consumed``, yet its error is raised in the trainer."""
+    Constructor, OldPlanner = trainer_side_roles()
+    client = Client(0, runtime.spawn(Constructor, name="c"), runtime.spawn(OldPlanner, name="p"), 0)
+    with pytest.raises(LoaderError, match=r"p\.mark_consumed failed.*TypeError"):
+        for _ in range(50):
+            next(client)
+        client.close()  # waits for the notices still in flight

@@ -1,0 +1,135 @@
+"""SourceLoader: its read-ahead budget, the lift a waiting caller gives it, what it measures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import make_corpus
+
+from overlord import Loader, LoaderError, load_plan
+from overlord.roles.source_loader import SourceLoader
+from overlord.sources.catalog import job_files
+
+pytestmark = pytest.mark.integration
+
+HANG_GUARD_S = 20.0  # only a hang takes this long
+
+
+def lone_loader(tmp_path: Path, count: int) -> SourceLoader:
+    """Loader 0 of ``count`` of a source of 16 shards whose budget share is under one shard."""
+    plan = load_plan(
+        make_corpus(
+            tmp_path,
+            {"web": {"files": {f"data/web/part-{i:02d}.jsonl": 12 for i in range(16)}}},
+            batch={"tokens_per_step": 128, "max_seq_len": 64, "prefetch_steps": 1, "lookahead": 1},
+        )
+    )
+    files = job_files([("web", ["data/web/*"])], str(plan.base_dir))
+    return SourceLoader(plan, files["web"], "web", 0, count)
+
+
+def held_back(loader: SourceLoader) -> dict[str, Any]:
+    """The loader's stats once its reader holds a shard back on the budget."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        s = loader.stats()
+        if s["waits_on"] == "budget":
+            return s
+        assert time.monotonic() < deadline, f"the reader never reached its budget: {s}"
+        with loader._lock:  # wake when it publishes or starts waiting (no fixed sleep)
+            loader._lock.wait(0.05)
+
+
+def test_loaders_of_a_source_share_its_read_ahead(tmp_path):
+    """Each of 4 loaders holds a quarter of the source's read-ahead: one shard, then it waits."""
+    shares = {}
+    for count in (1, 4):
+        loader = lone_loader(tmp_path / str(count), count)
+        try:
+            s = held_back(loader)
+            shares[count] = s
+            assert s["held_tokens"] >= s["budget_tokens"]  # it stopped because the share is full
+        finally:
+            loader.close()
+    # 12 documents of some 20 tokens are past a quarter share: one shard, then it waits
+    assert shares[4]["held_shards"] == 1 and shares[4]["queued_blocks"] == 1
+    assert shares[1]["held_shards"] > shares[4]["held_shards"]
+    assert shares[1]["budget_tokens"] >= 4 * shares[4]["budget_tokens"] - 3
+
+
+def test_a_caller_waiting_for_the_next_shard_lifts_the_budget(tmp_path):
+    """Nothing is released, yet every shard comes: waiting for one lets the reader publish it.
+
+    Without the lift the second ``metadata`` call would wait out its timeout: the
+    loader's share is full of items the planner received and holds.
+    """
+    loader = lone_loader(tmp_path, 2)
+    try:
+        got: list[tuple[int, int]] = []
+        while len(got) < 8:  # loader 0 of 2 owns 8 of the 16 shards
+            got += [(b["epoch"], b["shard_pos"]) for b in loader.metadata(5.0)]
+        assert got == [(0, p) for p in range(0, 16, 2)]
+        assert loader.stats()["held_tokens"] > 4 * loader.stats()["budget_tokens"]
+    finally:
+        loader.close()
+    fresh = lone_loader(tmp_path / "b", 2)
+    try:  # a constructor's take waits for an unread shard the same way
+        out = fresh.take(np.array([[1, 4, 0]]))  # epoch 1: a whole epoch past its share
+        assert len(out["lengths"]) == 1 and out["lengths"][0] > 0
+    finally:
+        fresh.close()
+
+
+def test_loaders_measure_what_a_token_costs_them(tmp_path):
+    """The autoscaler's input: CPU seconds per token and per sample, memory, queue depth."""
+    plan = make_corpus(
+        tmp_path,
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 20 for i in range(4)}, "loaders": 2},
+            "code": {"files": {f"data/code/p{i}.jsonl": 20 for i in range(4)}, "loaders": 2},
+        },
+    )
+    with Loader(load_plan(plan)) as loader:
+        clients = [loader.client(r) for r in range(2)]
+        for _ in range(3):
+            for c in clients:
+                next(c)
+        stats = loader.stats()["loaders"]
+    assert len(stats) == 4
+    for s in stats:
+        assert 0 < s["cpu_s_per_token"] < 1e-2 and s["cpu_s_per_sample"] > s["cpu_s_per_token"]
+        assert s["rss_bytes"] > 0 and not s["shadow"] and s["shards"] >= 1
+
+
+def test_a_read_that_never_returns_times_out_naming_the_source_and_file(tmp_path, monkeypatch):
+    plan_path = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": 5, "data/web/b.jsonl": 5}}},
+        loading={"timeout_s": 1.5},
+    )
+    import overlord.sources.shard as shard_module
+
+    real, stuck = shard_module.read_shard, threading.Event()
+
+    def hangs_on_b(source, shard, *args):  # a read of b.jsonl never returns (a hung mount)
+        if shard.name.endswith("b.jsonl"):
+            stuck.wait()
+        return real(source, shard, *args)
+
+    monkeypatch.setattr(shard_module, "read_shard", hangs_on_b)
+    try:
+        with (
+            pytest.raises(LoaderError, match=r"SourceLoader web\[0\].*data/web/b\.jsonl"),
+            Loader(plan_path) as loader,
+        ):
+            clients = [loader.client(r) for r in range(2)]
+            for _ in range(50):
+                for c in clients:
+                    next(c)
+    finally:
+        stuck.set()  # let the stuck reader thread end with the test
