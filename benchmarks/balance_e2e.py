@@ -78,7 +78,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from balance import capacity_bound  # noqa: E402
 from planner import pin_one_cpu  # noqa: E402
 from synthetic import (  # noqa: E402
     SOURCES,
@@ -92,6 +91,7 @@ from synthetic import (  # noqa: E402
 )
 
 from overlord.plan import balance as bal  # noqa: E402
+from overlord.plan.bounds import capacity_bound  # noqa: E402
 from overlord.plan.select import MixState, select_step  # noqa: E402
 from overlord.plan.spec import BalanceMethod  # noqa: E402
 

@@ -115,19 +115,16 @@ def bench(tokens: int, dp: int, cap: int, steps: int, warmup: int, seed: int) ->
 
 
 def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str]:
-    """Where ``assign`` spends its time at one setting (uses balance.py's private parts)."""
+    """Where ``assign`` spends its time at one setting: each of its public parts alone."""
     from overlord.plan import balance as b
 
-    parts = ("kk_partition", "_kk", "_lpt", "_rows_balanced", "rank_costs", "lower_bound")
-    if not all(hasattr(b, p) for p in parts):
-        return ["(balance.py's internals changed: no breakdown)"]
     cost_model = model_7b()
     wins, w = windows(cap, seed), weights()
     mix = MixState.zeros(len(wins))
     rows = tokens // cap
     rpr = rows // dp
     rec: dict[str, list[float]] = {}
-    fails = {"_kk": 0, "_lpt": 0}
+    fails = {"kk_rows": 0, "lpt_rows": 0}
     at_bound = 0
     for _ in range(steps):
         sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
@@ -135,12 +132,11 @@ def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cost_model.cost(tok)
         consume(wins, sel)
-        by_rows = np.bincount(ref_row, weights=cost, minlength=rows)
         calls: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "kk_partition": (b.kk_partition, (cost, dp)),
-            "_kk": (b._kk, (tok, cost, dp, rpr, cap)),
-            "_lpt": (b._lpt, (tok, cost, dp, rpr, cap)),
-            "_rows_balanced": (b._rows_balanced, (by_rows, dp, rpr)),
+            "kk_rows": (b.kk_rows, (tok, cost, dp, rpr, cap)),
+            "lpt_rows": (b.lpt_rows, (tok, cost, dp, rpr, cap)),
+            "whole_rows": (b.whole_rows, (cost, ref_row, dp, rpr)),
         }
         for name, (fn, fn_args) in calls.items():
             t0 = time.perf_counter()
@@ -148,15 +144,14 @@ def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str
             rec.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
             if name in fails and got is None:
                 fails[name] += 1
-            if name == "_rows_balanced":
-                fallback = got[ref_row]
-                mk = b.rank_costs(cost, fallback, dp, rpr).max()
+            if name == "whole_rows":
+                mk = b.rank_costs(cost, got, dp, rpr).max()
                 at_bound += bool(mk <= b.lower_bound(cost, dp) * (1 + 1e-9))
     out = [f"{name}: {np.median(v):.1f} ms" for name, v in rec.items()]
     out += [
-        f"_kk gave up (capacity repair failed, assign falls back to whole rows): "
-        f"{fails['_kk']}/{steps} steps",
-        f"_lpt gave up: {fails['_lpt']}/{steps} steps",
+        f"kk_rows gave up (capacity repair failed, assign falls back to whole rows): "
+        f"{fails['kk_rows']}/{steps} steps",
+        f"lpt_rows gave up: {fails['lpt_rows']}/{steps} steps",
         f"the whole-rows fallback already meets max(total/dp, largest item): "
         f"{at_bound}/{steps} steps",
     ]

@@ -82,12 +82,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from balance import capacity_bound  # noqa: E402
 from planner import pin_one_cpu  # noqa: E402
 from synthetic import SOURCES, SourceShape, doc_lengths, model_7b  # noqa: E402
 
 import overlord.roles.planner as planner_mod  # noqa: E402
 from overlord.plan import balance as bal  # noqa: E402
+from overlord.plan.bounds import capacity_bound  # noqa: E402
 from overlord.plan.cost import CostModel  # noqa: E402
 from overlord.plan.spec import BalanceMethod  # noqa: E402
 from overlord.roles.cursor import SourceCursor  # noqa: E402
@@ -477,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         lb_cap = capacity_bound(tok, cost, cm.alpha, cm.beta, dp, rpr * cap)
         t0 = time.perf_counter()
         # assign's early exit with this bound: the rows balanced whole, compared with it
-        whole = bal._rows_balanced(np.bincount(ref_row, weights=cost, minlength=dp * rpr), dp, rpr)
-        whole_span = bal.rank_costs(cost, whole[ref_row], dp, rpr).max()
+        whole = bal.whole_rows(cost, ref_row, dp, rpr)
+        whole_span = bal.rank_costs(cost, whole, dp, rpr).max()
         lb_pig = bal.pigeonhole_bound(tok, cost, dp, rpr * cap)
         exit_ms = 1e3 * (time.perf_counter() - t0)
         kk_span = call[1]
