@@ -16,12 +16,13 @@ takes the first that works, checked against ``sdpa-loop`` on a small row):
 - ``sdpa-loop``: ``scaled_dot_product_attention(is_causal=True)`` per
   document slice (exact, but a Python loop; the CPU path).
 
-On a GPU machine that has torch but not pydantic (which ``overlord.plan``
-needs), carry its wheels and put them on the path first, e.g. ``pip download
---no-deps --only-binary=:all: -d .whl pydantic==2.14.4 pydantic-core==2.50.5
-annotated-types typing-inspection typing-extensions`` (for that machine's
-Python and platform), then ``pip install --no-deps --target /tmp/site
-.whl/*.whl`` and ``PYTHONPATH=/tmp/site:. python3 benchmarks/cost_fit.py``.
+It imports ``overlord.plan`` (numpy and pydantic). On a GPU machine that has
+torch but not pydantic, carry its wheels and put them on the path first, e.g.
+``pip download --no-deps --only-binary=:all: -d .whl pydantic==2.14.4
+pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions``
+(for that machine's Python and platform), then ``pip install --no-deps
+--target /tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:. python3 -m
+benchmarks.cost_fit``.
 
 Each time is the median of ``--reps`` repetitions timed with CUDA events
 (``perf_counter`` on CPU), after warm-up (more for the first row of a shape,
@@ -49,7 +50,9 @@ together (S1 is constant within a context):
     achieved. Per context, a free line ``t = u + v * S2`` gives the measured
     weight of attention against the model's: ``(v * S1 / u) / (beta / alpha)``
     (1 when overlord's beta/alpha is right; the fixed overhead lowers it).
-(b) a free ``t = a*S1 + b*S2 + c`` (least squares on relative error): R^2,
+(b) a free ``t = a*S1 + b*S2 + c``, fitted by ``overlord.plan.cost.fit_cost``
+    (``CostModel.fit``; least squares on relative error; c only with two or
+    more token counts): R^2,
     ``b / a`` against overlord's ``beta / alpha``, and the fixed overhead c.
     Flash attention does about 7 L**2 * hidden FLOPs per layer forward and
     backward with recomputation against the model's 6, at a lower FLOP rate
@@ -71,8 +74,8 @@ Run from the repository root (GPU: a few minutes; ``--budget-s``, counted from
 after the imports, stops measuring new rows in time and still writes
 everything; the balance steps are measured after a third of the fit rows)::
 
-    python benchmarks/cost_fit.py --out /tmp/cost_fit
-    python benchmarks/cost_fit.py --quick --device cpu   # plumbing only, under a minute
+    python -m benchmarks.cost_fit --out /tmp/cost_fit
+    python -m benchmarks.cost_fit --quick --device cpu   # plumbing only, under a minute
 
 Writes ``cost_fit.json``, ``cost_fit.md`` (every row) and ``cost_fit.png``
 (measured against predicted) into ``--out`` (default ``$OUT``, else
@@ -82,15 +85,12 @@ Writes ``cost_fit.json``, ``cost_fit.md`` (every row) and ``cost_fit.png``
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import os
 import sys
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,39 +100,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.synthetic import SOURCES, consume, doc_lengths, split_docs, weights, windows
+from overlord.plan import balance as bal
+from overlord.plan.cost import CostModel, fit_cost
+from overlord.plan.select import MixState, select_step
+from overlord.plan.spec import BalanceMethod, CostSpec
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.append(ROOT)  # overlord from this checkout when it is not installed
-
-
-def _import_overlord() -> tuple[Any, Any, Any, Any]:
-    """overlord's balance, cost, select and spec modules.
-
-    ``import overlord`` pulls in the whole loader (fsspec, pyarrow, ...). Where
-    that fails, only ``overlord.plan`` is imported, under a bare package: it
-    needs numpy, pydantic and pyyaml alone.
-    """
-    try:
-        import overlord  # noqa: F401
-    except Exception as e:  # a missing or mismatched dependency of the loader
-        print(f"note: `import overlord` failed ({e!r}); importing overlord.plan alone")
-        spec = importlib.util.find_spec("overlord")
-        where = list(spec.submodule_search_locations or []) if spec else []
-        for name in [m for m in sys.modules if m == "overlord" or m.startswith("overlord.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("overlord")
-        pkg.__path__ = where or [os.path.join(ROOT, "overlord")]
-        sys.modules["overlord"] = pkg
-    names = ("balance", "cost", "select", "spec")
-    mods = [importlib.import_module(f"overlord.plan.{n}") for n in names]
-    return mods[0], mods[1], mods[2], mods[3]
-
-
-bal, cost_mod, select_mod, spec_mod = _import_overlord()
-
-from synthetic import SOURCES, consume, doc_lengths, split_docs, weights, windows  # noqa: E402
 
 LOOKAHEAD = 64  # as benchmarks/balance_e2e.py
 PAD_DOC = 64  # padding documents of balance rows that are not full
@@ -430,16 +404,16 @@ def balance_steps(
     does, and an empty row costs nothing.
     """
     wins = windows(cap, seed)
-    mix = select_mod.MixState.zeros(len(wins))
+    mix = MixState.zeros(len(wins))
     out = []
     for s in range(steps):
-        sel = select_mod.select_step(wins, weights(), mix, dp * rpr, cap, LOOKAHEAD)
+        sel = select_step(wins, weights(), mix, dp * rpr, cap, LOOKAHEAD)
         consume(wins, sel)
         tok = np.asarray(sel.tokens, dtype=np.int64)
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cm.cost(tok)
         step = BalanceStep(cap, s, dp, rpr, tok.tolist(), {}, {}, {})
-        for method in (spec_mod.BalanceMethod.NONE, spec_mod.BalanceMethod.KK):
+        for method in (BalanceMethod.NONE, BalanceMethod.KK):
             row = bal.assign(tok, cost, ref_row, dp, rpr, cap, method)
             m = method.value
             step.predicted[m] = float(bal.rank_costs(cost, row, dp, rpr).max())
@@ -529,13 +503,6 @@ def fit_scale(x: np.ndarray, t: np.ndarray) -> float:
     return float((x / t).sum() / ((x / t) ** 2).sum())
 
 
-def fit_linear(cols: list[np.ndarray], t: np.ndarray) -> np.ndarray:
-    """Coefficients minimizing the squared relative error of ``sum coef_i * col_i``."""
-    a = np.stack(cols, axis=1) / t[:, None]
-    coef, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-    return coef
-
-
 def fits(rows: list[Row], alpha: float, beta: float) -> dict[str, Any]:
     """Fits (a) and (b) over the measured fit rows; sets every measured row's predictions."""
     ok = [r for r in rows if r.group == "fit" and math.isfinite(r.ms)]
@@ -553,20 +520,27 @@ def fits(rows: list[Row], alpha: float, beta: float) -> dict[str, Any]:
         m = ctxs == c
         entry: dict[str, Any] = {"n": int(m.sum()), **errors(t[m], k * x[m])}
         if len(set(s2[m].tolist())) >= 2:  # t = u + v * S2 within the context
-            u, v = fit_linear([np.ones(int(m.sum())), s2[m]], t[m])
+            v, u = np.polyfit(s2[m], t[m], 1, w=1 / t[m])  # least relative error
             entry["attn_weight"] = float((v * c / u) / (beta / alpha))
             entry["line_r2"] = r2(t[m], u + v * s2[m])
         per[str(c)] = entry
     fa["per_context"] = per
-    a, b, c0 = fit_linear([s1, s2, np.ones_like(t)], t)
-    fb = {
-        "a_ms_per_token": float(a),
-        "b_ms_per_token2": float(b),
-        "c_ms": float(c0),
+    # (b) is overlord's CostModel.fit; with one token count (S1) the overhead c cannot be
+    # told from a, so it is left out (a absorbs it)
+    identifiable = len(set(s1.tolist())) >= 2
+    try:
+        got = fit_cost([r.lengths for r in ok], t, intercept=identifiable)
+        a, b, c0 = got.model.alpha, got.model.beta, got.intercept
+        fb: dict[str, Any] = {"a_ms_per_token": a, "b_ms_per_token2": b, "c_ms": c0}
+    except ValueError as e:  # e.g. a negative beta from noisy CPU times: reported, not fitted
+        print(f"note: fit (b) failed: {e}")
+        a = b = c0 = float("nan")
+        fb = {"error": str(e), "a_ms_per_token": a, "b_ms_per_token2": b, "c_ms": c0}
+    fb |= {
         **errors(t, a * s1 + b * s2 + c0),
         "b_over_a": float(b / a) if a else float("nan"),
         "model_beta_over_alpha": beta / alpha,
-        "identifiable": len(set(s1.tolist())) >= 2,
+        "identifiable": identifiable,
     }
     fb["ratio_to_model"] = fb["b_over_a"] / (beta / alpha)
     for r in rows:
@@ -686,7 +660,8 @@ def summary_md(res: dict[str, Any]) -> str:
             f"| {100 * fb['max_ape']:.1f}% | b/a = {fb['b_over_a']:.3g} vs beta/alpha = "
             f"{fb['model_beta_over_alpha']:.3g} (x{fb['ratio_to_model']:.2f}); "
             f"c = {fb['c_ms']:.2f} ms"
-            + ("" if fb["identifiable"] else " (a, c not separable)")
+            + ("" if fb["identifiable"] else " (one token count: c not fitted, a absorbs it)")
+            + (f"; the fit failed: {fb['error']}" if "error" in fb else "")
             + " |",
             "",
             "## Per context, model (a) with the global k\n",
@@ -934,8 +909,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"attention: {name} ({note})", flush=True)
     stack = Stack(s, fn).to(device, dtype)
     params = sum(p.numel() for p in stack.parameters())
-    cm = cost_mod.CostModel.from_spec(
-        spec_mod.CostSpec(model={"params": float(params), "layers": s.layers, "hidden": s.hidden})
+    cm = CostModel.from_spec(
+        CostSpec(model={"params": float(params), "layers": s.layers, "hidden": s.hidden})
     )
     timer = Timer(stack, s, device, dtype, flex, max_tokens)
 
