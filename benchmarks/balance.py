@@ -4,7 +4,7 @@ For DP 8, 32, 128, 512 and ``max_seq_len`` 4096 to 32768, each step holds
 ``dp * rows_per_rank`` rows (``--rows-per-rank``, default 2): 4096 rows of
 8192 tokens at DP 512 is a 32M-token step, 16 rows of 4096 at DP 8 is 64K.
 Steps are selected by overlord's ``select_step`` from four synthetic sources
-with long-tailed lengths (``synthetic.py``: web, code, papers, books; split at
+with long-tailed lengths (``_lib/synthetic.py``: web, code, papers, books; split at
 ``max_seq_len``), costed with the 7B model (alpha = 6 * 7e9, beta = 6 * 32 *
 4096) and assigned by ``assign`` with ``kk``, ``lpt`` and ``none``. ``none``
 is what a per-rank loader of packed rows does: equal tokens per rank, costs
@@ -23,27 +23,23 @@ other ranks have no room for them; its docstring says why it is a lower bound.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/balance.py            # about two minutes
-    .venv/bin/python benchmarks/balance.py --quick    # about 30 s
+    .venv/bin/python -m benchmarks.balance            # about two minutes
+    .venv/bin/python -m benchmarks.balance --quick    # about 30 s
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from synthetic import model_7b, next_step, weights, windows  # noqa: E402
-
-from overlord.plan import balance as bal  # noqa: E402
-from overlord.plan.bounds import capacity_bound  # noqa: E402
-from overlord.plan.select import MixState  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
+from benchmarks._lib.synthetic import model_7b, next_step, weights, windows
+from overlord.plan import balance as bal
+from overlord.plan.bounds import capacity_bound
+from overlord.plan.select import MixState
+from overlord.plan.spec import BalanceMethod
 
 METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
 DPS = (8, 32, 128, 512)

@@ -31,7 +31,7 @@ where ``torch.compile`` runs).
 The rows: for each context, a ladder of rows of equal documents (one document
 of the whole row, two halves, ... down to 128 tokens), a row of 32-token
 documents, and rows drawn from the long-tailed sources of
-``benchmarks/synthetic.py`` (the mixture by token share, and web, code and
+``benchmarks/_lib/synthetic.py`` (the mixture by token share, and web, code and
 papers alone), documents split at the context as ``long_docs: split`` does,
 packed in order, the last one cut to fit. So every row holds exactly T tokens
 (S1 = sum L = T) and S2 = sum L**2 spans T*32 .. T**2. (Attention kernels work
@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.synthetic import SOURCES, consume, doc_lengths, split_docs, weights, windows
+from benchmarks._lib.synthetic import SOURCES, consume, doc_lengths, split_docs, weights, windows
 from overlord.plan import balance as bal
 from overlord.plan.cost import CostModel, fit_cost
 from overlord.plan.select import MixState, select_step

@@ -5,7 +5,7 @@ the step's rows, reading item lengths through ``peek``), the cost model
 (7B: alpha = 6N, beta = 6 * layers * hidden) and ``assign`` (items to DP
 ranks and rows) with ``kk``, ``lpt`` or ``none``. Each source is an in-memory
 window of lognormal document lengths (web median 600 tokens, code 1,500,
-papers 8,000, books 60,000; see ``synthetic.py``), split at ``max_seq_len`` as
+papers 8,000, books 60,000; see ``_lib/synthetic.py``), split at ``max_seq_len`` as
 ``long_docs: split`` does. The selection does not depend on the method or on
 DP, so each step is selected once and assigned with each method; a method's
 time per step is select + cost + its assign.
@@ -18,27 +18,24 @@ allows it. Target: under 50 ms per step at DP 512 with 4M tokens.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/planner.py            # under a minute
-    .venv/bin/python benchmarks/planner.py --quick    # about 15 s
+    .venv/bin/python -m benchmarks.planner            # under a minute
+    .venv/bin/python -m benchmarks.planner --quick    # about 15 s
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from synthetic import consume, model_7b, weights, windows  # noqa: E402
-
-from overlord.plan.balance import assign  # noqa: E402
-from overlord.plan.select import MixState, select_step  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
+from benchmarks._lib.synthetic import consume, model_7b, weights, windows
+from benchmarks._lib.timing import pin_one_cpu
+from overlord.plan.balance import assign
+from overlord.plan.select import MixState, select_step
+from overlord.plan.spec import BalanceMethod
 
 METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
 DPS = (8, 64, 512, 4096)
@@ -46,16 +43,6 @@ MIB = 1 << 20
 TOKENS = (1 * MIB, 4 * MIB, 16 * MIB)
 LOOKAHEAD = 64  # the plan's default batch.lookahead
 TARGET_MS = 50.0
-
-
-def pin_one_cpu() -> str:
-    """Pin this process to one CPU; say which (or why not)."""
-    try:
-        cpu = min(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpu})
-        return f"pinned to CPU {cpu}"
-    except (AttributeError, OSError) as e:
-        return f"not pinned ({e})"
 
 
 def seq_len_for(tokens: int, dp: int) -> int | None:
