@@ -1,4 +1,4 @@
-"""CostModel.fit: alpha and beta from measured micro-batch times; and benchmarks/cost_fit.py."""
+"""CostModel.fit: alpha and beta from measured micro-batch times; the benchmarks.cost_fit run."""
 
 from __future__ import annotations
 
