@@ -35,14 +35,14 @@ $(VENV)/.bench: $(VENV)/.dev
 	touch $@
 
 bench: $(VENV)/.bench
-	$(BIN)/python benchmarks/planner.py
-	$(BIN)/python benchmarks/balance.py
-	$(BIN)/python benchmarks/throughput.py
-	$(BIN)/python benchmarks/balance_e2e.py
-	$(BIN)/python benchmarks/planner_scale.py
-	tools/loopback $(BIN)/python benchmarks/ray_overhead.py
-	tools/loopback $(BIN)/python benchmarks/memory.py
-	tools/loopback $(BIN)/python benchmarks/throughput_vs.py
+	$(BIN)/python -m benchmarks.planner
+	$(BIN)/python -m benchmarks.balance
+	$(BIN)/python -m benchmarks.throughput
+	$(BIN)/python -m benchmarks.balance_e2e
+	$(BIN)/python -m benchmarks.planner_scale
+	tools/loopback $(BIN)/python -m benchmarks.ray_overhead
+	tools/loopback $(BIN)/python -m benchmarks.memory
+	tools/loopback $(BIN)/python -m benchmarks.throughput_vs
 
 clean:
 	rm -rf $(VENV) overlord-demo .pytest_cache .mypy_cache .ruff_cache

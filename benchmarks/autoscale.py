@@ -42,20 +42,18 @@ makes ``web`` dear enough for the loaders to be most of the work.
 Targets (issue 5): autoscaled waits under 5% once warm, with no more CPU than
 the fixed split.
 
-    tools/loopback .venv/bin/python benchmarks/autoscale.py --cpus 8    # a few minutes
-    tools/loopback .venv/bin/python benchmarks/autoscale.py --cpus 2 --rounds 48 --quick
+    tools/loopback .venv/bin/python -m benchmarks.autoscale --cpus 8    # a few minutes
+    tools/loopback .venv/bin/python -m benchmarks.autoscale --cpus 2 --rounds 48 --quick
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -63,15 +61,14 @@ from typing import Any
 
 import yaml
 
+from benchmarks._lib.corpus import write_word_docs
+from benchmarks._lib.procfs import CpuMeter
 from overlord import Loader, load_plan
 from overlord.plan.spec import Plan, validate_plan
 from overlord.sources.files import resolve_files
 from overlord.sources.shard import load_shard_items
 from overlord.sources.tokenizers import make_tokenizer
 from overlord.sources.transforms import clean_text
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import run_pids, short_name  # noqa: E402
 
 # how many times ``heavy_clean`` cleans a record; set by --rounds through the environment,
 # which the loaders' processes inherit
@@ -105,10 +102,8 @@ def write_corpus(root: Path, files: int, docs: int) -> Path:
     for name, words in (("clean", CLEAN), ("web", DIRTY)):
         (root / name).mkdir(parents=True, exist_ok=True)
         for f in range(files):
-            with open(root / name / f"part-{f:03d}.jsonl", "w") as out:
-                for _ in range(docs):
-                    text = " ".join(rng.choice(words) for _ in range(rng.randint(100, 900)))
-                    out.write(json.dumps({"text": text}) + "\n")
+            path = root / name / f"part-{f:03d}.jsonl"
+            write_word_docs(path, rng, words, docs, lambda r: r.randint(100, 900))
     plan = {
         "seed": 9,
         "sources": [
@@ -117,7 +112,7 @@ def write_corpus(root: Path, files: int, docs: int) -> Path:
                 "name": "web",
                 "path": "web/*.jsonl",
                 "format": "jsonl",
-                "transform": "autoscale:heavy_clean",
+                "transform": "benchmarks.autoscale:heavy_clean",
             },
         ],
         "batch": {"tokens_per_step": 64 * 4096, "max_seq_len": 4096, "prefetch_steps": 2},
@@ -179,95 +174,6 @@ def variant(
             "thread_efficiency": 0.0,
         }
     return validate_plan(data, base_dir=plan.base_dir)
-
-
-class CpuMeter:
-    """CPU seconds of every process of the run (this one and below it), sampled from /proc.
-
-    A process that ends between samples loses at most one interval of its time.
-    What processes alive at the start had spent before, and the meter's own
-    sampling, are not counted.
-    """
-
-    def __init__(self, every: float = 0.25):
-        self.seen: dict[int, float] = {}
-        self.titles: dict[int, str] = {}
-        self.every = every
-        self.own = 0.0  # CPU seconds the meter itself spent sampling
-        self._lock = threading.Lock()  # the sampling thread and total() both sample
-        self._stop = threading.Event()
-        self._sample()
-        # what processes alive now (this one) had spent before: not the run's
-        self.before, self.own = dict(self.seen), 0.0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        t0 = time.thread_time()
-        with self._lock:
-            self._sample_locked()
-            # the meter's own CPU (it walks /proc) is no part of the run: taken off this process
-            self.own += time.thread_time() - t0
-
-    def _sample_locked(self) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
-        for pid in [*run_pids({os.getpid()}), os.getpid()]:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            self.seen[pid] = max(
-                self.seen.get(pid, 0.0), (int(fields[11]) + int(fields[12])) / tick
-            )
-            title = short_name(pid)  # Ray retitles a worker with the actor it runs
-            if title not in ("?", "ray::IDLE"):
-                self.titles[pid] = title.split(".")[0].split(":")[-1] if "::" in title else title
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.every)
-
-    def settle(
-        self, idle_cores: float = 0.25, window_s: float = 1.0, limit_s: float = 300
-    ) -> float:
-        """Wait until the run's processes together burn under ``idle_cores`` (its loaders are idle).
-
-        Called when the trainer stops: a source that kept up with the trainer
-        holds a full read-ahead, one that starved it holds none. Letting every
-        loader fill its read-ahead before the last reading charges each run the
-        same: the tokens it delivered, plus a full read-ahead.
-        """
-        t0 = time.monotonic()
-        before = self.total()
-        while time.monotonic() < t0 + limit_s:
-            time.sleep(window_s)
-            now = self.total()
-            if now - before < idle_cores * window_s:
-                break
-            before = now
-        return time.monotonic() - t0
-
-    def total(self) -> float:
-        """CPU seconds so far."""
-        self._sample()
-        with self._lock:
-            return sum(self.seen.values()) - sum(self.before.values()) - self.own
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.total()
-
-    def by_title(self) -> dict[str, float]:
-        """CPU seconds per kind of process (``ray::SourceLoader``, ``raylet``, ...)."""
-        out: dict[str, float] = {}
-        for pid, cpu in self.seen.items():
-            name = self.titles.get(pid, "?")
-            cpu -= self.before.get(pid, 0.0) + (self.own if pid == os.getpid() else 0.0)
-            out[name] = out.get(name, 0.0) + cpu
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def run(plan: Plan, steps: int, step_time: float, runtime: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ For DP 8, 32, 128, 512 and ``max_seq_len`` 4096 to 32768, each step holds
 ``dp * rows_per_rank`` rows (``--rows-per-rank``, default 2): 4096 rows of
 8192 tokens at DP 512 is a 32M-token step, 16 rows of 4096 at DP 8 is 64K.
 Steps are selected by overlord's ``select_step`` from four synthetic sources
-with long-tailed lengths (``synthetic.py``: web, code, papers, books; split at
+with long-tailed lengths (``_lib/synthetic.py``: web, code, papers, books; split at
 ``max_seq_len``), costed with the 7B model (alpha = 6 * 7e9, beta = 6 * 32 *
 4096) and assigned by ``assign`` with ``kk``, ``lpt`` and ``none``. ``none``
 is what a per-rank loader of packed rows does: equal tokens per rank, costs
@@ -14,96 +14,38 @@ that gives every rank the same number of documents.
 Reported per setting, over N steps: mean and p95 of makespan / LB, where LB is
 overlord's ``lower_bound``, ``max(total / dp, largest item)``; the mean of
 LB_cap / LB and of kk's makespan / LB_cap, where LB_cap is the capacity-aware
-bound below; how often ``kk`` fell back to balancing whole reference rows;
+bound; how often ``kk`` fell back to balancing whole reference rows;
 and kk's speed-up over none (none's mean makespan over kk's).
 
-The capacity-aware bound. A rank holds at most Q = rows_per_rank * max_seq_len
-tokens, and its cost is alpha * tokens + beta * S, S the sum of its items'
-squared lengths. Under a makespan M, a rank with S can hold at most
-g(S) = min(Q, (M - beta * S) / alpha) tokens, which is Q - (beta / alpha) *
-max(0, S - s*) with s* = (M - alpha * Q) / beta. M is feasible only if the
-ranks can hold every token: T <= dp * Q - (beta / alpha) * E, where E, the
-total excess sum over ranks of max(0, S_r - s*), is at least
-sum(L_i^2) - dp * s* and at least sum over items with L_i^2 > s* of L_i^2,
-minus min(their count, dp) * s* (each rank that holds such an item has
-excess at least its items' squares minus s*). LB_cap is the least M that
-passes, and at least ``max(total / dp, largest item)``; it ignores how rows
-split a rank, so it is still a lower bound. It is tighter than LB when rows
-are nearly full and items are long: a rank that holds a full-length chunk
-(large S) must still carry about Q tokens, because the other ranks have no
-room for them.
+LB_cap is ``overlord.plan.bounds.capacity_bound``: a rank holding long items (a
+large sum of squared lengths) must still carry its share of the tokens when the
+other ranks have no room for them; its docstring says why it is a lower bound.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/balance.py            # about two minutes
-    .venv/bin/python benchmarks/balance.py --quick    # about 30 s
+    .venv/bin/python -m benchmarks.balance            # about two minutes
+    .venv/bin/python -m benchmarks.balance --quick    # about 30 s
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from synthetic import model_7b, next_step, weights, windows  # noqa: E402
-
-from overlord.plan import balance as bal  # noqa: E402
-from overlord.plan.select import MixState  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
+from benchmarks._lib.synthetic import model_7b, next_step, weights, windows
+from overlord.plan import balance as bal
+from overlord.plan.bounds import capacity_bound
+from overlord.plan.select import MixState
+from overlord.plan.spec import BalanceMethod
 
 METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
 DPS = (8, 32, 128, 512)
 SEQ_LENS = (4096, 8192, 16384, 32768)
 LOOKAHEAD = 64
 TARGET = 1.02
-
-
-def capacity_bound(
-    tokens: np.ndarray, cost: np.ndarray, alpha: float, beta: float, dp: int, q: int
-) -> float:
-    """The capacity-aware lower bound on the makespan (see the module docstring)."""
-    base = float(max(cost.sum() / dp, cost.max()))
-    if alpha <= 0 or beta <= 0 or len(tokens) == 0:
-        return base
-    length = np.asarray(tokens, dtype=np.float64)
-    total = float(length.sum())
-    sq = np.sort(length * length)[::-1]
-    prefix = np.concatenate(([0.0], np.cumsum(sq)))
-    s2 = float(prefix[-1])
-
-    def feasible(m: float) -> bool:
-        s_star = (m - alpha * q) / beta
-        excess = s2 - dp * s_star
-        if s_star >= 0:
-            big = int(np.searchsorted(-sq, -s_star, side="left"))  # items with L^2 > s*
-            excess = max(excess, float(prefix[big]) - min(big, dp) * s_star)
-        return total <= dp * q - beta / alpha * max(excess, 0.0)
-
-    if feasible(base):
-        return base
-    lo, hi = base, 2.0 * base
-    while not feasible(hi):
-        lo, hi = hi, 2.0 * hi
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def whole_rows_fallback(cost: np.ndarray, ref_row: np.ndarray, dp: int, rpr: int) -> np.ndarray:
-    """The rows ``assign`` falls back to (reference rows balanced whole), if it still can."""
-    if not hasattr(bal, "_rows_balanced"):
-        return np.full(len(cost), -1)
-    by_rows = np.bincount(ref_row, weights=cost, minlength=dp * rpr)
-    return bal._rows_balanced(by_rows, dp, rpr)[ref_row]
 
 
 def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
@@ -132,7 +74,7 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
             violations += bool(mk < lb_cap * (1 - 1e-9))
             if m is BalanceMethod.KK:
                 kk_over_cap.append(mk / lb_cap)
-                fallback = whole_rows_fallback(cost, ref_row, dp, rpr)
+                fallback = bal.whole_rows(cost, ref_row, dp, rpr)
                 kk_fallback += bool(np.array_equal(row, fallback))
         cap_over_lb.append(lb_cap / lb)
         fill.append(tok.sum() / (rows * cap))
@@ -198,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# Balance: most loaded rank's cost / lower bound (7B cost model)\n")
     print(
         f"{steps} steps per setting, {args.rows_per_rank} rows of max_seq_len per rank; "
-        "LB = max(total/dp, largest item); LB_cap = the capacity-aware bound (see docstring). "
+        "LB = max(total/dp, largest item); "
+        "LB_cap = the capacity-aware bound (overlord.plan.bounds.capacity_bound). "
         "'attn share' is the attention term's share of the step's cost; 'kk fell back to rows' "
         "is how often assign's kk result is the whole-reference-rows fallback.\n"
     )

@@ -38,17 +38,17 @@ Compared, on the same sources and cost model:
   DP-independent reference packing of the global step (``select_step`` over
   the four sources, deficit mixing) cut into contiguous blocks of rows.
 - ``kk`` and ``lpt``: overlord's ``assign`` on that same step.
-- ``kk+sq*``: a PROTOTYPE, not in overlord: where kk ends more than 0.5% above
-  LB_cap, also LPT keyed on the attention term beta * L**2 alone (rows nearly
-  full give every rank the same tokens, so only the attention must balance),
-  then overlord's local search; the better of the two (see ``sq_lpt``).
+  ``assign`` itself also tries LPT keyed on the attention term (cost less its
+  linear part) where its first result is above the pigeonhole bound: rows
+  nearly full give every rank the same tokens, so only the attention must
+  balance.
 - ``(d) eq-docs``: the same per-rank item streams, but every rank takes the
   same *number* of items per step (the global step's item count / dp), not
   packed and not padded: the equal-sample-count loader (DistributedSampler
   over variable-length samples). Tokens per rank then vary.
 
 The lower bounds are on overlord's step: LB = ``max(total / dp, largest
-item)`` and LB_cap, the capacity-aware bound of ``balance.py``.
+item)`` and LB_cap, ``overlord.plan.bounds.capacity_bound``.
 ``ceiling`` is the largest speed-up any balancer can have over any loader
 that gives every rank equal tokens: such a rank costs at most (alpha + beta *
 max_seq_len) per token (all its items full-length), and no assignment beats
@@ -63,8 +63,8 @@ table says the load average; other work on the machine inflates it.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/balance_e2e.py            # about three minutes
-    .venv/bin/python benchmarks/balance_e2e.py --quick    # under a minute (DP 8-128)
+    .venv/bin/python -m benchmarks.balance_e2e            # about three minutes
+    .venv/bin/python -m benchmarks.balance_e2e --quick    # under a minute (DP 8-128)
 """
 
 from __future__ import annotations
@@ -76,11 +76,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from balance import capacity_bound  # noqa: E402
-from planner import pin_one_cpu  # noqa: E402
-from synthetic import (  # noqa: E402
+from benchmarks._lib.synthetic import (
     SOURCES,
     Window,
     doc_lengths,
@@ -90,10 +86,11 @@ from synthetic import (  # noqa: E402
     weights,
     windows,
 )
-
-from overlord.plan import balance as bal  # noqa: E402
-from overlord.plan.select import MixState, select_step  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
+from benchmarks._lib.timing import pin_one_cpu
+from overlord.plan import balance as bal
+from overlord.plan.bounds import capacity_bound
+from overlord.plan.select import MixState, select_step
+from overlord.plan.spec import BalanceMethod
 
 DPS = (8, 32, 128, 512)
 SEQ_LENS = (4096, 8192, 16384, 32768, 131072)
@@ -110,7 +107,6 @@ LABELS = {
 # The paper's mean end-to-end speed-ups by context length (arXiv 2504.09844, section 6).
 PAPER = {4096: 1.71, 8192: 2.63, 16384: 3.09}
 TARGET_LB = 1.02
-SQ = "kk+sq"  # kk, then the sq-LPT prototype where kk is > 0.5% above LB_cap
 # measured steps per DP (full, --quick); DP 512 averages over 512 ranks in one step
 STEPS = {8: (16, 4), 32: (8, 2), 128: (3, 1), 512: (1, 0)}
 
@@ -174,22 +170,6 @@ def chunk_rows(stream: MixedStream, rows: int, cap: int) -> tuple[int, float]:
     return need, float((pieces * pieces).sum())
 
 
-def sq_lpt(
-    tok: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int, beta: float
-) -> np.ndarray | None:
-    """PROTOTYPE, not in overlord: LPT keyed on the attention term, then local search.
-
-    When rows are nearly full every rank ends up with about the same tokens, so
-    its cost is alpha * Q + beta * (its sum of L**2): what must be balanced is
-    the attention term alone. Plain LPT and KK key on the whole cost, so a rank
-    that holds one long chunk looks cheap (few tokens yet) and is handed more
-    mid-length items; keyed on beta * L**2 that does not happen. Uses
-    overlord's private ``_lpt`` and ``_improve`` (the latter with the true cost).
-    """
-    row = bal._lpt(tok, beta * tok.astype(np.float64) ** 2, dp, rpr, cap)
-    return None if row is None else bal._improve(row, tok, cost, dp, rpr, cap)
-
-
 def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     """Simulate ``steps`` steps; per method, summed makespans, work, tokens and bounds."""
     cm = model_7b()
@@ -200,15 +180,15 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
     chunk = [MixedStream(cap, seed * 100_003 + r, split=False) for r in range(dp)]
     pack = [MixedStream(cap, seed * 100_003 + r, split=True) for r in range(dp)]
     eqdoc = [MixedStream(cap, seed * 100_003 + r, split=True) for r in range(dp)]
-    keys = (*BASELINES, *[m.value for m in METHODS], SQ)
+    keys = (*BASELINES, *[m.value for m in METHODS])
     span = dict.fromkeys(keys, 0.0)  # sum over steps of the most loaded rank's cost
     work = dict.fromkeys(keys, 0.0)  # sum of every rank's cost
     tokens = dict.fromkeys(keys, 0.0)
-    seconds: dict[str, list[float]] = {k: [] for k in (*[m.value for m in METHODS], SQ)}
+    seconds: dict[str, list[float]] = {m.value: [] for m in METHODS}
     lb = lb_cap = attn = sq_over_t = 0.0
-    items = sq_runs = 0
+    items = 0
     for _ in range(steps):
-        # overlord's global step, and (b), kk, lpt and the prototype on it
+        # overlord's global step, and (b), kk and lpt on it
         tok, ref_row, cost = next_step(wins, w, mix, rows, cap, LOOKAHEAD, cm)
         total, sq = float(tok.sum()), float((tok.astype(np.float64) ** 2).sum())
         step_lb = bal.lower_bound(cost, dp)
@@ -224,15 +204,6 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
             row = bal.assign(tok, cost, ref_row, dp, rpr, cap, m)
             seconds[m.value].append(time.perf_counter() - t0)
             got[m.value] = float(bal.rank_costs(cost, row, dp, rpr).max())
-        # the prototype runs only where kk is more than 0.5% above LB_cap
-        got[SQ] = got["kk"]
-        t0 = time.perf_counter()
-        if got["kk"] > 1.005 * step_lb_cap:
-            sq_runs += 1
-            sq_row = sq_lpt(tok, cost, dp, rpr, cap, b)
-            if sq_row is not None:
-                got[SQ] = min(got[SQ], float(bal.rank_costs(cost, sq_row, dp, rpr).max()))
-        seconds[SQ].append(seconds["kk"][-1] + time.perf_counter() - t0)
         for k, v in got.items():
             span[k] += v
             work[k] += float(cost.sum())
@@ -276,7 +247,6 @@ def bench(dp: int, cap: int, rpr: int, steps: int, seed: int) -> dict:
         "work": {k: (work[k] / tokens[k]) / own_work for k in keys},  # per token, / overlord's
         "cap_over_lb": lb_cap / lb,
         "ceiling": (a + b * cap) / (a + b * sq_over_t / steps),
-        "sq_runs": sq_runs,
         "ms": {k: 1e3 * float(np.median(v)) for k, v in seconds.items()},
     }
 
@@ -289,32 +259,31 @@ def print_tables(results: list[dict]) -> None:
     print("## Step time per trained token, over the lower bound LB of overlord's step\n")
     print(
         "| DP | context | rows/rank | tokens/rank | steps | items/step | attn share "
-        "| attn, full row | (a) chunk | (a) pack | (b) none | kk | lpt | kk+sq* | (d) eq-docs "
-        "| LB_cap/LB | kk/LB_cap | kk+sq*/LB_cap |"
+        "| attn, full row | (a) chunk | (a) pack | (b) none | kk | lpt | (d) eq-docs "
+        "| LB_cap/LB | kk/LB_cap |"
     )
-    print("|" + "---:|" * 18)
+    print("|" + "---:|" * 16)
     for r in results:
         rel, lbc = r["rel"], r["cap_over_lb"]
         print(
             f"| {r['dp']} | {r['cap'] // 1024}K | {r['rpr']} | {r['rpr'] * r['cap'] // 1024}K "
             f"| {r['steps']} | {r['items']:.0f} | {100 * r['attn']:.1f}% "
             f"| {100 * r['attn_full']:.1f}% "
-            + "".join(f"| {rel[k]:.4f} " for k in (*BASELINES[:3], "kk", "lpt", SQ, BASELINES[3]))
-            + f"| {lbc:.4f} | {rel['kk'] / lbc:.4f} | {rel[SQ] / lbc:.4f} |"
+            + "".join(f"| {rel[k]:.4f} " for k in (*BASELINES[:3], "kk", "lpt", BASELINES[3]))
+            + f"| {lbc:.4f} | {rel['kk'] / lbc:.4f} |"
         )
     print("\n## Speed-up of overlord over each baseline (ratio of trained tokens per second)\n")
     print(
         "| DP | context | kk vs (a) chunk | kk vs (a) pack | kk vs (b) none | kk vs (d) eq-docs "
-        "| kk+sq* vs (a) chunk | kk+sq* vs (b) none | ceiling vs equal tokens | paper |"
+        "| ceiling vs equal tokens | paper |"
     )
-    print("|" + "---:|" * 10)
+    print("|" + "---:|" * 8)
     for r in results:
         paper = f"{PAPER[r['cap']]:.2f}x" if r["cap"] in PAPER else "-"
         print(
             f"| {r['dp']} | {r['cap'] // 1024}K "
             + "".join(f"| {speedup(r, 'kk', base):.3f}x " for base in BASELINES)
-            + f"| {speedup(r, SQ, 'a_chunk'):.3f}x | {speedup(r, SQ, 'b_none'):.3f}x "
-            f"| {r['ceiling']:.3f}x | {paper} |"
+            + f"| {r['ceiling']:.3f}x | {paper} |"
         )
     print(
         "\n## Where it comes from: max/mean rank cost, and work per token against overlord's\n\n"
@@ -324,17 +293,17 @@ def print_tables(results: list[dict]) -> None:
         "fewer of them in the measured steps).\n"
     )
     print(
-        "| DP | context | max/mean (a) chunk | (a) pack | (b) none | kk | kk+sq* | (d) eq-docs "
-        "| work (a) chunk | work (a) pack | work (d) | kk ms | lpt ms | kk+sq* ms | sq* ran |"
+        "| DP | context | max/mean (a) chunk | (a) pack | (b) none | kk | (d) eq-docs "
+        "| work (a) chunk | work (a) pack | work (d) | kk ms | lpt ms |"
     )
-    print("|" + "---:|" * 15)
+    print("|" + "---:|" * 12)
     for r in results:
         imb, wk, ms = r["imbalance"], r["work"], r["ms"]
         print(
             f"| {r['dp']} | {r['cap'] // 1024}K "
-            + "".join(f"| {imb[k]:.4f} " for k in (*BASELINES[:3], "kk", SQ, BASELINES[3]))
+            + "".join(f"| {imb[k]:.4f} " for k in (*BASELINES[:3], "kk", BASELINES[3]))
             + "".join(f"| {wk[k]:.4f} " for k in ("a_chunk", "a_pack", "d_eqdocs"))
-            + f"| {ms['kk']:.0f} | {ms['lpt']:.0f} | {ms[SQ]:.0f} | {r['sq_runs']}/{r['steps']} |"
+            + f"| {ms['kk']:.0f} | {ms['lpt']:.0f} |"
         )
 
 
@@ -362,7 +331,7 @@ def print_reading(results: list[dict]) -> None:
     for r in results:
         lbc = r["cap_over_lb"]
         parts = []
-        for k in ("kk", SQ):
+        for k in ("kk",):
             v = r["rel"][k]
             ok = (
                 "meets"
@@ -440,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Cost per document alpha*L + beta*L^2, alpha = 6*7e9, beta = 6*32*4096. Rows per rank "
         f"max(2, {args.tokens_per_rank} // context). Figures are step time per trained token "
         "(makespan / real tokens, summed over the steps) over overlord's lower bound; 'ceiling' "
-        "is the most any balancer can gain over an equal-token loader; kk+sq* is a prototype "
-        "(see the docstring), not in overlord. assign timed "
+        "is the most any balancer can gain over an equal-token loader. assign timed "
         f"{pinned}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
         f"{time.perf_counter() - t0:.0f} s in all.\n"
     )

@@ -17,15 +17,14 @@ the fault-free run, with shadows (default) and without (``--shadows 0``), and
 each failover's time as the planner saw it. The journal's bytes per step are
 measured by ``benchmarks/journal.py``.
 
-    tools/loopback .venv/bin/python benchmarks/chaos.py            # about two minutes
-    tools/loopback .venv/bin/python benchmarks/chaos.py --quick
+    tools/loopback .venv/bin/python -m benchmarks.chaos            # about two minutes
+    tools/loopback .venv/bin/python -m benchmarks.chaos --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import random
 import signal
@@ -37,17 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import rollup, run_pids  # noqa: E402
-
-from overlord import Loader, load_plan  # noqa: E402
-from overlord.plan.spec import Plan, validate_plan  # noqa: E402
-from overlord.run import dump_line, run_plan  # noqa: E402
+from benchmarks._lib.corpus import write_corpus
+from benchmarks._lib.procfs import ACTOR_TITLES, rollup, run_pids
+from overlord import Loader, load_plan
+from overlord.plan.spec import Plan, validate_plan
+from overlord.run import dump_line, run_plan
 
 ROLES = ("loader", "constructor", "planner")
-ACTOR_TITLES = ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")
 
 
 @dataclass(frozen=True)
@@ -66,43 +61,6 @@ class Result:
     leftover: list[str] = field(default_factory=list)
     shm_before: set[str] = field(default_factory=set)
     shm_after: set[str] = field(default_factory=set)
-
-
-def write_corpus(root: Path, sources: int = 3, files: int = 6, docs: int = 400) -> Path:
-    """A small multi-source corpus and its plan (JSONL, documents of varied length)."""
-    rng = random.Random(7)
-    words = ["the", "of", "data", "loader", "shard", "token", "planner", "rank", "step", "mix"]
-    entries = []
-    for s in range(sources):
-        name = f"src{s}"
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for f in range(files):
-            with open(root / name / f"part-{f}.jsonl", "w") as out:
-                for _ in range(docs):
-                    n = int(rng.lognormvariate(4.5, 1.0)) + 5
-                    text = " ".join(rng.choice(words) for _ in range(n))
-                    out.write(json.dumps({"text": text}) + "\n")
-        entries.append({"name": name, "path": f"{name}/*.jsonl", "format": "jsonl", "loaders": 2})
-    plan = {
-        "seed": 3,
-        "sources": entries,
-        "mixture": {
-            "schedule": [
-                {"step": 0, "weights": {e["name"]: 1.0 + i for i, e in enumerate(entries)}},
-                {
-                    "step": 200,
-                    "weights": {e["name"]: float(len(entries) - i) for i, e in enumerate(entries)},
-                },
-            ]
-        },
-        "batch": {"tokens_per_step": 8 * 4096, "max_seq_len": 4096, "prefetch_steps": 2},
-        "world": {"dp": 4},
-        "balance": {"method": "kk", "cost": {"alpha": 1.0, "beta": 0.001}},
-        "loading": {"timeout_s": 60},
-    }
-    path = root / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    return path
 
 
 def with_shadows(plan: Plan, shadows: int | None) -> Plan:

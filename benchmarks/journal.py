@@ -6,7 +6,7 @@ consumed mark) against those of a full snapshot, the time to write them (with
 and without fsync), and the time to recover a planner from the journal.
 Target (issue 4): under 1 KiB per step for a 10-source plan.
 
-    .venv/bin/python benchmarks/journal.py            # about half a minute
+    .venv/bin/python -m benchmarks.journal            # about half a minute
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos import write_corpus  # noqa: E402
-
-from overlord import Loader, load_plan  # noqa: E402
-from overlord.journal import encode, read_segment, recover, segments  # noqa: E402
-from overlord.plan.spec import validate_plan  # noqa: E402
-from overlord.roles.planner import Planner  # noqa: E402
+from benchmarks._lib.corpus import write_corpus
+from overlord import Loader, load_plan
+from overlord.journal import encode, read_segment, recover, segments
+from overlord.plan.spec import validate_plan
+from overlord.roles.planner import Planner
 
 
 def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> dict:

@@ -36,7 +36,7 @@ of the three required settings.
 
 Run (Ray must stay on loopback; about 6 minutes on 2 cores, ``--quick`` under one)::
 
-    tools/loopback .venv/bin/python benchmarks/memory.py [--quick] [--json results.json]
+    tools/loopback .venv/bin/python -m benchmarks.memory [--quick] [--json results.json]
 
 It prints Markdown tables and a summary, and writes the plot ``benchmarks/memory.png``
 (``--png`` to choose another path). Peak memory: about 8 GiB (the 8x4x32 baseline).
@@ -59,6 +59,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks._lib.procfs import (
+    CATEGORIES,
+    classify,
+    leftovers,
+    private_netns,
+    rollup,
+    run_pids,
+    short_name,
+)
+from benchmarks._lib.timing import REPO, module_command
+
 # ---- the work -----------------------------------------------------------------------------
 
 BASES = ["stdlib", "tests", "docs", "licenses"]  # demo sources; source k clones BASES[k % 4]
@@ -76,115 +87,6 @@ REQUIRED = [(4, 2, 5), (8, 2, 16), (8, 4, 32)]  # (R, W, S)
 EXTRA = [(8, 2, 1), (8, 2, 32), (8, 2, 64), (2, 2, 16), (4, 2, 16)]
 
 MiB = 2**20
-
-
-# ---- /proc ----------------------------------------------------------------------------------
-
-
-def rollup(pid: int) -> dict[str, int] | None:
-    """PSS (and its anonymous, file and shmem parts) and USS of one process, in bytes."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    vals: dict[str, int] = {}
-    for line in text.splitlines()[1:]:
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            vals[key] = int(parts[0]) * 1024
-    if "Pss" not in vals:
-        return None  # a kernel thread, or gone
-    return {
-        "pss": vals["Pss"],
-        "anon": vals.get("Pss_Anon", 0),
-        "file": vals.get("Pss_File", 0),
-        "shmem": vals.get("Pss_Shmem", 0),
-        "uss": vals.get("Private_Clean", 0) + vals.get("Private_Dirty", 0),
-    }
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def parents() -> dict[int, int]:
-    """Parent of every process."""
-    out = {}
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        out[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def descendants(roots: set[int], ppid: dict[int, int]) -> set[int]:
-    """``roots`` and every process below them."""
-    kids: dict[int, list[int]] = {}
-    for pid, parent in ppid.items():
-        kids.setdefault(parent, []).append(pid)
-    out, todo = set(), [r for r in roots if r in ppid]
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo += kids.get(pid, [])
-    return out
-
-
-def netns(pid: int | str) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
-
-
-def private_netns() -> str | None:
-    """This process's network namespace when it is its own (tools/loopback), else None."""
-    mine = netns("self")
-    return mine if mine is not None and mine != netns(1) else None
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def short_name(pid: int) -> str:
-    """A process's name for reports: ``ray::Class``, a binary's or a script's base name."""
-    cmd = cmdline(pid).split()
-    if not cmd:
-        return "?"
-    if cmd[0].startswith("ray::"):
-        return cmd[0]
-    if "--child" in cmd:
-        return cmd[cmd.index("--child") + 1]  # this script's trainer or driver
-    for arg in cmd[:3]:
-        if arg.endswith(".py") or "/ray/" in arg:
-            return os.path.basename(arg)
-    return os.path.basename(cmd[0])
-
-
-def run_pids(roots: set[int]) -> set[int]:
-    """Every process of the current run: below ``roots``, or in this loopback namespace."""
-    ppid = parents()
-    found = descendants(roots, ppid)
-    ns = private_netns()
-    if ns is not None:
-        found |= {p for p in ppid if netns(p) == ns}
-    return found - {os.getpid()}
-
-
-def leftovers() -> set[int]:
-    """Processes of earlier runs still alive (below this process, or in its namespace)."""
-    return {p for p in run_pids({os.getpid()}) if rollup(p) is not None}
 
 
 # ---- corpus and plan ----------------------------------------------------------------------
@@ -489,24 +391,6 @@ def _kill(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def classify(pid: int, trainers: set[int], driver: int | None) -> str:
-    if pid in trainers:
-        return "trainers"
-    if pid == driver:
-        return "driver"
-    title = cmdline(pid)
-    if title.startswith(
-        ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")
-    ):
-        return "actors"
-    if driver is None:
-        return "loader workers"  # the baseline's only other processes: DataLoader workers
-    return "ray system"
-
-
-CATEGORIES = ["trainers", "loader workers", "driver", "ray system", "actors"]
-
-
 def snapshot(trainers: set[int], driver: int | None) -> dict[str, Any]:
     roots = trainers | ({driver} if driver else set())
     parts = {c: 0 for c in CATEGORIES}
@@ -536,14 +420,14 @@ def measure(
     """
     t0 = time.monotonic()
     d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=root))
-    me = [sys.executable, os.path.abspath(__file__)]
+    me = module_command("memory")  # run from REPO, where ``benchmarks`` imports
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     logs = []
 
     def start(args: list[str]) -> subprocess.Popen[bytes]:
         log = open(d / f"log-{len(logs)}.txt", "wb")  # noqa: SIM115 (closed below)
         logs.append(log)
-        return subprocess.Popen(me + args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(me + args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
     common = ["--dir", str(d), "--job", job, "--seed", "7"]
     driver = None
@@ -867,7 +751,7 @@ def main() -> int:
     if private_netns() is None:
         print(
             "warning: not in a private network namespace: Ray may listen on the machine's "
-            "address; run it as: tools/loopback .venv/bin/python benchmarks/memory.py",
+            "address; run it as: tools/loopback .venv/bin/python -m benchmarks.memory",
             file=sys.stderr,
         )
     stale = leftovers()

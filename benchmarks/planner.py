@@ -5,7 +5,7 @@ the step's rows, reading item lengths through ``peek``), the cost model
 (7B: alpha = 6N, beta = 6 * layers * hidden) and ``assign`` (items to DP
 ranks and rows) with ``kk``, ``lpt`` or ``none``. Each source is an in-memory
 window of lognormal document lengths (web median 600 tokens, code 1,500,
-papers 8,000, books 60,000; see ``synthetic.py``), split at ``max_seq_len`` as
+papers 8,000, books 60,000; see ``_lib/synthetic.py``), split at ``max_seq_len`` as
 ``long_docs: split`` does. The selection does not depend on the method or on
 DP, so each step is selected once and assigned with each method; a method's
 time per step is select + cost + its assign.
@@ -18,27 +18,24 @@ allows it. Target: under 50 ms per step at DP 512 with 4M tokens.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/planner.py            # under a minute
-    .venv/bin/python benchmarks/planner.py --quick    # about 15 s
+    .venv/bin/python -m benchmarks.planner            # under a minute
+    .venv/bin/python -m benchmarks.planner --quick    # about 15 s
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from synthetic import consume, model_7b, weights, windows  # noqa: E402
-
-from overlord.plan.balance import assign  # noqa: E402
-from overlord.plan.select import MixState, select_step  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
+from benchmarks._lib.synthetic import consume, model_7b, weights, windows
+from benchmarks._lib.timing import pin_one_cpu
+from overlord.plan.balance import assign
+from overlord.plan.select import MixState, select_step
+from overlord.plan.spec import BalanceMethod
 
 METHODS = (BalanceMethod.KK, BalanceMethod.LPT, BalanceMethod.NONE)
 DPS = (8, 64, 512, 4096)
@@ -46,16 +43,6 @@ MIB = 1 << 20
 TOKENS = (1 * MIB, 4 * MIB, 16 * MIB)
 LOOKAHEAD = 64  # the plan's default batch.lookahead
 TARGET_MS = 50.0
-
-
-def pin_one_cpu() -> str:
-    """Pin this process to one CPU; say which (or why not)."""
-    try:
-        cpu = min(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpu})
-        return f"pinned to CPU {cpu}"
-    except (AttributeError, OSError) as e:
-        return f"not pinned ({e})"
 
 
 def seq_len_for(tokens: int, dp: int) -> int | None:
@@ -115,19 +102,16 @@ def bench(tokens: int, dp: int, cap: int, steps: int, warmup: int, seed: int) ->
 
 
 def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str]:
-    """Where ``assign`` spends its time at one setting (uses balance.py's private parts)."""
+    """Where ``assign`` spends its time at one setting: each of its public parts alone."""
     from overlord.plan import balance as b
 
-    parts = ("kk_partition", "_kk", "_lpt", "_rows_balanced", "rank_costs", "lower_bound")
-    if not all(hasattr(b, p) for p in parts):
-        return ["(balance.py's internals changed: no breakdown)"]
     cost_model = model_7b()
     wins, w = windows(cap, seed), weights()
     mix = MixState.zeros(len(wins))
     rows = tokens // cap
     rpr = rows // dp
     rec: dict[str, list[float]] = {}
-    fails = {"_kk": 0, "_lpt": 0}
+    fails = {"kk_rows": 0, "lpt_rows": 0}
     at_bound = 0
     for _ in range(steps):
         sel = select_step(wins, w, mix, rows, cap, LOOKAHEAD)
@@ -135,12 +119,11 @@ def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
         cost = cost_model.cost(tok)
         consume(wins, sel)
-        by_rows = np.bincount(ref_row, weights=cost, minlength=rows)
         calls: dict[str, tuple[Any, tuple[Any, ...]]] = {
             "kk_partition": (b.kk_partition, (cost, dp)),
-            "_kk": (b._kk, (tok, cost, dp, rpr, cap)),
-            "_lpt": (b._lpt, (tok, cost, dp, rpr, cap)),
-            "_rows_balanced": (b._rows_balanced, (by_rows, dp, rpr)),
+            "kk_rows": (b.kk_rows, (tok, cost, dp, rpr, cap)),
+            "lpt_rows": (b.lpt_rows, (tok, cost, dp, rpr, cap)),
+            "whole_rows": (b.whole_rows, (cost, ref_row, dp, rpr)),
         }
         for name, (fn, fn_args) in calls.items():
             t0 = time.perf_counter()
@@ -148,15 +131,14 @@ def breakdown(tokens: int, dp: int, cap: int, steps: int, seed: int) -> list[str
             rec.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
             if name in fails and got is None:
                 fails[name] += 1
-            if name == "_rows_balanced":
-                fallback = got[ref_row]
-                mk = b.rank_costs(cost, fallback, dp, rpr).max()
+            if name == "whole_rows":
+                mk = b.rank_costs(cost, got, dp, rpr).max()
                 at_bound += bool(mk <= b.lower_bound(cost, dp) * (1 + 1e-9))
     out = [f"{name}: {np.median(v):.1f} ms" for name, v in rec.items()]
     out += [
-        f"_kk gave up (capacity repair failed, assign falls back to whole rows): "
-        f"{fails['_kk']}/{steps} steps",
-        f"_lpt gave up: {fails['_lpt']}/{steps} steps",
+        f"kk_rows gave up (capacity repair failed, assign falls back to whole rows): "
+        f"{fails['kk_rows']}/{steps} steps",
+        f"lpt_rows gave up: {fails['lpt_rows']}/{steps} steps",
         f"the whole-rows fallback already meets max(total/dp, largest item): "
         f"{at_bound}/{steps} steps",
     ]

@@ -35,9 +35,6 @@ tokens. That is 4,096 tokens per rank, so the target table runs it with rows
 of 4,096 x 1, 2,048 x 2 and 1,024 x 4 per rank, each method, and these
 PROTOTYPES (marked *, not in overlord yet):
 
-- ``kk-greedy``: ``kk`` with its Karmarkar-Karp head set to no items (module
-  constants patched), i.e. greedy LPT on cost, row packing, repair and local
-  search; KK's k-tuples cost O(4 * dp * dp) memory and time.
 - ``LB_pig`` and the early exit: a pigeonhole lower bound (now in overlord:
   ``overlord.plan.balance.pigeonhole_bound``)
   that sees that dp + 1 full-length chunks put two on one rank; with it,
@@ -57,8 +54,8 @@ timings (other work on the machine inflates them). Medians over the steps.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/planner_scale.py            # about three minutes
-    .venv/bin/python benchmarks/planner_scale.py --quick    # about 30 s (16M only)
+    .venv/bin/python -m benchmarks.planner_scale            # about three minutes
+    .venv/bin/python -m benchmarks.planner_scale --quick    # about 30 s (16M only)
 
 Besides the tables it writes the plot ``benchmarks/planner_scale.png`` (``--plot`` to
 choose another path, ``--plot ''`` for none): per-step time against DP for the grid, the
@@ -80,20 +77,17 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from balance import capacity_bound  # noqa: E402
-from planner import pin_one_cpu  # noqa: E402
-from synthetic import SOURCES, SourceShape, doc_lengths, model_7b  # noqa: E402
-
-import overlord.roles.planner as planner_mod  # noqa: E402
-from overlord.plan import balance as bal  # noqa: E402
-from overlord.plan.cost import CostModel  # noqa: E402
-from overlord.plan.spec import BalanceMethod  # noqa: E402
-from overlord.roles.cursor import SourceCursor  # noqa: E402
-from overlord.roles.planner import Planner  # noqa: E402
-from overlord.runtime.base import Handle  # noqa: E402
-from overlord.runtime.inline import InlineHandle, InlineRuntime  # noqa: E402
+import overlord.roles.planner as planner_mod
+from benchmarks._lib.synthetic import SOURCES, SourceShape, doc_lengths, model_7b
+from benchmarks._lib.timing import pin_one_cpu
+from overlord.plan import balance as bal
+from overlord.plan.bounds import capacity_bound
+from overlord.plan.cost import CostModel
+from overlord.plan.spec import BalanceMethod
+from overlord.roles.cursor import SourceCursor
+from overlord.roles.planner import Planner
+from overlord.runtime.base import Handle
+from overlord.runtime.inline import InlineHandle, InlineRuntime
 
 MIB = 1 << 20
 DPS = (1024, 4096, 16384)
@@ -236,17 +230,6 @@ class Parts:
         finally:
             for u in reversed(undo):
                 u()
-
-
-@contextlib.contextmanager
-def kk_greedy() -> Iterator[None]:
-    """PROTOTYPE: ``kk`` with no Karmarkar-Karp head (greedy LPT on cost, then repair)."""
-    old = bal.KK_MIN_ITEMS, bal.KK_ITEMS_PER_RANK
-    bal.KK_MIN_ITEMS = bal.KK_ITEMS_PER_RANK = 0
-    try:
-        yield
-    finally:
-        bal.KK_MIN_ITEMS, bal.KK_ITEMS_PER_RANK = old
 
 
 def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
@@ -462,11 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     target = []
     dp, tokens = TARGET
     for cap in TARGET_SEQ_LENS:
-        for method in ("kk", "lpt", "none", "kk-greedy"):
-            ctx = kk_greedy() if method == "kk-greedy" else contextlib.nullcontext()
-            with ctx:
-                real = "kk" if method == "kk-greedy" else method
-                r = measure(Bench(folder, dp, tokens, cap, real, args.seed), steps, 1)
+        for method in ("kk", "lpt", "none"):
+            r = measure(Bench(folder, dp, tokens, cap, method, args.seed), steps, 1)
             target.append((cap, method, r))
     protos = []
     for cap in TARGET_SEQ_LENS:
@@ -477,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         lb_cap = capacity_bound(tok, cost, cm.alpha, cm.beta, dp, rpr * cap)
         t0 = time.perf_counter()
         # assign's early exit with this bound: the rows balanced whole, compared with it
-        whole = bal._rows_balanced(np.bincount(ref_row, weights=cost, minlength=dp * rpr), dp, rpr)
-        whole_span = bal.rank_costs(cost, whole[ref_row], dp, rpr).max()
+        whole = bal.whole_rows(cost, ref_row, dp, rpr)
+        whole_span = bal.rank_costs(cost, whole, dp, rpr).max()
         lb_pig = bal.pigeonhole_bound(tok, cost, dp, rpr * cap)
         exit_ms = 1e3 * (time.perf_counter() - t0)
         kk_span = call[1]
@@ -495,9 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             "groups": {},
         }
         for g in GROUPS:
-            greedy_call = ((tok, cost, ref_row, dp, rpr, cap, BalanceMethod.KK), None)
-            with kk_greedy():
-                entry["split"][g] = split_assign(greedy_call, g)
+            kk_call = ((tok, cost, ref_row, dp, rpr, cap, BalanceMethod.KK), None)
+            entry["split"][g] = split_assign(kk_call, g)
             entry["groups"][g] = independent_groups(
                 folder, dp, tokens, cap, "kk", g, max(2, steps // 2), args.seed
             )
@@ -530,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|" + "---:|" * 3 + "---|" + "---:|" * 11)
     for cap, method, r in target:
-        label = f"{method} (prototype)" if method == "kk-greedy" else method
-        print(row_line(f"{tokens // MIB}M", dp, cap, tokens // (dp * cap), label, r))
+        print(row_line(f"{tokens // MIB}M", dp, cap, tokens // (dp * cap), method, r))
 
     print("\n## Prototypes at the target point (not in overlord yet)\n")
     print(
@@ -699,7 +677,6 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
     for j, m in enumerate(tmethods):
         rs = [next(r for c, mm, r in target if c == cap and mm == m) for cap in caps]
         x = np.arange(len(caps)) + (j - (len(tmethods) - 1) / 2) * width
-        label = f"{m} (prototype)" if m == "kk-greedy" else m
         c = plt.get_cmap("tab10")(j)
         ax.bar(
             x,
@@ -707,7 +684,7 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
             width,
             color=c,
             alpha=0.85,
-            label=f"{label}: full step",
+            label=f"{m}: full step",
         )
         ax.scatter(
             x,

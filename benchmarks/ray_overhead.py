@@ -13,7 +13,7 @@ tens of millions of tokens/s and every Ray call shows) and a byte-level BPE
 trained on the corpus (what a real run pays per token), each at 4 and 16 rows
 of 8192 tokens per rank and step.
 
-Run (Ray must stay on loopback):  tools/loopback .venv/bin/python benchmarks/ray_overhead.py
+Run (Ray must stay on loopback):  tools/loopback .venv/bin/python -m benchmarks.ray_overhead
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from benchmarks._lib.corpus import train_bpe
 from overlord import Loader, load_plan
 from overlord.demo import build_corpus
 from overlord.roles.source_loader import token_budget
@@ -138,9 +139,6 @@ def bpe(root: Path) -> dict | None:
         import tokenizers  # noqa: F401
     except ImportError:
         return None
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import train_bpe
-
     shards = {p.name: sorted(p.iterdir()) for p in (root / "data").iterdir() if p.is_dir()}
     jsonl = {k: [f for f in v if ".jsonl" in f.name] for k, v in shards.items()}
     path = train_bpe({k: v for k, v in jsonl.items() if v}, root / "bpe.json", 8000)

@@ -27,8 +27,8 @@ here on an eighth of the corpus and saved as ``tokenizer.json``.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/throughput.py            # about a minute
-    .venv/bin/python benchmarks/throughput.py --quick    # about 20 s
+    .venv/bin/python -m benchmarks.throughput            # about a minute
+    .venv/bin/python -m benchmarks.throughput --quick    # about 20 s
 """
 
 from __future__ import annotations
@@ -36,12 +36,9 @@ from __future__ import annotations
 import argparse
 import gc
 import io
-import json
 import os
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.json as pa_json
 
+from benchmarks._lib.corpus import EOS, build_corpus, stdlib_files, train_bpe
 from overlord.plan.spec import validate_plan
 from overlord.run import run_plan
 from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer
@@ -57,79 +55,8 @@ from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer
 TOKENS_PER_STEP = 262144
 MAX_SEQ_LEN = 8192
 DP = 4
-EOS = "<|endoftext|>"
 TARGET = 0.8
 SHORT_EPOCHS, LONG_EPOCHS = 0.5, 2.0  # run lengths, in passes over the corpus
-
-
-def stdlib_files(limit: int | None) -> dict[str, list[Path]]:
-    """This Python's standard library sources, split into ``lib`` and ``tests``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: dict[str, list[Path]] = {"lib": [], "tests": []}
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root)
-        if "site-packages" in rel.parts or not p.is_file():
-            continue
-        is_test = any(part in ("test", "tests", "idle_test") for part in rel.parts[:-1])
-        out["tests" if is_test else "lib"].append(p)
-    if limit is not None:
-        out = {k: v[:limit] for k, v in out.items()}
-    return out
-
-
-def build_corpus(folder: Path, shards: int, limit: int | None) -> dict[str, list[Path]]:
-    """Write each source's files as ``shards`` JSONL files; returns the shard paths."""
-    files = stdlib_files(limit)
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: dict[str, list[Path]] = {}
-    for source, paths in files.items():
-        (folder / source).mkdir(parents=True, exist_ok=True)
-        outs = [folder / source / f"shard-{k:03d}.jsonl" for k in range(shards)]
-        handles = [open(p, "w", encoding="utf-8") for p in outs]  # noqa: SIM115
-        try:
-            for i, p in enumerate(paths):
-                text = p.read_bytes().decode("utf-8", errors="replace")
-                rec = {"text": text, "path": str(p.relative_to(root))}
-                handles[i % shards].write(json.dumps(rec, ensure_ascii=False) + "\n")
-        finally:
-            for h in handles:
-                h.close()
-        out[source] = outs
-    return out
-
-
-_TRAIN = """
-import sys
-import pyarrow.json as pa_json
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-out, vocab, eos, shards = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-texts = []
-for p in shards:
-    texts += pa_json.read_json(p).column("text").to_pylist()[::8]
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.train_from_iterator(texts, trainers.BpeTrainer(
-    vocab_size=vocab, special_tokens=[eos], show_progress=False,
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-tok.save(out)
-"""
-
-
-def train_bpe(shard_paths: dict[str, list[Path]], out: Path, vocab: int) -> Path | None:
-    """A byte-level BPE tokenizer trained on every 8th record; None without ``tokenizers``.
-
-    It is trained in a child process: training in this one leaves ``tokenizers``
-    encoding on one thread afterwards, which would skew the timings.
-    """
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        return None
-    shards = [str(p) for ps in shard_paths.values() for p in ps]
-    cmd = [sys.executable, "-c", _TRAIN, str(out), str(vocab), EOS, *shards]
-    subprocess.run(cmd, check=True)
-    return out
 
 
 _SCHEMA = pa.schema([("text", pa.large_string())])

@@ -36,8 +36,8 @@ corpus manifest): all four loaders then deliver about the same token shares.
 Needs ``mosaicml-streaming`` for loader 4 (skipped without it). Run from the repository
 root (Ray must stay on loopback)::
 
-    tools/loopback .venv/bin/python benchmarks/throughput_vs.py            # a few minutes
-    tools/loopback .venv/bin/python benchmarks/throughput_vs.py --quick    # about a minute
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs            # a few minutes
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs --quick    # about a minute
 
 Besides the table it writes the plot ``benchmarks/throughput_vs.png`` (``--plot`` to
 choose another path, ``--plot ''`` for none): tokens per CPU-second and time to first
@@ -68,10 +68,10 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from throughput import EOS, train_bpe  # noqa: E402
-
-from overlord.demo import build_corpus  # noqa: E402
+from benchmarks._lib.corpus import EOS, train_bpe
+from benchmarks._lib.procfs import tree_cpu
+from benchmarks._lib.timing import REPO, module_command
+from overlord.demo import build_corpus
 
 WEIGHTS = {"stdlib": 4.0, "tests": 3.0, "docs": 2.0, "licenses": 1.0}
 TEXT_FIELD = {"docs": "content"}
@@ -83,35 +83,6 @@ SEED = 1234
 LOADERS = ("overlord embedded", "overlord on Ray", "torch DataLoader", "MosaicML Streaming")
 # tokens of warm-up and of the timed window, per tokenizer (--quick: a quarter)
 SIZES = {"bytes": (16_000_000, 96_000_000), "bpe": (1_500_000, 6_000_000)}
-
-
-# ---- CPU of a process tree ---------------------------------------------------------------
-
-
-def tree_cpu(root: int) -> float:
-    """User+system CPU seconds of ``root`` and all its live descendants, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu = {}, {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        parent[int(d)] = int(fields[1])
-        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += children.get(pid, [])
-    return total
 
 
 def consume(batches: Iterator[Any], count: Any, t_start: float, warm: int, timed: int, root: int):
@@ -164,12 +135,12 @@ def run_embedded(plan_path: Path, warm: int, timed: int) -> dict[str, Any]:
         return consume(client, lambda b: b.num_tokens, t_start, warm, timed, os.getpid())
 
 
+# run with cwd=REPO, so that ``benchmarks`` imports
 TRAINER = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
 import overlord
-from throughput_vs import consume
-job, t_start, warm, timed, root = sys.argv[2], float(sys.argv[3]), *map(int, sys.argv[4:7])
+from benchmarks.throughput_vs import consume
+job, t_start, warm, timed, root = sys.argv[1], float(sys.argv[2]), *map(int, sys.argv[3:6])
 client = overlord.connect(job, rank=0)
 print(json.dumps(consume(client, lambda b: b.num_tokens, t_start, warm, timed, root)))
 """
@@ -183,11 +154,12 @@ def run_ray(plan_path: Path, warm: int, timed: int) -> dict[str, Any]:
     t_start, job = time.time(), f"vs-{os.getpid()}"
     with Loader(plan_path, runtime="ray", job=job):
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-        args = [str(Path(__file__).parent), job, repr(t_start), str(warm), str(timed)]
+        args = [job, repr(t_start), str(warm), str(timed)]
         out = subprocess.run(
             [sys.executable, "-c", TRAINER, *args, str(os.getpid())],
             stdout=subprocess.PIPE,
             env=env,
+            cwd=REPO,
             text=True,
             check=True,
             timeout=600,
@@ -396,9 +368,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(root: Path, loader: str, tokenizer: str, quick: bool) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--root", str(root), "--one", loader]
+    cmd = [*module_command("throughput_vs"), "--root", str(root), "--one", loader]
     cmd += ["--tokenizer", tokenizer] + (["--quick"] if quick else [])
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, timeout=900)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, timeout=900, cwd=REPO)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -15,7 +15,8 @@ items into ranks whose items still pack into the rank's rows.
 (always feasible) and keep whichever of the two has the smaller makespan, so
 neither is ever worse than balancing packed rows, and never infeasible.
 
-The lower bound on a step's makespan is ``max(total / dp, largest item)``.
+The lower bounds on a step's makespan are in ``overlord.plan.bounds``; ``assign``
+stops early when a result meets ``pigeonhole_bound``.
 """
 
 from __future__ import annotations
@@ -24,38 +25,19 @@ import heapq
 
 import numpy as np
 
+from overlord.plan.bounds import lower_bound, pigeonhole_bound
 from overlord.plan.spec import BalanceMethod
 
-
-def lower_bound(cost: np.ndarray, dp: int) -> float:
-    """``max(total / dp, largest item)``: no assignment does better."""
-    if len(cost) == 0:
-        return 0.0
-    return float(max(cost.sum() / dp, cost.max()))
-
-
-def pigeonhole_bound(tokens: np.ndarray, cost: np.ndarray, dp: int, rank_capacity: int) -> float:
-    """A lower bound that counts long items, not only the largest one.
-
-    Of the ``j`` costliest items some rank holds ``k = ceil(j / dp)``, so it
-    costs at least the ``k`` cheapest of them; every rank also holds at least
-    ``total_tokens - (dp - 1) * rank_capacity`` tokens, each further token
-    costing at least the smallest cost per token of any item. With ``dp + 1``
-    full-length chunks one rank must take two, which ``lower_bound`` does not
-    see (contributed by the planner-scale study in benchmarks/planner_scale.py).
-    """
-    if len(cost) == 0:
-        return 0.0
-    order = np.argsort(-cost, kind="stable")
-    c, length = cost[order], tokens[order].astype(np.float64)
-    per_token = float(np.min(c / np.maximum(length, 1)))
-    j = np.arange(1, len(c) + 1)
-    k = -(-j // dp)
-    cc = np.concatenate(([0.0], np.cumsum(c)))
-    cl = np.concatenate(([0.0], np.cumsum(length)))
-    t_min = max(0.0, float(length.sum()) - (dp - 1) * rank_capacity)
-    held = cc[j] - cc[j - k] + per_token * np.maximum(0.0, t_min - (cl[j] - cl[j - k]))
-    return float(max(cost.sum() / dp, held.max(), cost.max()))
+__all__ = [
+    "assign",
+    "kk_partition",
+    "kk_rows",
+    "lower_bound",
+    "lpt_rows",
+    "pigeonhole_bound",
+    "rank_costs",
+    "whole_rows",
+]
 
 
 def rank_costs(cost: np.ndarray, row: np.ndarray, dp: int, rows_per_rank: int) -> np.ndarray:
@@ -123,7 +105,19 @@ def _place_least_loaded(
     return True
 
 
-def _lpt(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
+def lpt_rows(
+    tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int
+) -> np.ndarray | None:
+    """The ``lpt`` placement: global row of each item, or None where it finds no room.
+
+    Items by decreasing cost, each to the least loaded of the ``dp`` ranks that
+    has a row (``rpr`` rows of ``cap`` tokens each) with room, best-fit row.
+    It can fail (None) when rows are nearly full: ``assign`` then keeps its
+    whole-rows fallback.
+
+    >>> lpt_rows(np.array([2, 2, 1]), np.array([4.0, 3.0, 1.0]), 2, 1, 3).tolist()
+    [0, 1, 1]
+    """
     order = np.lexsort((np.arange(len(cost)), -cost))
     row = np.full(len(cost), -1, dtype=np.int64)
     free = np.full((dp, rpr), cap, dtype=np.int64)
@@ -200,7 +194,18 @@ KK_MAX_DP = 512
 ATTENTION_KEYED_ABOVE = 1.005
 
 
-def _kk(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
+def kk_rows(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
+    """The ``kk`` placement: global row of each item, or None where the repair finds no room.
+
+    Karmarkar-Karp partitions the costliest items (``KK_ITEMS_PER_RANK`` per rank,
+    at least ``KK_MIN_ITEMS``; none past ``KK_MAX_DP`` ranks) into ``dp`` ranks,
+    the rest go to the least loaded rank; each rank's items are then packed
+    first-fit decreasing into its ``rpr`` rows of ``cap`` tokens, and items that
+    do not fit move to the least loaded rank with room.
+
+    >>> kk_rows(np.array([2, 2, 1]), np.array([4.0, 3.0, 1.0]), 2, 1, 3).tolist()
+    [0, 1, 1]
+    """
     by_cost = np.lexsort((np.arange(len(cost)), -cost))
     # KK's tuples hold dp sums each: past KK_MAX_DP ranks its memory and time grow as dp**2,
     # and the greedy placement below gives the same makespans there (benchmarks/planner_scale)
@@ -304,6 +309,22 @@ def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
     return target
 
 
+def whole_rows(cost: np.ndarray, ref_row: np.ndarray, dp: int, rows_per_rank: int) -> np.ndarray:
+    """The reference rows balanced whole: the global row of each item (always feasible).
+
+    Each of the ``dp * rows_per_rank`` reference rows (``ref_row``, the step's
+    reference packing) moves as a whole, costliest first, to the least loaded
+    rank that still has a free row. ``assign``'s ``kk`` and ``lpt`` start from
+    this and never return anything worse.
+
+    >>> whole_rows(np.array([5.0, 1.0, 1.0, 3.0]), np.array([0, 1, 2, 3]), 2, 2).tolist()
+    [0, 3, 1, 2]
+    """
+    rows = dp * rows_per_rank
+    row_cost = np.bincount(ref_row, weights=cost, minlength=rows)
+    return _rows_balanced(row_cost, dp, rows_per_rank)[ref_row]
+
+
 def assign(
     tokens: np.ndarray,
     cost: np.ndarray,
@@ -323,9 +344,7 @@ def assign(
     ref_row = np.asarray(ref_row, dtype=np.int64)
     if method is BalanceMethod.NONE or len(tokens) == 0:
         return ref_row
-    rows = dp * rows_per_rank
-    by_rows = _rows_balanced(np.bincount(ref_row, weights=cost, minlength=rows), dp, rows_per_rank)
-    fallback = by_rows[ref_row]
+    fallback = whole_rows(cost, ref_row, dp, rows_per_rank)
     bound = pigeonhole_bound(tokens, cost, dp, rows_per_rank * capacity) * (1 + 1e-9)
     span = rank_costs(cost, fallback, dp, rows_per_rank).max()
     if span <= bound:
@@ -334,13 +353,13 @@ def assign(
     span = rank_costs(cost, best, dp, rows_per_rank).max()
     if span <= bound:
         return best
-    solver = _kk if method is BalanceMethod.KK else _lpt
+    solver = kk_rows if method is BalanceMethod.KK else lpt_rows
     candidates = [solver(tokens, cost, dp, rows_per_rank, capacity)]
     if span > bound * ATTENTION_KEYED_ABOVE:
         # rows nearly full give every rank about the same tokens, so what is left to
         # balance is the superlinear (attention) part: place by it alone, then refine
         per_token = float(np.min(cost / np.maximum(tokens, 1)))
-        candidates.append(_lpt(tokens, cost - per_token * tokens, dp, rows_per_rank, capacity))
+        candidates.append(lpt_rows(tokens, cost - per_token * tokens, dp, rows_per_rank, capacity))
     for row in candidates:
         if row is None:
             continue
