@@ -40,6 +40,7 @@ from benchmarks._lib.corpus import write_corpus
 from benchmarks._lib.procfs import ACTOR_TITLES, rollup, run_pids
 from overlord import Loader, load_plan
 from overlord.plan.spec import Plan, validate_plan
+from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.run import dump_line, run_plan
 
 ROLES = ("loader", "constructor", "planner")
@@ -96,18 +97,17 @@ def _shm() -> set[str]:
 def _kill(loader: Loader, kill: Kill, rng: random.Random) -> str:
     import ray
 
-    rt = loader.runtime
+    handle: Any
     if kill.role == "planner":
-        handle = loader.planner
+        handle, pid_of = loader.planner, PlannerRole.pid
     elif kill.role == "constructor":
-        handle = rng.choice(loader.constructors)
+        handle, pid_of = rng.choice(loader.constructors), ConstructorRole.pid
     else:
-        layout = rt.get(loader.planner.call("layout"))
-        slots = [h for hs in layout["loaders"].values() for h in hs]
-        handle = rng.choice(slots)
+        primaries = [slot[0] for slots in loader.slots().values() for slot in slots if slot]
+        handle, pid_of = rng.choice(primaries), LoaderRole.pid
         handle = getattr(handle, "group", handle)  # a group member: its process
     if kill.how == "sigkill":
-        pid = rt.get(handle.call("pid"))
+        pid = handle.call(pid_of).result()
         os.kill(pid, signal.SIGKILL)
         return f"SIGKILL {handle.name} (pid {pid})"
     # planner and constructors are restarted by Ray; loaders are replaced by the planner
@@ -174,7 +174,7 @@ def run(
             waits.append(time.perf_counter() - t0)
             lines += [dump_line(b) for b in batches]
             time.sleep(step_time)  # the training step
-        events += loader.runtime.get(loader.planner.call("stats"))["events"]
+        events += loader.stats()["events"]
     finally:
         loader.close()
     peak = meter.stop()

@@ -148,6 +148,7 @@ class Loader:
                 name="planner",
                 options=RoleOptions(p.planner_cpus, 1, restartable=True),
             )
+            self.planner.call(PlannerRole.start).result()
             layout = self.planner.call(PlannerRole.layout).result()
             in_trainer = distributed and p.constructors is ConstructorSite.TRAINER
             prefetch = self.plan.batch.prefetch_steps if distributed else 0

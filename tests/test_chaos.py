@@ -5,15 +5,11 @@ The longer run, with figures, is ``benchmarks/chaos.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks._lib.corpus import write_corpus
+from benchmarks.chaos import Kill, reference, run, with_shadows
 from overlord import load_plan
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from chaos import Kill, reference, run, with_shadows, write_corpus  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 

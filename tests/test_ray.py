@@ -229,4 +229,4 @@ def test_loaders_grouped_in_fewer_processes_give_the_same_stream(ray_session, pl
     assert _dump(plan, 8, "ray") == _dump(plan, 8, "inline")
     with Loader(plan, runtime="ray") as loader:
         # one loader group, its shadow group, the planner, 4 constructors
-        assert len(loader.runtime._handles) == 1 + 1 + 1 + 4
+        assert len(loader.runtime.job_actors()) == 1 + 1 + 1 + 4

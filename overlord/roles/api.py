@@ -80,6 +80,10 @@ class LoaderGroupRole(Protocol):
         """``release`` on several members in one call."""
         ...
 
+    def pid(self) -> int:
+        """The group's process."""
+        ...
+
     def close(self) -> None:
         """Close every member."""
         ...
@@ -87,6 +91,10 @@ class LoaderGroupRole(Protocol):
 
 class PlannerRole(Protocol):
     """The planner: plans steps, tracks consumption, owns the loaders (through its pool)."""
+
+    def start(self) -> None:
+        """Spawn the loaders (a restarted planner finds its own)."""
+        ...
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """One rank's plan of one step (None: ask again later)."""

@@ -86,14 +86,25 @@ class Planner:
             self.journal,
         )
         self._build(recovered[0] if recovered is not None else state)
-        if recovered is not None and recovered[1] is not None:
-            self.pool.restore(recovered[1])
-        else:
-            self.pool.start()
+        self._started = recovered is not None and recovered[1] is not None
         if recovered is not None:
+            if recovered[1] is not None:
+                self.pool.restore(recovered[1])
             self.pool.events.append(recovered[2])
             self.pool.rewind({n: self._consumed_cursor(n) for n in self.names})
-        elif self.journal is not None:
+
+    def start(self) -> None:
+        """Spawn the loaders; a planner restarted from its journal finds its own instead.
+
+        Not part of the constructor, so that an error here is the caller's to
+        see: a runtime that restarts a planner whose constructor failed would
+        try again forever.
+        """
+        if self._started:
+            return
+        self.pool.start()
+        self._started = True
+        if self.journal is not None:
             self.journal.snapshot(self._snapshot(), self.start_step - 1, self.pool.record())
 
     def _build(self, state: dict[str, Any] | None) -> None:
