@@ -44,10 +44,6 @@ class MixState:
         """A fresh state for ``n`` sources."""
         return cls(np.zeros(n), np.zeros(n))
 
-    def copy(self) -> MixState:
-        """An independent copy."""
-        return MixState(self.target.copy(), self.placed.copy())
-
 
 @dataclass
 class Selection:
