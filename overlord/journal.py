@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlord.errors import CheckpointError
+from overlord import state as statefmt
+from overlord.errors import CheckpointError, LoaderError
 
 _SEGMENT = re.compile(r"^seg-(\d{10})\.log$")
 
@@ -154,6 +155,50 @@ def recover(directory: str | Path) -> list[Recovered]:
     return out
 
 
+@dataclass
+class Resume:
+    """Where a restarted planner resumes, from its journal."""
+
+    state: dict[str, Any]  # the state before ``step``, the one after the last every rank consumed
+    step: int
+    loaders: dict[str, Any] | None  # the latest loader layout recorded
+    replan: dict[int, dict[str, Any]]  # the deltas of the steps it will plan again, to check
+    problems: list[str]  # torn or corrupt records that were skipped
+    last: Recovered  # the segment to go on writing
+
+    def event(self) -> dict[str, Any]:
+        """The restart, as the run summary lists it."""
+        return {
+            "event": "planner-recovered",
+            "step": self.step,
+            "replanned": len(self.replan),
+            "problems": self.problems,
+        }
+
+
+def resume(directory: str | Path, weights: statefmt.Weights) -> Resume | None:
+    """The point a planner restarted on this journal resumes at (None: an empty journal).
+
+    Raises :class:`LoaderError` if the journal cannot restore the state after
+    the last step every rank consumed.
+    """
+    segments = recover(directory)
+    if not segments:
+        return None
+    consumed = max(r.consumed for r in segments)
+    want = consumed + 1
+    states, deltas = statefmt.replay([(r.snapshot, r.deltas) for r in segments], weights)
+    problems = [p for r in segments for p in r.problems]
+    if want not in states:
+        raise LoaderError(
+            f"the planner's journal in {directory} cannot restore step {want} (every rank "
+            f"consumed step {consumed}); it holds steps {min(states)}..{max(states)}"
+            + (f". Problems: {'; '.join(problems)}" if problems else "")
+        )
+    replan = {s: d for s, d in deltas.items() if s >= want}
+    return Resume(states[want], want, segments[-1].loaders, replan, problems, segments[-1])
+
+
 class Journal:
     """Appends the planner's records; starts a segment at every snapshot."""
 
@@ -166,6 +211,35 @@ class Journal:
         self.records: dict[str, int] = {"snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.write_s = 0.0
         self._starts = [_start(p) for p in segments(self.directory)]  # first step of each
+        self._replan: dict[int, dict[str, Any]] = {}  # deltas a restarted planner re-plans
+
+    def resume(self, weights: statefmt.Weights) -> Resume | None:
+        """Where a planner restarted on this journal resumes; appends after it from now on.
+
+        The steps after that point are planned again: :meth:`planned` checks
+        them against what the journal holds instead of writing them twice.
+        """
+        found = resume(self.directory, weights)
+        if found is not None:
+            self.continue_after(found.last)
+            self._replan = dict(found.replan)
+        return found
+
+    def planned(self, step: int, before: dict[str, Any], after: dict[str, Any]) -> bool:
+        """Record what planning ``step`` changed; False if it was a re-plan (checked, not kept).
+
+        Raises :class:`LoaderError` if a re-planned step differs from the journal's.
+        """
+        change = statefmt.delta(before, after)
+        if step in self._replan:
+            if change != self._replan.pop(step):
+                raise LoaderError(
+                    f"re-planning step {step} after a planner restart gave another plan than "
+                    "the journal holds: a source's data changed while the job ran"
+                )
+            return False
+        self.delta(step, change)
+        return True
 
     def continue_after(self, recovered: Recovered) -> None:
         """Append to the recovered segment, cutting off its torn or corrupt end first."""

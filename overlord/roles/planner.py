@@ -27,7 +27,7 @@ import numpy as np
 
 from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError
-from overlord.journal import Journal, recover
+from overlord.journal import Journal
 from overlord.plan.balance import assign, lower_bound, rank_costs
 from overlord.plan.cost import CostModel
 from overlord.plan.schedule import Schedule
@@ -74,23 +74,22 @@ class Planner:
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
-        self._verify: dict[int, dict[str, Any]] = {}  # journaled deltas a restart re-plans
-        recovered = self._recover(journal) if journal is not None else None
+        recovered = self.journal.resume(self._weights) if self.journal is not None else None
         self.pool = LoaderPool(
-            plan,
-            files,
-            runtime,
-            config,
-            self._consumed_cursor,
-            lambda: self.next_step,
-            self.journal,
+            *(plan, files, runtime, config),
+            consumed=self._consumed_cursor,
+            clock=lambda: self.next_step,
+            journal=self.journal,
         )
-        self._build(recovered[0] if recovered is not None else state)
-        self._started = recovered is not None and recovered[1] is not None
+        self._build(recovered.state if recovered is not None else state)
+        self._started = recovered is not None and recovered.loaders is not None
         if recovered is not None:
-            if recovered[1] is not None:
-                self.pool.restore(recovered[1])
-            self.pool.events.append(recovered[2])
+            for problem in recovered.problems:
+                log.error("%s", problem)
+            log.warning("planner restarted from its journal at step %d", recovered.step)
+            if recovered.loaders is not None:
+                self.pool.restore(recovered.loaders)
+            self.pool.events.append(recovered.event())
             self.pool.rewind({n: self._consumed_cursor(n) for n in self.names})
 
     def start(self) -> None:
@@ -243,7 +242,12 @@ class Planner:
         )
         self.next_step += 1
         self.snapshots[self.next_step] = self._snapshot()
-        self._journal_step(step)
+        journaled = self.journal is not None and self.journal.planned(
+            step, self.snapshots[step], self.snapshots[step + 1]
+        )  # a re-planned step is checked against the journal instead
+        if journaled and self.next_step % p.recovery.snapshot_every == 0:
+            assert self.journal is not None
+            self.journal.snapshot(self._snapshot(), min(self.consumed), self.pool.record())
         if step <= min(self.consumed):
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
@@ -363,55 +367,6 @@ class Planner:
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source``."""
         self.pool.set_threads(source, threads)
-
-    # ---- journal ---------------------------------------------------------------------------
-
-    def _journal_step(self, step: int) -> None:
-        """Journal what planning ``step`` changed (or check it against the journal)."""
-        if self.journal is None:
-            return
-        delta = statefmt.delta(self.snapshots[step], self.snapshots[step + 1])
-        if step in self._verify:
-            if delta != self._verify.pop(step):
-                raise LoaderError(
-                    f"re-planning step {step} after a planner restart gave another plan than "
-                    "the journal holds: a source's data changed while the job ran"
-                )
-            return
-        self.journal.delta(step, delta)
-        if self.next_step % self.plan.recovery.snapshot_every == 0:
-            self.journal.snapshot(self._snapshot(), min(self.consumed), self.pool.record())
-
-    def _recover(
-        self, directory: str
-    ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]] | None:
-        """The state before the step after the last consumed one, the loaders, and the event."""
-        segments = recover(directory)
-        if not segments:
-            return None
-        assert self.journal is not None
-        consumed = max(r.consumed for r in segments)
-        want = consumed + 1
-        states, deltas = statefmt.replay([(r.snapshot, r.deltas) for r in segments], self._weights)
-        problems = [p for r in segments for p in r.problems]
-        for p in problems:
-            log.error("%s", p)
-        if want not in states:
-            raise LoaderError(
-                f"the planner's journal in {directory} cannot restore step {want} (every rank "
-                f"consumed step {consumed}); it holds steps {min(states)}..{max(states)}"
-                + (f". Problems: {'; '.join(problems)}" if problems else "")
-            )
-        self.journal.continue_after(segments[-1])
-        self._verify = {s: d for s, d in deltas.items() if s >= want}
-        event = {
-            "event": "planner-recovered",
-            "step": want,
-            "replanned": len(self._verify),
-            "problems": problems,
-        }
-        log.warning("planner restarted from its journal at step %d", want)
-        return states[want], segments[-1].loaders, event
 
     # ---- the rest --------------------------------------------------------------------------
 
