@@ -22,7 +22,7 @@ import overlord
 
 PACKAGE = Path(overlord.__file__).resolve().parent
 ROOT = PACKAGE.parent
-HEAVY = ("pyarrow", "fsspec", "ray", "torch")
+HEAVY = ("pyarrow", "fsspec", "ray", "torch", "yaml")
 
 
 def module_name(path: Path) -> str:

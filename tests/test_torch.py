@@ -93,6 +93,7 @@ def test_to_torch_pins_and_moves() -> None:
 # ---- the dataset ---------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_dataset_in_a_dataloader_gives_the_client_stream(plan: Path) -> None:
     with OverlordIterableDataset.from_plan(plan, stop_step=6) as ds:
         got = list(DataLoader(ds, batch_size=None, num_workers=0))
@@ -102,6 +103,7 @@ def test_dataset_in_a_dataloader_gives_the_client_stream(plan: Path) -> None:
     assert got[0]["labels"].dtype == torch.int64
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("via", ["load_state_dict", "from_plan"])
 def test_state_round_trip_through_json_resumes_exactly(plan: Path, via: str) -> None:
     want = plain_stream(plan, 7)
@@ -123,6 +125,7 @@ def test_state_round_trip_through_json_resumes_exactly(plan: Path, via: str) -> 
     assert_same(ids(head + tail), want)
 
 
+@pytest.mark.integration
 # dcp.save and dcp.load without a process group say that they run in one process
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_torch_distributed_checkpoint_saves_and_resumes_the_stream(
@@ -142,6 +145,7 @@ def test_torch_distributed_checkpoint_saves_and_resumes_the_stream(
         assert_same(ids(take(resumed, 2)), want[3:])
 
 
+@pytest.mark.integration
 def test_load_state_dict_after_iterating_restarts_from_that_state(plan: Path) -> None:
     want = plain_stream(plan, 5)
     with OverlordIterableDataset.from_plan(plan) as ds:
@@ -152,6 +156,7 @@ def test_load_state_dict_after_iterating_restarts_from_that_state(plan: Path) ->
         assert_same(ids(take(ds, 3)), want[2:5])
 
 
+@pytest.mark.integration
 def test_load_state_dict_takes_a_plain_overlord_checkpoint(plan: Path) -> None:
     with OverlordIterableDataset.from_plan(plan) as ds:
         take(ds, 2)
@@ -178,6 +183,7 @@ def test_bad_state_is_a_clear_error(plan: Path, bad: dict[str, Any], match: str)
         ds.load_state_dict(bad)
 
 
+@pytest.mark.integration
 def test_state_of_another_plan_is_refused(plan: Path, tmp_path: Path, make_corpus: Any) -> None:
     other = make_corpus(tmp_path / "other", seed=99, **DP1)
     with OverlordIterableDataset.from_plan(other) as ds:
@@ -195,6 +201,7 @@ def test_rank_outside_the_plan_is_refused(plan: Path) -> None:
         OverlordIterableDataset.from_plan(plan, rank=1)
 
 
+@pytest.mark.integration
 def test_num_workers_above_zero_is_refused(plan: Path) -> None:
     ds = OverlordIterableDataset.from_plan(plan)  # nothing started yet: safe to fork
     batches = iter(DataLoader(ds, batch_size=None, num_workers=1))

@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -531,6 +530,8 @@ def load_plan(path: str | Path, check_files: bool = True) -> Plan:
     Relative source paths are resolved against the file's folder. With
     ``check_files`` every source's glob must match at least one file.
     """
+    import yaml  # only to read a file: the plan's model imports with numpy and pydantic alone
+
     path = Path(path)
     try:
         text = path.read_text()

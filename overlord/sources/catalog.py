@@ -24,9 +24,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from overlord.errors import CheckpointError
+from overlord.sources.files import find_shards
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,6 @@ def _url(name: str, base_dir: str) -> str:
 
 def list_files(source: str, patterns: list[str], base_dir: str) -> list[File]:
     """The files of a source now, with their sizes (globs relative to ``base_dir``, or URLs)."""
-    from pathlib import Path
-
-    from overlord.sources.files import find_shards
-
     shards = find_shards(source, patterns, Path(base_dir))
     local = [s for s in shards if "://" not in s.url]
     remote = [s for s in shards if "://" in s.url]
