@@ -6,11 +6,13 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from roundtrip import Part, check_save_restore
 
 from overlord.plan.autoscale import (
     Autoscaler,
@@ -529,3 +531,34 @@ def test_every_problem_of_a_profile_budget_or_policy_is_named_at_once() -> None:
         Budget(cpus=0, max_threads_per_loader=0)
     with pytest.raises(ValueError, match=r"autoscaler: 2 problem\(s\)"):
         Autoscaler(Budget(cpus=4), headroom=0.5, down_threshold=1.5)
+
+
+def test_the_autoscaler_resumes_from_its_state():
+    """Its hysteresis timers carry across a restore: a scale-down waits out its cooldown."""
+    sizes = {"web": (3, 2), "code": (2, 1)}
+
+    def make(state: dict[str, Any] | None) -> dict[str, Any]:
+        scaler = Autoscaler(Budget(cpus=8), cooldown_steps=4)
+        if state is not None:
+            scaler.load_state_dict(state["policy"])
+        step = 0 if state is None else state["step"]
+        return {"scaler": scaler, "step": step, "sizes": dict(state["sizes"] if state else sizes)}
+
+    def advance(part: dict[str, Any]) -> list[Any]:
+        step = part["step"]
+        demand = np.array([[0.9 - 0.08 * step, 0.1 + 0.08 * step]])  # web cools, code heats
+        profiles = [
+            SourceProfile(n, 2e-6, 1e8, loaders=lo, threads=t)
+            for n, (lo, t) in part["sizes"].items()
+        ]
+        d = part["scaler"].decide(step, profiles, demand, 1e6, 1.0)
+        part["sizes"] = {s.name: (s.loaders, s.threads) for s in d.sources}
+        part["step"] += 1
+        return [[s.name, s.loaders, s.threads, s.reason] for s in d.sources]
+
+    def save(part: dict[str, Any]) -> dict[str, Any]:
+        policy = part["scaler"].state_dict()
+        return {"policy": policy, "step": part["step"], "sizes": part["sizes"]}
+
+    outputs = check_save_restore(Part(make, advance, save), 10)
+    assert any("cooldown" in reason or "below" in reason for o in outputs for *_, reason in o)

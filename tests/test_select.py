@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from windows import windows
+from roundtrip import Part, check_save_restore
+from windows import ArrayWindow, windows
 
 from overlord.plan.select import MixState, select_step
 
@@ -63,3 +66,36 @@ def test_zero_weight_sources_get_nothing():
     wins = windows(rng, 3, 512)
     sel = select_step(wins, np.array([0.5, 0.0, 0.5]), MixState.zeros(3), 4, 512, 8)
     assert 1 not in sel.source
+
+
+def test_the_mixture_resumes_from_its_state():
+    lengths = [np.random.default_rng(s).integers(1, 300, 500) for s in range(3)]
+
+    def make(state: dict[str, Any] | None) -> dict[str, Any]:
+        part = {"mix": MixState.zeros(3), "windows": [ArrayWindow(x) for x in lengths], "step": 0}
+        if state is not None:
+            part["mix"] = MixState(np.array(state["target"]), np.array(state["placed"]))
+            for w, (read, pending) in zip(part["windows"], state["windows"]):
+                w.read, w.pending = read, list(pending)
+            part["step"] = state["step"]
+        return part
+
+    def advance(part: dict[str, Any]) -> list[Any]:
+        f = part["step"] / 10
+        weights = np.array([0.6 - 0.4 * f, 0.3, 0.1 + 0.4 * f])
+        sel = select_step(part["windows"], weights, part["mix"], 4, 512, 8)
+        for s, w in enumerate(part["windows"]):
+            w.take([i for src, i in zip(sel.source, sel.pending_index) if src == s])
+        part["step"] += 1
+        return [sel.source, sel.tokens, sel.ref_row]
+
+    def save(part: dict[str, Any]) -> dict[str, Any]:
+        mix = part["mix"]
+        return {
+            "target": mix.target.tolist(),
+            "placed": mix.placed.tolist(),
+            "windows": [[w.read, w.pending] for w in part["windows"]],
+            "step": part["step"],
+        }
+
+    check_save_restore(Part(make, advance, save), 10)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from roundtrip import Part, check_save_restore
 
 torch = pytest.importorskip("torch")
 
@@ -237,3 +238,23 @@ def test_from_job_reads_a_served_job_and_checks_its_position(plan: Path, ray_ses
         ds.close()  # the job keeps running: it is not the dataset's
         assert ds.step == 4
     assert_same(ids(got), want)
+
+
+@pytest.mark.integration
+def test_the_pytorch_dataset_resumes_from_its_state(plan: Path) -> None:
+    job_plan = plan
+    from overlord.torch import OverlordIterableDataset
+
+    def make(state: dict[str, Any] | None) -> tuple[Any, Any]:
+        ds = OverlordIterableDataset.from_plan(job_plan, state=state)
+        return ds, iter(ds)
+
+    check_save_restore(
+        Part(
+            make,
+            lambda p: next(p[1])["input_ids"].tolist(),
+            lambda p: p[0].state_dict(),
+            lambda p: p[0].close(),
+        ),
+        7,
+    )

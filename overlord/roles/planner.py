@@ -125,6 +125,9 @@ class Planner:
         self.start_step = int((state or {}).get("step", 0))
         self.next_step = self.start_step
         self.consumed = [self.start_step - 1] * self.plan.world.dp
+        # the step every rank consumed, and how many ranks are still there: kept as ranks
+        # move, so that a step's calls cost O(1) each, not O(dp)
+        self.done, self._at_done = self.start_step - 1, self.plan.world.dp
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
         self.snapshots: dict[int, dict[str, Any]] = {self.start_step: self._snapshot()}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
@@ -155,7 +158,7 @@ class Planner:
         other ranks' consumption notices to arrive.
         """
         if step is None:
-            step = min(self.consumed) + 1
+            step = self.done + 1
         if step not in self.snapshots:
             raise LoaderError(
                 f"no state for step {step}: states are kept from step {min(self.snapshots)} "
@@ -173,7 +176,7 @@ class Planner:
         A restarted planner may learn that ranks consumed steps it has not
         re-planned yet; its state is then the one before the next step to plan.
         """
-        return min(min(self.consumed) + 1, self.next_step)
+        return min(self.done + 1, self.next_step)
 
     def _consumed_cursor(self, source: str) -> dict[str, Any]:
         """Where ``source``'s order stands once every rank consumed what it received."""
@@ -247,8 +250,8 @@ class Planner:
         )  # a re-planned step is checked against the journal instead
         if journaled and self.next_step % p.recovery.snapshot_every == 0:
             assert self.journal is not None
-            self.journal.snapshot(self._snapshot(), min(self.consumed), self.pool.record())
-        if step <= min(self.consumed):
+            self.journal.snapshot(self._snapshot(), self.done, self.pool.record())
+        if step <= self.done:
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
             self._prune()
@@ -261,7 +264,7 @@ class Planner:
         dp = self.plan.world.dp
         if not 0 <= rank < dp:
             raise LoaderError(f"rank {rank} is outside the plan's world (dp={dp})")
-        lag = min(self.consumed)
+        lag = self.done
         ahead = self.plan.batch.prefetch_steps + 1
         if step > lag + ahead:
             if self.wait_for_ranks:
@@ -302,9 +305,16 @@ class Planner:
         if train_s is not None and train_s >= 0:
             old = self._train_s
             self._train_s = train_s if old is None else old + TRAIN_EMA * (train_s - old)
-        before = min(self.consumed)
-        self.consumed[rank] = max(self.consumed[rank], step)
-        done = min(self.consumed)
+        before, was = self.done, self.consumed[rank]
+        if step <= was:
+            return
+        self.consumed[rank] = step
+        if was == before:
+            self._at_done -= 1
+            if self._at_done == 0:  # the last rank at the old minimum moved: once per step
+                self.done = min(self.consumed)
+                self._at_done = self.consumed.count(self.done)
+        done = self.done
         if done <= before:
             return
         if self.journal is not None:

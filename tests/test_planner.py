@@ -1,0 +1,76 @@
+"""Planner: rank plans cut from a step's columns, consumption, and its state on any DP size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_corpus
+from roundtrip import Part, check_save_restore
+
+from overlord import Loader, LoaderError, load_plan
+from overlord.roles.api import PlannerRole
+from overlord.run import dump_line
+
+pytestmark = pytest.mark.integration
+
+STEPS = 7
+
+
+@pytest.fixture(scope="module")
+def job_plan(tmp_path_factory) -> Path:
+    return make_corpus(
+        tmp_path_factory.mktemp("state"),
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 9 for i in range(3)}, "loaders": 2},
+            "code": {"files": {"data/code/p0.jsonl": 14}},
+        },
+        batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
+        world={"dp": 1},
+    )
+
+
+def test_rank_plans_are_slices_of_the_steps_columns_that_cover_it_once(job_plan):
+    plan = load_plan(job_plan).with_dp(4)
+    with Loader(plan, build_batches=False) as loader:
+        planner = loader.planner
+        parts = [planner.call(PlannerRole.rank_plan, 0, r).result() for r in range(4)]
+        history = planner.call(PlannerRole.stats).result()["history"]
+    items = [(s, *k) for p in parts for s, k in zip(p["source"].tolist(), p["key"].tolist())]
+    assert len(set(items)) == len(items) > 0  # every item of the step, once
+    assert sum(int(p["tokens"].sum()) for p in parts) == sum(history[0]["tokens"])
+    for p in parts:
+        assert p["rows"] == plan.rows_per_rank
+        assert ((p["row"] >= 0) & (p["row"] < plan.rows_per_rank)).all()  # rows of its own
+        assert list(p["row"]) == sorted(p["row"])
+        assert p["cost"] > 0
+    assert max(p["cost"] for p in parts) == pytest.approx(history[0]["max_cost"])
+
+
+def test_a_rank_far_ahead_of_the_others_is_an_error_in_one_process(job_plan):
+    plan = load_plan(job_plan).with_dp(2)
+    with Loader(plan) as loader:
+        ahead = loader.client(0)
+        with pytest.raises(LoaderError, match="ranks may run at most"):
+            for _ in range(plan.batch.prefetch_steps + 3):
+                next(ahead)
+
+
+@pytest.mark.integration
+def test_the_planner_resumes_from_its_state_on_any_dp_size(job_plan):
+    plan = load_plan(job_plan).with_dp(2)
+
+    def make(state: dict[str, Any] | None) -> tuple[Loader, list[Any]]:
+        loader = Loader(plan, state=state)
+        return loader, [loader.client(r) for r in range(2)]
+
+    check_save_restore(
+        Part(
+            make,
+            lambda p: [dump_line(next(c)) for c in p[1]],
+            lambda p: p[0].state_dict(),
+            lambda p: p[0].close(),
+        ),
+        STEPS,
+    )
