@@ -65,7 +65,7 @@ from benchmarks._lib.corpus import write_word_docs
 from benchmarks._lib.procfs import CpuMeter
 from overlord import Loader, load_plan
 from overlord.plan.spec import Plan, validate_plan
-from overlord.sources.files import resolve_files
+from overlord.sources.catalog import list_files
 from overlord.sources.shard import load_shard_items
 from overlord.sources.tokenizers import make_tokenizer
 from overlord.sources.transforms import clean_text
@@ -127,11 +127,12 @@ def write_corpus(root: Path, files: int, docs: int) -> Path:
 def cost_per_token(plan: Plan, source: str, pos: int = 0) -> float:
     """CPU seconds per token of shard ``pos`` of ``source`` (read, transform, tokenize)."""
     spec = next(s for s in plan.sources if s.name == source)
-    shards = resolve_files(spec, plan.base_dir)
+    patterns = [spec.path] if isinstance(spec.path, str) else list(spec.path)
+    files = list_files(spec.name, patterns, str(plan.base_dir))  # epoch 0's files, as a job's
     tok = make_tokenizer(plan.tokenizer, str(plan.base_dir))
-    load_shard_items(plan, spec, shards, tok, 0, pos)  # once untimed: lazy imports, caches
+    load_shard_items(plan, spec, files, tok, 0, pos)  # once untimed: lazy imports, caches
     c0 = time.process_time()
-    items = load_shard_items(plan, spec, shards, tok, 0, pos)
+    items = load_shard_items(plan, spec, files, tok, 0, pos)
     return (time.process_time() - c0) / max(1, int(items.length.sum()))
 
 

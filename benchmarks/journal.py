@@ -21,7 +21,7 @@ from benchmarks._lib.corpus import write_corpus
 from overlord import Loader, load_plan
 from overlord.journal import encode, read_segment, recover, segments
 from overlord.plan.spec import validate_plan
-from overlord.roles.planner import Planner
+from overlord.roles.api import PlannerRole
 
 
 def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> dict:
@@ -30,14 +30,15 @@ def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> d
     data["recovery"] = {"journal_dir": str(folder), "snapshot_every": every, "fsync": fsync}
     plan = validate_plan(data, base_dir=plan.base_dir)
     loader = Loader(plan, build_batches=False)
-    planner: Planner = loader.planner.obj  # type: ignore[attr-defined]
+    planner = loader.planner
     for step in range(steps):  # plan and consume, as ranks would; payloads are not built
         for r in range(plan.world.dp):
-            planner.rank_plan(step, r)
+            planner.call(PlannerRole.rank_plan, step, r).result()
         for r in range(plan.world.dp):
-            planner.mark_consumed(r, step)
-    stats = planner.journal.stats()  # type: ignore[union-attr]
-    path = Path(loader.journal or "")
+            planner.call(PlannerRole.mark_consumed, r, step).result()
+    stats = loader.stats()["journal"]
+    assert loader.journal is not None, "recovery.journal_dir is set: the planner keeps a journal"
+    path = Path(loader.journal)
     records = [rec for seg in segments(path) for rec in read_segment(seg)[0]]
     t0 = time.perf_counter()
     recovered = recover(path)

@@ -336,7 +336,7 @@ def driver_main(a: argparse.Namespace) -> int:
     import ray
 
     from overlord import Loader, load_plan
-    from overlord.loader import LOADER_CONCURRENCY
+    from overlord.roles.source_loader import SourceLoader
 
     d = Path(a.dir)
     plan = load_plan(a.plan)
@@ -352,7 +352,7 @@ def driver_main(a: argparse.Namespace) -> int:
             if (d / "probe-req").exists() and not (d / "probe").exists():
                 actor = (
                     ray.remote(_Probe)
-                    .options(num_cpus=0, max_concurrency=LOADER_CONCURRENCY)
+                    .options(num_cpus=0, max_concurrency=SourceLoader.CONCURRENCY)
                     .remote()
                 )
                 (d / "probe").write_text(str(ray.get(actor.pid.remote())))

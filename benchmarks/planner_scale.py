@@ -1,27 +1,43 @@
 """Planner scale: time and metadata bytes of one planned step at DP 1,024 to 16,384.
 
-What is timed is overlord's real planner, ``Planner._plan_next`` (the role that
-Ray runs as an actor), with its real ``SourceCursor`` per source. Only the
-source loaders are stand-ins: each serves metadata blocks shaped exactly like
-``SourceLoader._publish``'s (per shard: epoch, shard position, file index;
-per item: index int64, tokens int32, record row int64, chunk int32, image
-patches int32), drawn
-from ``synthetic.SOURCES`` (web, code, papers, books; long-tailed lengths,
-split at ``max_seq_len``), one shard of about 1M tokens per block. The blocks
-are made before the step is timed (in a real job loaders make them in other
-processes). Per step the parts are timed by wrapping the functions the
-planner calls:
+What is timed is overlord's real planner, :class:`overlord.roles.planner.Planner`
+(the role that Ray runs as an actor), with its real ``LoaderPool`` and one
+``SourceCursor`` per source, built as a job builds it: ``Planner(plan, files,
+runtime, PoolConfig(...))`` and ``planner.start()``, which spawns the loaders
+through the runtime. Only the source loaders are stand-ins: the benchmark's
+runtime (the inline one) hands the pool a :class:`FakeLoader` wherever it
+spawns a ``SourceLoader``. A FakeLoader serves metadata blocks shaped exactly
+like a SourceLoader's (per shard: epoch, shard position, file index; per item:
+index int64, tokens int32, record row int64, chunk int32, image patches int32),
+drawn from ``synthetic.SOURCES`` (web, code, papers, books; long-tailed
+lengths, split at ``max_seq_len``), one shard of about 1M tokens per block;
+each source has one stand-in file, read once per epoch, so block ``k`` is shard
+0 of epoch ``k``. The blocks are made before the step is timed (in a real job
+loaders make them in other processes).
 
-- ``ingest``: ``SourceCursor._fetch``, turning loader blocks into the cursor's lists;
+A step is driven as ranks drive it: ``rank_plan(step, 0)`` plans the step (and
+cuts rank 0's plan: *full* is the time of that call), then ``rank_plan(step,
+r)`` for every rank (*rank plans*: the planner keeps the step's columns sorted
+by rank and row and slices one rank's plan per call), then ``mark_consumed(r,
+step)`` for every rank (*consume*: the last one releases the step's items to
+the loaders). Within *full*, the parts are timed by wrapping, for this
+planner only, what it calls:
+
+- ``ingest``: the cursors' ``peek`` calls that fetch loader blocks (the loader
+  call and turning its blocks into the cursor's lists);
 - ``select``: ``select_step`` (token-share mixing and the reference packing), less ingest;
 - ``cost``: the cost model; ``assign``: balancing (``kk``, ``lpt`` or ``none``);
-- ``take``: ``SourceCursor.take``, removing the step's items from the cursors;
-- ``rest``: the rank plans (one dict of arrays per rank) and the snapshot.
+- ``take``: the cursors' ``take``, removing the step's items from them;
+- ``rest``: gathering the step's columns, sorting them by rank and row, the history
+  entry and the snapshot.
 
-``select + cost + assign`` is the planning proper; ``full`` is all of
-``_plan_next``. Bytes: *in* is what the loaders send the planner for the
-step's items (pickled blocks, protocol 5, per item times items per step);
-*out* is what the planner sends the constructors: every rank plan pickled.
+``select`` and ``assign`` are the names ``overlord.roles.planner`` calls: they
+are wrapped in that module's namespace while a benchmark planner runs (there
+is no timing hook); the cursors and the cost model are wrapped on this
+planner's instance. ``select + cost + assign`` is the planning proper. Bytes:
+*in* is what the loaders send the planner for the step's items (pickled
+blocks, protocol 5, per item times items per step); *out* is what the planner
+sends the constructors: every rank's ``rank_plan`` pickled.
 
 Grid: DP 1,024, 4,096, 16,384 and 16M, 64M tokens per step; ``max_seq_len`` is
 the tokens per rank, at most 8,192 (16M: 8,192 x 2 rows at DP 1,024, 4,096 x
@@ -33,21 +49,18 @@ again); it is in the target table.
 Target: full planning under 50 ms (5% of a 1-s step) at DP 4,096 with 16M
 tokens. That is 4,096 tokens per rank, so the target table runs it with rows
 of 4,096 x 1, 2,048 x 2 and 1,024 x 4 per rank, each method, and these
-PROTOTYPES (marked *, not in overlord yet):
+bounds and PROTOTYPES (marked *, not in overlord yet):
 
-- ``LB_pig`` and the early exit: a pigeonhole lower bound (now in overlord:
-  ``overlord.plan.balance.pigeonhole_bound``)
-  that sees that dp + 1 full-length chunks put two on one rank; with it,
-  ``assign`` would keep the whole rows without running its solver.
-- rank plans as views of columns permuted once, or lazily (the planner keeps
-  the permuted columns and slices one rank's plan when asked), against a copy
-  of the shipped loop (one stable argsort, then fancy indexing per rank).
+- ``LB_pig``: the pigeonhole lower bound (``overlord.plan.balance.pigeonhole_bound``)
+  that sees that dp + 1 full-length chunks put two on one rank; ``assign``
+  keeps the whole rows without running its solver when they meet it. 'early
+  exit' is what that check costs on its own.
 - ``split assign (G)``: one global selection; the reference rows are balanced
   whole over G groups of dp/G ranks, and each group is assigned on its own
   (critical path = the slowest group, as if each ran in its own process).
 - ``independent groups (G)``: G real planners, each with dp/G ranks, 1/G of
   the tokens and its own share of every source's loaders: selection too runs
-  per group. Critical path = the slowest group's full ``_plan_next``.
+  per group. Critical path = the slowest group's full step.
 
 The process is pinned to one CPU; the load average is printed next to the
 timings (other work on the machine inflates them). Medians over the steps.
@@ -73,7 +86,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -82,12 +95,14 @@ from benchmarks._lib.synthetic import SOURCES, SourceShape, doc_lengths, model_7
 from benchmarks._lib.timing import pin_one_cpu
 from overlord.plan import balance as bal
 from overlord.plan.bounds import capacity_bound
-from overlord.plan.cost import CostModel
-from overlord.plan.spec import BalanceMethod
-from overlord.roles.cursor import SourceCursor
+from overlord.plan.spec import BalanceMethod, Plan, validate_plan
+from overlord.roles.api import LoaderRole
+from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
-from overlord.runtime.base import Handle
-from overlord.runtime.inline import InlineHandle, InlineRuntime
+from overlord.roles.source_loader import SourceLoader
+from overlord.runtime.base import DEFAULT_OPTIONS, Handle, RoleOptions
+from overlord.runtime.inline import InlineRuntime
+from overlord.sources.catalog import File, SourceFiles
 
 MIB = 1 << 20
 DPS = (1024, 4096, 16384)
@@ -97,13 +112,29 @@ TARGET_SEQ_LENS = (4096, 2048, 1024)
 TARGET_MS = 50.0
 BLOCK_TOKENS = 1 << 20  # tokens of one loader block (one shard)
 GROUPS = (16, 64)
+# what a SourceLoader's metadata block holds, and what the planner's cursor reads of it
+BLOCK_SCALARS = ("epoch", "shard_pos", "file_index")
+BLOCK_COLUMNS = {
+    "index": np.int64,
+    "tokens": np.int32,
+    "row": np.int64,
+    "chunk": np.int32,
+    "patches": np.int32,
+}
 
 
 # ---- stand-in loaders --------------------------------------------------------------------
 
 
 class FakeLoader:
-    """A SourceLoader's ``metadata`` call, serving blocks shaped like ``_publish``'s."""
+    """A SourceLoader that serves synthetic metadata blocks and holds no payloads.
+
+    It answers every call of :class:`~overlord.roles.api.LoaderRole`; the
+    planner and its pool call ``metadata``, ``release``, ``stats`` and
+    ``close`` here. The calls a fault or a resize would make (``promote``,
+    ``rewind``, ``freeze``, ``until``) and ``take`` (a constructor's) are not
+    part of this benchmark and raise.
+    """
 
     def __init__(self, shape: SourceShape, cap: int, seed: int):
         self.shape, self.cap = shape, cap
@@ -113,7 +144,9 @@ class FakeLoader:
         self.epoch = 0  # one file per source: block k is (epoch k, shard 0)
         self.ready: deque[tuple[dict[str, Any], int]] = deque()
         self.ready_tokens = 0
-        self.sent_bytes = self.sent_items = 0
+        self.sent_bytes = self.sent_items = self.released = 0
+        self.threads = 1
+        self.fields: dict[str, int] = {}
 
     def _block(self) -> dict[str, Any]:
         length = doc_lengths(self.shape, self.docs, self.rng)
@@ -130,6 +163,7 @@ class FakeLoader:
             "chunk": np.where(n[doc] > 1, k, -1).astype(np.int32),
             "patches": np.zeros(len(doc), dtype=np.int32),  # text: no image patches
         }
+        check_block(block)
         self.epoch += 1
         self.fields = {k: v.dtype.itemsize for k, v in block.items() if isinstance(v, np.ndarray)}
         return block
@@ -142,18 +176,116 @@ class FakeLoader:
             self.ready_tokens += int(b["tokens"].sum())
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
+        """The next prepared block (the benchmark prepares enough before each step)."""
+        if not self.ready:
+            raise RuntimeError(f"FakeLoader {self.shape.name}: no block prepared")
         block, size = self.ready.popleft()
         self.ready_tokens -= int(block["tokens"].sum())
         self.sent_bytes += size
         self.sent_items += len(block["index"])
         return [block]
 
+    def release(self, keys: np.ndarray) -> None:
+        """Nothing is held: count the released items."""
+        self.released += len(keys)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters a pool reads of a loader."""
+        return {
+            "source": self.shape.name,
+            "loader": 0,
+            "items": self.sent_items,
+            "released": self.released,
+            "threads": self.threads,
+            "cpu_s_per_token": float("nan"),
+            "rss_bytes": 0,
+        }
+
+    def set_threads(self, threads: int) -> None:
+        """Recorded only: the blocks are made up front."""
+        self.threads = threads
+
+    def pid(self) -> int:
+        """This process."""
+        return os.getpid()
+
+    def close(self) -> None:
+        """Drop the prepared blocks."""
+        self.ready.clear()
+
+    def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """No payloads: no constructor runs here."""
+        raise NotImplementedError("FakeLoader holds no payloads")
+
+    def promote(self, after: list[int] | None) -> None:
+        """No shadows run here."""
+        raise NotImplementedError("FakeLoader: no failover in this benchmark")
+
+    def rewind(self, start: dict[str, Any]) -> None:
+        """No planner restarts here."""
+        raise NotImplementedError("FakeLoader: no planner restart in this benchmark")
+
+    def freeze(self) -> list[int] | None:
+        """No re-partition here."""
+        raise NotImplementedError("FakeLoader: no re-partition in this benchmark")
+
+    def until(self, limit: list[int]) -> None:
+        """No re-partition here."""
+        raise NotImplementedError("FakeLoader: no re-partition in this benchmark")
+
+
+if TYPE_CHECKING:  # it answers every call of a SourceLoader
+    _role: type[LoaderRole] = FakeLoader
+
+
+def check_block(block: dict[str, Any]) -> None:
+    """Fail unless ``block`` has the fields and dtypes of a SourceLoader's metadata block."""
+    assert set(block) == {*BLOCK_SCALARS, *BLOCK_COLUMNS}, sorted(block)
+    n = len(block["index"])
+    for k, dtype in BLOCK_COLUMNS.items():
+        v = block[k]
+        assert v.dtype == dtype and v.shape == (n,), (k, v.dtype, v.shape)
+
+
+class StandInRuntime(InlineRuntime):
+    """The inline runtime, with a :class:`FakeLoader` wherever a ``SourceLoader`` is spawned.
+
+    It serves one primary loader per source (the benchmark's plan has one
+    loader and no shadows per source); ``loaders`` are those it started.
+    """
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.seed = seed
+        self.loaders: dict[str, FakeLoader] = {}
+
+    def spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
+    ) -> Handle[Any]:
+        """A FakeLoader for a SourceLoader's arguments; any other role as the inline runtime."""
+        if cls is not SourceLoader:
+            return super().spawn(cls, *args, name=name, options=options)
+        plan, _files, source, k, n, start, _keep, shadow, limit = args
+        assert isinstance(plan, Plan)
+        fresh = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
+        if (k, n, shadow, limit, start) != (0, 1, False, None, fresh) or source in self.loaders:
+            raise NotImplementedError(
+                f"the stand-in runtime serves one primary loader per source from the start; "
+                f"asked for loader {k} of {n} of '{source}' (shadow={shadow}, limit={limit}, "
+                f"start={start})"
+            )
+        i = next(i for i, s in enumerate(SOURCES) if s.name == source)
+        fake = (SOURCES[i], plan.batch.max_seq_len, self.seed * 1009 + i)
+        handle = super().spawn(FakeLoader, *fake, name=name, options=options)
+        self.loaders[source] = handle.obj
+        return handle
+
 
 class Bench:
     """A real Planner over stand-in loaders, for one (dp, tokens, max_seq_len, method)."""
 
     def __init__(self, folder: str, dp: int, tokens: int, cap: int, method: str, seed: int):
-        self.tokens = tokens
+        self.tokens, self.dp = tokens, dp
         data = {
             "sources": [
                 {"name": s.name, "path": f"{s.name}.jsonl", "format": "jsonl"} for s in SOURCES
@@ -166,70 +298,135 @@ class Bench:
                 "cost": {"model": {"params": 7e9, "layers": 32, "hidden": 4096}},
             },
         }
-        self.loaders = [FakeLoader(s, cap, seed * 1009 + i) for i, s in enumerate(SOURCES)]
-        handles: dict[str, list[Handle]] = {
-            s.name: [InlineHandle(f, s.name)] for s, f in zip(SOURCES, self.loaders)
-        }
-        self.planner = Planner(data, folder, handles, InlineRuntime())
+        plan = validate_plan(data, base_dir=folder)
+        files = {}
+        for s in SOURCES:  # one stand-in file per source; the FakeLoaders never read it
+            url = os.path.join(folder, f"{s.name}.jsonl")
+            size = os.path.getsize(url)
+            files[s.name] = SourceFiles(s.name, [(0, (File(f"{s.name}.jsonl", url, size),))])
+        self.runtime = StandInRuntime(seed)
+        config = PoolConfig(shadows={s.name: 0 for s in SOURCES})
+        self.planner = Planner(plan, files, self.runtime, config)
+        self.planner.start()
+        self.loaders = [self.runtime.loaders[s.name] for s in SOURCES]
 
     def prepare(self) -> None:
         for s, f in zip(SOURCES, self.loaders):
             f.prepare(2.0 * s.weight * self.tokens + BLOCK_TOKENS)
 
-    def step(self) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
-        """Plan one step: (seconds, the rank plans, the step's history entry)."""
+    def step(self) -> dict[str, Any]:
+        """Plan one step and hand it out to every rank, as ranks ask for it; what it took.
+
+        ``seconds``: ``rank_plan(step, 0)``, which plans the step; ``slice_s``:
+        ``rank_plan(step, r)`` for every rank; ``consume_s``: ``mark_consumed``
+        for every rank. Also every rank's plan, and the step's history entry.
+        """
         self.prepare()
         p = self.planner
+        step = p.next_step
         t0 = time.perf_counter()
-        p._plan_next()
-        seconds = time.perf_counter() - t0
-        plans = p.plans.pop(p.next_step - 1)
-        p.snapshots.pop(p.next_step - 1, None)
-        return seconds, plans, p.history[-1]
+        p.rank_plan(step, 0)
+        t1 = time.perf_counter()
+        plans = [p.rank_plan(step, r) for r in range(self.dp)]
+        t2 = time.perf_counter()
+        for r in range(self.dp):
+            p.mark_consumed(r, step)
+        t3 = time.perf_counter()
+        assert step not in p.plans, "every rank consumed the step: its columns are released"
+        return {
+            "seconds": t1 - t0,
+            "slice_s": t2 - t1,
+            "consume_s": t3 - t2,
+            "plans": plans,
+            "history": p.history[-1],
+        }
 
     def bytes_per_item_in(self) -> float:
         items = sum(f.sent_items for f in self.loaders)
         return sum(f.sent_bytes for f in self.loaders) / max(1, items)
+
+    def close(self) -> None:
+        self.runtime.shutdown()
 
 
 # ---- timing the planner's parts ------------------------------------------------------------
 
 
 class Parts:
-    """Wraps what ``_plan_next`` calls; accumulates seconds per part, keeps assign's call."""
+    """Seconds per part of one planner's steps, and ``assign``'s last call (inputs, result)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.last_assign: tuple[tuple[Any, ...], Any] | None = None
 
-    def _wrap(self, owner: Any, name: str, part: str, keep: bool = False) -> Callable[[], None]:
-        fn = getattr(owner, name)
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] = self.seconds.get(part, 0.0) + seconds
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(self, fn: Callable[..., Any], part: str, keep: bool = False) -> Callable[..., Any]:
+        """``fn``, its time added to ``part`` (and its call kept, with ``keep``)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+            self.add(part, time.perf_counter() - t0)
             if keep:
                 self.last_assign = (args, out)
             return out
 
-        setattr(owner, name, timed)
-        return lambda: setattr(owner, name, fn)
+        return call
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[Parts]:
-        undo = [
-            self._wrap(planner_mod, "select_step", "select"),
-            self._wrap(planner_mod, "assign", "assign", keep=True),
-            self._wrap(SourceCursor, "_fetch", "ingest"),
-            self._wrap(SourceCursor, "take", "take"),
-            self._wrap(CostModel, "cost", "cost"),
-        ]
+    def installed(self, planner: Planner) -> Iterator[Parts]:
+        """Time ``planner``'s parts: its cursors and cost model, and the planner module's
+        ``select_step`` and ``assign`` (restored on exit)."""
+        cursors, cost = planner.cursors, planner.cost
+        planner.cursors = [TimedCursor(c, self) for c in cursors]  # type: ignore[misc]
+        planner.cost = TimedCost(cost, self)  # type: ignore[assignment]
+        names = {"select_step": "select", "assign": "assign"}
+        saved = {name: getattr(planner_mod, name) for name in names}
+        for name, part in names.items():
+            setattr(planner_mod, name, self.timed(saved[name], part, keep=part == "assign"))
         try:
             yield self
         finally:
-            for u in reversed(undo):
-                u()
+            for name, fn in saved.items():
+                setattr(planner_mod, name, fn)
+            planner.cursors, planner.cost = cursors, cost
+
+
+class TimedCursor:
+    """A planner's SourceCursor whose fetching ``peek`` calls count as ingest, ``take`` as take.
+
+    ``select_step`` reads a source through ``peek`` (the
+    :class:`~overlord.plan.select.Window` protocol); a peek past the pending
+    items fetches the loader's next blocks and turns them into the cursor's lists.
+    """
+
+    def __init__(self, cursor: Any, parts: Parts):
+        self._cursor, self._parts = cursor, parts
+        self.take = parts.timed(cursor.take, "take")
+
+    def peek(self, i: int) -> int:
+        if i < len(self._cursor.tokens):
+            return int(self._cursor.peek(i))
+        t0 = time.perf_counter()
+        out = int(self._cursor.peek(i))
+        self._parts.add("ingest", time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
+class TimedCost:
+    """A planner's cost model whose ``cost`` calls count as cost."""
+
+    def __init__(self, model: Any, parts: Parts):
+        self._model = model
+        self.cost = parts.timed(model.cost, "cost")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
 
 
 def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
@@ -237,17 +434,19 @@ def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
     parts = Parts()
     rows: list[dict[str, float]] = []
     out_bytes, items, quality, calls = [], [], [], []
-    with parts.installed():
+    with parts.installed(bench.planner):
         for i in range(warmup + steps):
             parts.seconds = {}
-            seconds, plans, hist = bench.step()
+            got = bench.step()
             if i < warmup:
                 continue
+            seconds, plans, hist = got["seconds"], got["plans"], got["history"]
             s = dict(parts.seconds)
             s["select"] = s.get("select", 0.0) - s.get("ingest", 0.0)
             s["full"] = seconds
             s["plan"] = s["select"] + s.get("cost", 0.0) + s.get("assign", 0.0)
             s["rest"] = seconds - sum(s.get(k, 0.0) for k in ("plan", "ingest", "take"))
+            s["slice"], s["consume"] = got["slice_s"], got["consume_s"]
             rows.append(s)
             out_bytes.append(sum(len(pickle.dumps(rp, protocol=5)) for rp in plans))
             fields = {
@@ -258,6 +457,7 @@ def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
             items.append(sum(len(rp["tokens"]) for rp in plans))
             quality.append((hist["max_cost"] / hist["lower_bound"], hist["baseline_max_cost"]))
             calls.append(parts.last_assign)
+    bench.close()
     med = {k: 1e3 * float(np.median([r.get(k, 0.0) for r in rows])) for k in rows[0]}
     med["full_p95"] = 1e3 * float(np.percentile([r["full"] for r in rows], 95))
     n_items = float(np.mean(items))
@@ -276,79 +476,14 @@ def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
 # ---- prototypes ------------------------------------------------------------------------------
 
 
-def columns_by_rank(
-    cols: dict[str, np.ndarray], row: np.ndarray, dp: int, rpr: int
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """PROTOTYPE: every column permuted once into rank order, rows made local, rank bounds."""
-    order = np.argsort(row, kind="stable")
-    sorted_row = row[order]
-    bounds = np.searchsorted(sorted_row, np.arange(dp + 1) * rpr)
-    return {k: v[order] for k, v in cols.items()}, sorted_row % rpr, bounds
-
-
-def rank_plans_vectorized(cols: dict[str, np.ndarray], row: np.ndarray, dp: int, rpr: int) -> list:
-    """PROTOTYPE: every rank's plan as views of the columns permuted once."""
-    sorted_cols, local, bounds = columns_by_rank(cols, row, dp, rpr)
-    return [
-        {"rank": r, "rows": rpr, "row": local[bounds[r] : bounds[r + 1]]}
-        | {k: v[bounds[r] : bounds[r + 1]] for k, v in sorted_cols.items()}
-        for r in range(dp)
-    ]
-
-
-def rank_plans_lazy(cols: dict[str, np.ndarray], row: np.ndarray, dp: int, rpr: int) -> list:
-    """PROTOTYPE: only the permuted columns per step; ``rank_plan`` would slice on request."""
-    sorted_cols, local, bounds = columns_by_rank(cols, row, dp, rpr)
-    return [{} for _ in range(dp)]  # stand-ins, so that the per-rank cost is set as for the others
-
-
-def rank_plans_shipped(cols: dict[str, np.ndarray], row: np.ndarray, dp: int, rpr: int) -> list:
-    """A copy of ``Planner._plan_next``'s rank-plan loop (commit 26aa1db), for an A/B timing."""
-    plans = []
-    by_row = np.argsort(row, kind="stable")
-    bounds = np.searchsorted(row[by_row], np.arange(dp + 1) * rpr)
-    for r in range(dp):
-        mine = by_row[bounds[r] : bounds[r + 1]]
-        plans.append(
-            {"rank": r, "rows": rpr, "row": row[mine] - r * rpr}
-            | {k: v[mine] for k, v in cols.items()}
-        )
-    return plans
-
-
-def time_rank_plans(call: tuple[tuple[Any, ...], Any], repeats: int = 3) -> dict[str, float]:
-    """Milliseconds to build every rank plan of one step: shipped loop, and views."""
-    (tokens, cost, _ref, dp, rpr, _cap, _m), row = call
-    n = len(tokens)
-    rng = np.random.default_rng(0)
-    cols = {k: rng.integers(0, 1 << 20, n) for k in ("source", "loader", "file_index", "rec_row")}
-    cols |= {"tokens": tokens, "chunk": rng.integers(-1, 4, n), "key": rng.integers(0, 9, (n, 3))}
-    out = {}
-    variants = (
-        ("shipped", rank_plans_shipped),
-        ("views", rank_plans_vectorized),
-        ("lazy", rank_plans_lazy),
-    )
-    for name, fn in variants:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            plans = fn(cols, row, dp, rpr)
-            for rp, c in zip(plans, np.bincount(row // rpr, weights=cost, minlength=dp)):
-                rp["cost"] = float(c)
-            times.append(time.perf_counter() - t0)
-        out[name] = 1e3 * float(np.median(times))
-    return out
-
-
 def split_assign(call: tuple[tuple[Any, ...], Any], groups: int) -> dict[str, float]:
     """PROTOTYPE: reference rows balanced whole over groups, then each group assigned alone."""
     (tokens, cost, ref_row, dp, rpr, cap, method), _ = call
     rows = dp * rpr
     per = rows // groups
     t0 = time.perf_counter()
-    by_rows = np.bincount(ref_row, weights=cost, minlength=rows)
-    new_ref = bal._rows_balanced(by_rows, groups, per)[ref_row]
+    # the reference rows balanced whole over the groups, ``per`` rows each (a group is a rank)
+    new_ref = bal.whole_rows(cost, ref_row, groups, per)
     group = new_ref // per
     order = np.argsort(group, kind="stable")
     bounds = np.searchsorted(group[order], np.arange(groups + 1))
@@ -384,15 +519,18 @@ def independent_groups(
         got = [b.step() for b in benches]
         if i == 0:
             continue  # warm-up
-        times = [s for s, _, _ in got]
+        times = [g["seconds"] for g in got]
         crit.append(max(times))
         total.append(sum(times))
         # the step's lower bound over all groups: the mean, or a group's largest item
-        mean = sum(h["mean_cost"] for _, _, h in got) / groups
+        hist = [g["history"] for g in got]
+        mean = sum(h["mean_cost"] for h in hist) / groups
         largest = max(
-            (h["lower_bound"] for _, _, h in got if h["lower_bound"] > h["mean_cost"]), default=0.0
+            (h["lower_bound"] for h in hist if h["lower_bound"] > h["mean_cost"]), default=0.0
         )
-        ratio.append(max(h["max_cost"] for _, _, h in got) / max(mean, largest))
+        ratio.append(max(h["max_cost"] for h in hist) / max(mean, largest))
+    for b in benches:
+        b.close()
     return {
         "critical_ms": 1e3 * float(np.median(crit)),
         "sum_ms": 1e3 * float(np.median(total)),
@@ -465,7 +603,6 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {
             "cap": cap,
             "rpr": rpr,
-            "vec_ms": time_rank_plans(call),
             "whole_lb": whole_span / lb,
             "whole_lbcap": whole_span / lb_cap,
             "whole_pig": whole_span / lb_pig,
@@ -491,38 +628,43 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - t_start:.0f} s in all. max_seq_len = tokens per rank, "
         "at most 8,192.\n"
     )
-    print("## Grid (as shipped)\n")
+    print("## Grid\n")
+    print(
+        "full: rank_plan(step, 0), which plans the step; rest: its columns sorted by rank and "
+        "row, history and snapshot. rank_plan x DP: every rank's plan sliced from those columns "
+        "(one call per rank); mark_consumed x DP: every rank's notice (the last releases the "
+        "step's items). out: every rank plan pickled.\n"
+    )
     print(
         "| tokens/step | DP | max_seq_len x rows/rank | method | items/step | select+cost+assign "
-        "| (select / assign) | ingest | take | rest (rank plans) | full | full p95 "
-        "| makespan/LB | in MB/step | out MB/step |"
+        "| (select / assign) | ingest | take | rest | full | full p95 | rank_plan x DP "
+        "| mark_consumed x DP | makespan/LB | in MB/step | out MB/step |"
     )
-    print("|" + "---:|" * 3 + "---|" + "---:|" * 11)
+    print("|" + "---:|" * 3 + "---|" + "---:|" * 13)
     for g_tokens, g_dp, cap, method, r in grid:
         print(row_line(f"{g_tokens // MIB}M", g_dp, cap, g_tokens // (g_dp * cap), method, r))
 
     print(f"\n## Target point: DP {TARGET[0]}, {TARGET[1] // MIB}M tokens per step\n")
     print(
         "| tokens/step | DP | max_seq_len x rows/rank | method | items/step | select+cost+assign "
-        "| (select / assign) | ingest | take | rest (rank plans) | full | full p95 "
-        "| makespan/LB | in MB/step | out MB/step |"
+        "| (select / assign) | ingest | take | rest | full | full p95 | rank_plan x DP "
+        "| mark_consumed x DP | makespan/LB | in MB/step | out MB/step |"
     )
-    print("|" + "---:|" * 3 + "---|" + "---:|" * 11)
+    print("|" + "---:|" * 3 + "---|" + "---:|" * 13)
     for cap, method, r in target:
         print(row_line(f"{tokens // MIB}M", dp, cap, tokens // (dp * cap), method, r))
 
-    print("\n## Prototypes at the target point (not in overlord yet)\n")
+    print("\n## Bounds and prototypes at the target point (prototypes * not in overlord yet)\n")
     print(
-        "LB_pig* is the pigeonhole bound (overlord.plan.balance.pigeonhole_bound); "
-        "'early exit*' is what assign "
-        "would spend with it: rows balanced whole, then the bound. Rank plans: the shipped loop "
-        "(fancy indexing per rank) against views of columns permuted once, and against only "
-        "permuting them (lazy: rank_plan would slice on each request). 'slowest (sum)': "
-        "the critical path with one process per group, and the one-core total.\n"
+        "LB_pig is the pigeonhole bound (overlord.plan.balance.pigeonhole_bound); "
+        "'early exit' is what assign spends on it before its solver: rows balanced whole, "
+        "then the bound (assign returns the whole rows when they meet it). rank_plan x DP: "
+        "kk's, from the table above. 'slowest (sum)': the critical path with one process per "
+        "group, and the one-core total.\n"
     )
     print(
-        "| max_seq_len x rows/rank | whole rows/LB | whole rows/LB_cap | whole rows/LB_pig* "
-        "| kk/LB_pig* | early exit* ms | rank plans ms: shipped / views* / lazy* "
+        "| max_seq_len x rows/rank | whole rows/LB | whole rows/LB_cap | whole rows/LB_pig "
+        "| kk/LB_pig | early exit ms | rank_plan x DP ms "
         + "".join(
             f"| split assign* G={g}: slowest (sum) ms, makespan/LB "
             f"| independent groups* G={g}: slowest (sum) ms, makespan/LB "
@@ -532,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|" + "---:|" * (7 + 2 * len(GROUPS)))
     for e in protos:
+        kk = next(r for c, m, r in target if c == e["cap"] and m == "kk")["ms"]
         cells = "".join(
             f"| {e['split'][g]['critical_ms']:.1f} ({e['split'][g]['sum_ms']:.0f}), "
             f"{e['split'][g]['ratio']:.4f} "
@@ -542,8 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {e['cap']} x {e['rpr']} | {e['whole_lb']:.4f} | {e['whole_lbcap']:.4f} "
             f"| {e['whole_pig']:.4f} | {e['kk_pig']:.4f} | {e['exit_ms']:.1f} "
-            f"| {e['vec_ms']['shipped']:.1f} / {e['vec_ms']['views']:.1f} "
-            f"/ {e['vec_ms']['lazy']:.1f} {cells}|"
+            f"| {kk['slice']:.1f} {cells}|"
         )
 
     print("\n## Metadata bytes\n")
@@ -563,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         + " + ".join(f"{k} {v}" for k, v in fout.items())
         + f" = {sum(fout.values())} B, plus {overhead:.0f} B per rank (the pickled dict and "
         f"array headers): {overhead * 16384 / 1e6:.1f} MB per step at DP 16,384 before any item, "
-        "and one rank_plan call per rank per step."
+        "and one rank_plan call per rank per step, each slicing the step's columns."
     )
     for d in DPS:
         print(
@@ -577,7 +719,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"- {cap} x {tokens // (dp * cap)} rows, {method}: select+cost+assign "
             f"{ms['plan']:.1f} ms ({'meets' if ms['plan'] < TARGET_MS else 'MISSES'}), full "
-            f"{ms['full']:.1f} ms ({'meets' if ms['full'] < TARGET_MS else 'MISSES'})"
+            f"{ms['full']:.1f} ms ({'meets' if ms['full'] < TARGET_MS else 'MISSES'}); then "
+            f"{ms['slice']:.1f} ms of rank_plan calls and {ms['consume']:.1f} ms of "
+            "mark_consumed for the step's ranks"
         )
     for e in protos:
         none = next(r for c, m, r in target if c == e["cap"] and m == "none")["ms"]
@@ -587,20 +731,15 @@ def main(argv: list[str] | None = None) -> int:
             for g in GROUPS
         ]
         if e["whole_pig"] <= 1 + 1e-9:
-            # none's measured step (whole rows, no solver) plus the early exit's own cost
-            one = none["full"] + e["exit_ms"]
-            lazy = one - e["vec_ms"]["shipped"] + e["vec_ms"]["lazy"]
             parts.insert(
                 0,
-                f"one process, kk with the pigeonhole early exit (none's measured step + "
-                f"{e['exit_ms']:.1f} ms): {one:.1f} ms "
-                f"({'meets' if one < TARGET_MS else 'MISSES'}), and with lazy rank plans "
-                f"{lazy:.1f} ms ({'meets' if lazy < TARGET_MS else 'MISSES'})",
+                "one process: whole rows meet LB_pig, so kk and lpt take assign's early exit "
+                f"({e['exit_ms']:.1f} ms; measured above)",
             )
         else:
             parts.insert(
                 0,
-                f"one process: whole rows are {100 * (e['whole_pig'] - 1):.2f}% above LB_pig*, "
+                f"one process: whole rows are {100 * (e['whole_pig'] - 1):.2f}% above LB_pig, "
                 f"so the solver must run; select alone is {none['select']:.1f} ms",
             )
         print(f"- {e['cap']} x {e['rpr']} rows, PROTOTYPES: " + "; ".join(parts))
@@ -664,7 +803,7 @@ def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, pa
     dps_all = sorted({g[1] for g in grid})
     log_dp_axes(ax, dps_all)
     ax.set_ylabel("planner time per step, ms (median)")
-    ax.set_title("Grid as shipped (labels: max_seq_len x rows/rank)", fontsize=10)
+    ax.set_title("Grid (labels: max_seq_len x rows/rank)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.margins(x=0.08, y=0.12)
     plain_log_ticks(ax)
@@ -762,7 +901,8 @@ def row_line(tokens: str, dp: int, cap: int, rpr: int, method: str, r: dict[str,
         f"| {tokens} | {dp} | {cap} x {rpr} | {method} | {r['items']:.0f} | {ms['plan']:.1f} "
         f"| ({ms['select']:.1f} / {ms.get('assign', 0.0):.1f}) | {ms.get('ingest', 0.0):.1f} "
         f"| {ms.get('take', 0.0):.1f} | {ms['rest']:.1f} | {ms['full']:.1f} "
-        f"| {ms['full_p95']:.1f} | {r['ratio']:.4f} | {fmt_mb(r['in_bytes'])} "
+        f"| {ms['full_p95']:.1f} | {ms['slice']:.1f} | {ms['consume']:.1f} | {r['ratio']:.4f} "
+        f"| {fmt_mb(r['in_bytes'])} "
         f"| {fmt_mb(r['out_bytes'])} |"
     )
 
