@@ -114,8 +114,9 @@ class Loader:
         )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)
-        # each role in a process of its own (its memory its own, ranks that wait for each other)
-        distributed = runtime != "inline"
+        # roles in processes of their own can die alone: shadows and a planner journal by
+        # default; their memory is their own; ranks wait for each other; constructors prefetch
+        distributed = self.runtime.isolated
         # the planner's journal, for a planner that Ray restarts; a fresh folder per run
         self.journal: str | None = None
         recovery = self.plan.recovery

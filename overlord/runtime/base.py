@@ -105,9 +105,16 @@ DEFAULT_OPTIONS = RoleOptions()
 
 
 class Runtime(Protocol):
-    """What runs the roles."""
+    """What runs the roles.
+
+    ``isolated`` says whether each role runs in a process of its own (so one
+    can die while the others live on, and its memory is its own): what the
+    wiring decides defaults by (shadows, a journal for the planner), never a
+    role.
+    """
 
     name: str
+    isolated: bool
 
     def spawn(
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS

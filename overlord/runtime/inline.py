@@ -34,6 +34,7 @@ class InlineRuntime:
     """Roles as plain objects. Loaders still read ahead on their own threads."""
 
     name = "inline"
+    isolated = False  # one process: a role dies only with the trainer
 
     def __init__(self) -> None:
         self._handles: list[InlineHandle] = []

@@ -99,6 +99,7 @@ class RayRuntime:
     """
 
     name = "ray"
+    isolated = True  # every role an actor, a process of its own
 
     def __init__(self, job: str, address: str | None = None, connect: bool = True):
         self.job = job
