@@ -23,8 +23,8 @@ step)`` for every rank (*consume*: the last one releases the step's items to
 the loaders). Within *full*, the parts are timed by wrapping, for this
 planner only, what it calls:
 
-- ``ingest``: the cursors' ``peek`` calls that fetch loader blocks (the loader
-  call and turning its blocks into the cursor's lists);
+- ``ingest``: the cursors' ``fetch`` calls, which bring loader blocks (the loader
+  call; turning the blocks into the cursor's lists counts in select);
 - ``select``: ``select_step`` (token-share mixing and the reference packing), less ingest;
 - ``cost``: the cost model; ``assign``: balancing (``kk``, ``lpt`` or ``none``);
 - ``take``: the cursors' ``take``, removing the step's items from them;
@@ -377,10 +377,13 @@ class Parts:
 
     @contextlib.contextmanager
     def installed(self, planner: Planner) -> Iterator[Parts]:
-        """Time ``planner``'s parts: its cursors and cost model, and the planner module's
-        ``select_step`` and ``assign`` (restored on exit)."""
+        """Time ``planner``'s parts: its cursors' fetches and takes, its cost model, and the
+        planner module's ``select_step`` and ``assign`` (all restored on exit)."""
         cursors, cost = planner.cursors, planner.cost
-        planner.cursors = [TimedCursor(c, self) for c in cursors]  # type: ignore[misc]
+        fetches = [c.fetch for c in cursors]
+        for c in cursors:  # instance attributes: the cursors' own peek runs unwrapped
+            c.fetch = self.timed(c.fetch, "ingest")
+            c.take = self.timed(c.take, "take")  # type: ignore[method-assign]
         planner.cost = TimedCost(cost, self)  # type: ignore[assignment]
         names = {"select_step": "select", "assign": "assign"}
         saved = {name: getattr(planner_mod, name) for name in names}
@@ -391,31 +394,10 @@ class Parts:
         finally:
             for name, fn in saved.items():
                 setattr(planner_mod, name, fn)
-            planner.cursors, planner.cost = cursors, cost
-
-
-class TimedCursor:
-    """A planner's SourceCursor whose fetching ``peek`` calls count as ingest, ``take`` as take.
-
-    ``select_step`` reads a source through ``peek`` (the
-    :class:`~overlord.plan.select.Window` protocol); a peek past the pending
-    items fetches the loader's next blocks and turns them into the cursor's lists.
-    """
-
-    def __init__(self, cursor: Any, parts: Parts):
-        self._cursor, self._parts = cursor, parts
-        self.take = parts.timed(cursor.take, "take")
-
-    def peek(self, i: int) -> int:
-        if i < len(self._cursor.tokens):
-            return int(self._cursor.peek(i))
-        t0 = time.perf_counter()
-        out = int(self._cursor.peek(i))
-        self._parts.add("ingest", time.perf_counter() - t0)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cursor, name)
+            for c, fetch in zip(cursors, fetches):
+                c.fetch = fetch
+                del c.take
+            planner.cost = cost
 
 
 class TimedCost:
