@@ -115,12 +115,12 @@ def _grouped(
     and ``(member, tag)`` of every loader the call answers for.
     """
     out: list[Any] = []
-    groups: dict[int, Any] = {}
+    groups: dict[str, Any] = {}  # by the group's name: handles to one process may be copies
     for handle, keys, tag in calls:
         if isinstance(handle, MemberHandle):
-            entry = groups.get(id(handle.group))
+            entry = groups.get(handle.group.name)
             if entry is None:
-                entry = groups[id(handle.group)] = [handle.group, {}, []]
+                entry = groups[handle.group.name] = [handle.group, {}, []]
                 out.append(entry)
             entry[1][handle.name] = keys
             entry[2].append((handle.name, tag))
