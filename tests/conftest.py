@@ -144,6 +144,20 @@ def default_corpus(tmp_path: Path) -> Path:
     return make_corpus(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def job_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small two-source job for one rank: web (3 files, 2 loaders) and code (1 file)."""
+    return make_corpus(
+        tmp_path_factory.mktemp("job"),
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 9 for i in range(3)}, "loaders": 2},
+            "code": {"files": {"data/code/p0.jsonl": 14}},
+        },
+        batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
+        world={"dp": 1},
+    )
+
+
 def consume(plan: Any, steps: int, **loader_kwargs: Any) -> list[Any]:
     """Every rank's batch of steps 0..steps-1, step by step, as a trainer would take them."""
     from overlord import Loader

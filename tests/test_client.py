@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_corpus
 from roundtrip import Part, check_save_restore
 
 from overlord import Loader, LoaderError, load_plan
@@ -64,19 +62,6 @@ def test_a_batch_of_another_step_is_refused():
     client = Client(1, InlineHandle(Wrong(), "c"), InlineHandle(Planner(), "p"), 0)
     with pytest.raises(LoaderError, match="asked for step 0 and received step 1"):
         next(client)
-
-
-@pytest.fixture(scope="module")
-def job_plan(tmp_path_factory) -> Path:
-    return make_corpus(
-        tmp_path_factory.mktemp("state"),
-        {
-            "web": {"files": {f"data/web/p{i}.jsonl": 9 for i in range(3)}, "loaders": 2},
-            "code": {"files": {"data/code/p0.jsonl": 14}},
-        },
-        batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
-        world={"dp": 1},
-    )
 
 
 @pytest.mark.integration

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_corpus
 from roundtrip import Part, check_save_restore
 
 from overlord import Loader, LoaderError, load_plan
@@ -16,19 +14,6 @@ from overlord.run import dump_line
 pytestmark = pytest.mark.integration
 
 STEPS = 7
-
-
-@pytest.fixture(scope="module")
-def job_plan(tmp_path_factory) -> Path:
-    return make_corpus(
-        tmp_path_factory.mktemp("state"),
-        {
-            "web": {"files": {f"data/web/p{i}.jsonl": 9 for i in range(3)}, "loaders": 2},
-            "code": {"files": {"data/code/p0.jsonl": 14}},
-        },
-        batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
-        world={"dp": 1},
-    )
 
 
 def test_rank_plans_are_slices_of_the_steps_columns_that_cover_it_once(job_plan):
