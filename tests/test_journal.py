@@ -58,12 +58,7 @@ def test_the_journal_replays_to_the_exact_state_of_every_consumed_step(plan_path
     path, states = journal_of(plan_path, tmp_path, 12)
     recovered = recover(path)
     plan = load_plan(plan_path)
-    schedule = Schedule(plan)
-
-    def weights(step: int) -> dict[str, float]:
-        return dict(zip(plan.source_names, schedule.weights(step).tolist()))
-
-    replayed, _ = statefmt.replay([(r.snapshot, r.deltas) for r in recovered], weights)
+    replayed, _ = statefmt.replay([(r.snapshot, r.deltas) for r in recovered], Schedule(plan).named)
     compared = [s for s in states if s["step"] in replayed]
     assert len(compared) >= 3  # the steps of the last segment (older ones were dropped)
     for s in compared:

@@ -18,7 +18,7 @@ class Schedule:
     """
 
     def __init__(self, plan: Plan):
-        names = plan.source_names
+        self.names = names = plan.source_names
         if plan.mixture is None:
             self._steps = [0]
             self._weights = np.full((1, len(names)), 1.0 / len(names))
@@ -50,3 +50,7 @@ class Schedule:
         s0, s1 = self._steps[i], self._steps[i + 1]
         f = (step - s0) / (s1 - s0)
         return (1 - f) * self._weights[i] + f * self._weights[i + 1]
+
+    def named(self, step: int) -> dict[str, float]:
+        """Weights at ``step`` by source name."""
+        return dict(zip(self.names, self.weights(step).tolist()))

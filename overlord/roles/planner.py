@@ -1,19 +1,13 @@
 """Planner: turns metadata into step plans, and owns the state a checkpoint holds.
 
 For each step it selects the items (mixing, DP-independent), assigns them to
-ranks and rows (balancing), and keeps the step's plan until every rank has
-consumed it; a rank's plan is a slice of the step's columns, cut when asked.
-It sees metadata only; payloads go from loaders to constructors. Its loaders
-belong to its :class:`~overlord.roles.loader_pool.LoaderPool`, which it asks
-for metadata and hands what every rank consumed.
-
-Its state before each step is snapshotted (a few numbers per source, and the
-job's files), so that ``state_dict()`` describes exactly the last step every
-rank consumed. With a journal (:mod:`overlord.journal`), every planned step
-and every consumed step is recorded before it takes effect, so a restarted
-planner resumes at the step every rank consumed, re-plans the steps after it
-identically (and checks that against the journal), and rewinds the loaders to
-serve those items again.
+ranks and rows (balancing), and keeps the step's plan, as columns sorted by
+rank and row, until every rank has consumed it; a rank's plan is a slice cut
+when asked. It sees metadata only. Its loaders belong to its
+:class:`~overlord.roles.loader_pool.LoaderPool`, which it asks for metadata
+and hands what every rank consumed. Its state before each step is kept until
+every rank consumed the step; with a journal (:mod:`overlord.journal`) a
+restarted planner resumes there and re-plans the steps after it identically.
 """
 
 from __future__ import annotations
@@ -74,7 +68,7 @@ class Planner:
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
-        recovered = self.journal.resume(self._weights) if self.journal is not None else None
+        recovered = self.journal.resume(self.schedule.named) if self.journal else None
         self.pool = LoaderPool(
             *(plan, files, runtime, config),
             consumed=self._consumed_cursor,
@@ -93,11 +87,10 @@ class Planner:
             self.pool.rewind({n: self._consumed_cursor(n) for n in self.names})
 
     def start(self) -> None:
-        """Spawn the loaders; a planner restarted from its journal finds its own instead.
+        """Spawn the loaders (a restarted planner found its own in the journal).
 
-        Not part of the constructor, so that an error here is the caller's to
-        see: a runtime that restarts a planner whose constructor failed would
-        try again forever.
+        Not in the constructor: a runtime restarts a planner whose constructor
+        failed, forever; an error here is the caller's to see.
         """
         if self._started:
             return
@@ -182,9 +175,6 @@ class Planner:
         """Where ``source``'s order stands once every rank consumed what it received."""
         cursor: dict[str, Any] = self.snapshots[self._consumed_step()]["sources"][source]["cursor"]
         return cursor
-
-    def _weights(self, step: int) -> dict[str, float]:
-        return dict(zip(self.names, self.schedule.weights(step).tolist()))
 
     # ---- planning --------------------------------------------------------------------------
 
