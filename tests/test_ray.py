@@ -230,3 +230,32 @@ def test_loaders_grouped_in_fewer_processes_give_the_same_stream(ray_session, pl
     with Loader(plan, runtime="ray") as loader:
         # one loader group, its shadow group, the planner, 4 constructors
         assert len(loader.runtime.job_actors()) == 1 + 1 + 1 + 4
+
+
+def test_a_file_added_mid_run_is_not_read_by_a_loader_a_failover_starts(ray_session, tmp_path):
+    """The job's files are listed once: on Ray too, a replacement loader reads the same list.
+
+    It used to list the folder again and the job died in the constructor
+    (``could not broadcast input array from shape (55,) into shape (54,)``).
+    """
+    from conftest import make_corpus, write_file
+    from jobs import kill, run_job
+
+    plan = load_plan(
+        make_corpus(
+            tmp_path,
+            {"web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(6)}, "shadows": 0}},
+            batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
+            world={"dp": 1},
+            loading={"timeout_s": 20},
+        )
+    )
+    reference = run_job(plan, steps=30).lines
+
+    def add_then_kill(loader: Loader) -> None:
+        write_file(tmp_path / "data/web/part-6.jsonl", 30, tag="web/part-6")
+        kill("web", 0)(loader)
+
+    ran = run_job(plan, {(10, 0): add_then_kill}, steps=30, runtime="ray")
+    assert ran.lines == reference
+    assert [e["event"] for e in ran.stats["events"]] == ["failover"]
