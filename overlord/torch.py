@@ -126,9 +126,9 @@ def encode_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Source(Protocol):
-    """Where a dataset's batches come from: an embedded Loader or a served job."""
+    """Where a dataset's batches come from: an embedded Loader, the node's, or a served job."""
 
-    def client(self) -> Client: ...
+    def client(self) -> Iterator[Batch]: ...
 
     def position(self) -> int: ...
 
@@ -191,6 +191,57 @@ class _EmbeddedSource:
         if self._loader is not None:
             self._loader.close()
         self._loader, self._client = None, None
+
+
+class _NodeSource:
+    """One rank of a ``torchrun`` job on one node, whose one Loader serves every rank."""
+
+    def __init__(self, plan: Plan, stop_step: int | None, state: dict[str, Any] | None):
+        self.plan, self.stop_step = plan, stop_step
+        self._pending = state
+        self._client: Any = None  # overlord.node.NodeClient, started on first use
+        if state is not None:
+            check_state(state, plan)
+
+    def client(self) -> Iterator[Batch]:
+        if self._client is None:
+            from overlord.node import NodeClient
+
+            self._client = NodeClient(self.plan, self._pending, self.stop_step)
+            self._pending = None
+        return self._client
+
+    def position(self) -> int:
+        if self._client is None:
+            return int((self._pending or {}).get("step", 0))
+        return int(self._client.step)
+
+    def state(self) -> dict[str, Any]:
+        if self._client is None and self._pending is not None:
+            return self._pending
+        state: dict[str, Any] = self.client().state_dict()  # type: ignore[attr-defined]
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        check_state(state, self.plan)
+        if self._client is not None:
+            raise CheckpointError(
+                "load_state_dict after iterating under torchrun: every rank shares the node's "
+                "Loader, so a resume starts a new dataset on every rank (from_plan(state=...))"
+            )
+        self._pending = state
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def _under_torchrun(plan: Plan) -> bool:
+    """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
+    import os
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return size > 1 and plan.world.dp > 1
 
 
 class _JobSource:
@@ -263,18 +314,24 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         pin_memory: bool = False,
         device: torch.device | str | None = None,
     ) -> OverlordIterableDataset:
-        """Batches of ``rank`` from an embedded Loader of its own (inline runtime).
+        """Batches of ``rank`` from an embedded Loader.
 
-        For ``world.dp == 1``, and for tests. An embedded Loader serves every DP
-        rank in one process and needs every rank's batch of a step consumed
-        before it runs ahead (``batch.prefetch_steps``), so one rank alone stops
-        with an error after a few steps when dp > 1: serve the plan
-        (``overlord serve``) and use :meth:`from_job` for real data parallelism.
-        The Loader starts on first use; ``state`` (or :meth:`load_state_dict`
-        before that) resumes the stream exactly.
+        Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and ``world.dp`` > 1)
+        the node's rank 0 runs the only Loader and sends every other rank its
+        batches over a gloo group (:mod:`overlord.node`): each source is read
+        once per node, no Ray needed, and ``rank`` is this process's
+        ``torch.distributed`` rank. Otherwise the Loader is this process's
+        own: for ``world.dp == 1``, and for tests (it serves every DP rank in
+        one process, which must then consume every rank's batch of a step
+        before it runs ahead; one rank alone stops with an error after a few
+        steps when dp > 1). Several nodes: serve the plan (``overlord serve``)
+        and use :meth:`from_job`. The Loader starts on first use; ``state``
+        (or :meth:`load_state_dict` before that) resumes the stream exactly.
         """
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         start = decode_state(state) if state is not None else None
+        if _under_torchrun(plan):
+            return cls(_NodeSource(plan, stop_step, start), pin_memory, device)
         return cls(_EmbeddedSource(plan, rank, stop_step, start), pin_memory, device)
 
     @classmethod

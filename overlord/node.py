@@ -1,0 +1,277 @@
+"""One node's trainer processes fed by one embedded Loader: ``torchrun`` without Ray.
+
+``torchrun --nproc_per_node N train.py`` starts N processes, one DP rank each.
+Were each to run its own Loader, every source would be read and tokenized N
+times. Here the node's rank 0 runs the only Loader (the embedded runtime, on a
+thread of its own), takes every rank's batch of each step in order, and sends
+each to its rank over a ``torch.distributed`` gloo group the trainer already
+has the means for; every other rank receives its batches on a thread of its
+own. So each source is read once per node, and every rank gets exactly the
+batches the single-process embedded runtime gives its DP rank. Multi-node
+jobs are Ray's (``overlord serve``).
+
+Messages are tensors: a header of eight int64 (kind, step, rank, rows,
+max_seq_len, and the lengths of ``cu_seqlens``, the samples' JSON and the
+state's JSON), then the four row arrays as one int32 tensor, ``cu_seqlens``,
+and two byte tensors of JSON: the batch's samples and cost, and the state as
+of the step after it (what ``state_dict()`` returns once the batch is taken).
+Nothing is pickled. An error of the Loader reaches every rank as a
+:class:`~overlord.errors.LoaderError` naming where it happened.
+
+Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")          # or nccl: overlord adds a gloo group
+    for batch in overlord.node.NodeClient(plan):   # this process's DP rank
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from overlord.batch import Batch, Sample
+from overlord.errors import LoaderError
+from overlord.plan.spec import Plan
+
+_BATCH, _END, _ERROR, _START = 0, 1, 2, 3
+_HEADER = 8
+AHEAD = 2  # batches a rank holds ready beyond the one its trainer has
+
+
+def _bytes(text: str) -> torch.Tensor:
+    data = text.encode()
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def _text(tensor: torch.Tensor) -> str:
+    return bytes(tensor.numpy().tobytes()).decode()
+
+
+class _Channel:
+    """Rank 0's messages to one rank, as tensors over a gloo group."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def send_batch(self, batch: Batch, state: dict[str, Any], to: int) -> None:
+        samples = [[s.source, s.id, s.tokens, s.row] for s in batch.samples]
+        meta = _bytes(json.dumps({"samples": samples, "cost": batch.cost}))
+        after = _bytes(json.dumps(state, separators=(",", ":")))
+        rows, seq = batch.input_ids.shape
+        cu = torch.from_numpy(np.ascontiguousarray(batch.cu_seqlens, dtype=np.int32))
+        grid = np.stack([batch.input_ids, batch.labels, batch.position_ids, batch.segment_ids])
+        header = [_BATCH, batch.step, batch.rank, rows, seq, len(cu), len(meta), len(after)]
+        for t in (torch.tensor(header, dtype=torch.int64), torch.from_numpy(grid), cu, meta, after):
+            dist.send(t.contiguous(), dst=to, group=self.group)
+
+    def send_text(self, kind: int, text: str, to: int) -> None:
+        """An end, an error (its message) or the start (the state the stream starts from)."""
+        message = _bytes(text)
+        header = [kind, 0, 0, 0, 0, 0, len(message), 0]
+        dist.send(torch.tensor(header, dtype=torch.int64), dst=to, group=self.group)
+        if len(message):
+            dist.send(message, dst=to, group=self.group)
+
+    def receive(self) -> tuple[int, Any]:
+        """``(kind, (batch, state))`` for a batch, ``(kind, message)`` otherwise."""
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(header, src=0, group=self.group)
+        kind, step, rank, rows, seq, n_cu, n_meta, n_state = header.tolist()
+        if kind != _BATCH:
+            message = torch.empty(n_meta, dtype=torch.uint8)
+            if n_meta:
+                dist.recv(message, src=0, group=self.group)
+            return kind, _text(message)
+        grid = torch.empty((4, rows, seq), dtype=torch.int32)
+        cu = torch.empty(n_cu, dtype=torch.int32)
+        meta = torch.empty(n_meta, dtype=torch.uint8)
+        after = torch.empty(n_state, dtype=torch.uint8)
+        for t in (grid, cu, meta, after):
+            dist.recv(t, src=0, group=self.group)
+        info = json.loads(_text(meta))
+        arrays = grid.numpy()
+        batch = Batch(
+            step,
+            rank,
+            arrays[0],
+            arrays[1],
+            arrays[2],
+            arrays[3],
+            cu.numpy(),
+            [Sample(*s) for s in info["samples"]],
+            info["cost"],
+        )
+        return kind, (batch, json.loads(_text(after)))
+
+
+class NodeClient(Iterator[Batch]):
+    """The batches of one DP rank, this process's; the node's one Loader serves every rank.
+
+    ``rank`` is this process's DP rank (default: its ``torch.distributed``
+    rank); the plan's ``world.dp`` must be the number of processes, all on
+    this node. ``state`` resumes the stream (the same state on every rank, as
+    a synchronous checkpoint saves it); ``stop_step`` ends it.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        state: dict[str, Any] | None = None,
+        stop_step: int | None = None,
+        group: Any = None,
+    ):
+        if not dist.is_available():
+            raise LoaderError("overlord's node mode needs torch.distributed")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # from torchrun's environment
+        self.rank, size = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        if local != size:
+            raise LoaderError(
+                f"overlord's node mode serves the processes of one node ({local} here, "
+                f"{size} in all): for several nodes, serve the plan on Ray (overlord serve) "
+                "and connect every trainer to it"
+            )
+        if plan.world.dp != size:
+            raise LoaderError(
+                f"the plan's world.dp is {plan.world.dp} but {size} processes run: one DP rank "
+                f"per process (plan.with_dp({size}), or world.dp: {size} in the plan)"
+            )
+        self.step = int((state or {}).get("step", 0))
+        self.stop_step = stop_step
+        self._state = state  # as of this rank's position: before ``self.step``
+        # a group of our own, so the trainer's collectives and ours never interleave
+        self._channel = _Channel(group if group is not None else dist.new_group(backend="gloo"))
+        self._ready: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=AHEAD)
+        self._closed = threading.Event()
+        self._started = threading.Event()  # the state the stream starts from is known
+        self._timeout = plan.loading.timeout_s
+        target = self._serve if self.rank == 0 else self._receive
+        self._thread = threading.Thread(target=target, args=(plan, state), daemon=True)
+        self._thread.name = f"overlord-node-{self.rank}"
+        self._thread.start()
+
+    # ---- rank 0: the node's Loader ---------------------------------------------------------
+
+    def _serve(self, plan: Plan, state: dict[str, Any] | None) -> None:
+        from overlord.loader import Loader
+
+        others = range(1, plan.world.dp)
+        ending, message = _END, ""  # every way out tells the other ranks, who wait for it
+        try:
+            with Loader(plan, state=state) as loader:
+                clients = [loader.client(r, stop_step=self.stop_step) for r in range(plan.world.dp)]
+                start = loader.state_dict()
+                for r in others:
+                    self._channel.send_text(_START, json.dumps(start), r)
+                self._begin(start)
+                while not self._closed.is_set():
+                    for r, client in enumerate(clients):
+                        batch = next(client)  # StopIteration at the stop step, for every rank
+                        after = client.state_dict()
+                        if r == 0:
+                            self._put((_BATCH, (batch, after)))
+                        else:
+                            self._channel.send_batch(batch, after, r)
+        except StopIteration:
+            pass
+        except Exception as e:
+            ending = _ERROR
+            message = f"the node's Loader (rank 0) failed: {type(e).__name__}: {e}"
+        for r in others:
+            self._channel.send_text(ending, message, r)
+        self._put((ending, message))
+
+    # ---- the other ranks -------------------------------------------------------------------
+
+    def _receive(self, plan: Plan, state: dict[str, Any] | None) -> None:
+        while True:  # until rank 0's end of the stream: a recv must not be left pending
+            try:
+                kind, got = self._channel.receive()
+            except Exception as e:  # the transport failed (rank 0 gone, a timeout)
+                message = f"rank {self.rank} lost the node's Loader: {type(e).__name__}: {e}"
+                self._put((_ERROR, message))
+                return
+            if kind == _START:
+                self._begin(json.loads(got))
+                continue
+            self._put((kind, got))
+            if kind != _BATCH:
+                return
+
+    def _begin(self, state: dict[str, Any]) -> None:
+        if self._state is None:
+            self._state = state
+        self._started.set()
+
+    def _put(self, item: tuple[int, Any]) -> None:
+        while not self._closed.is_set():
+            try:
+                self._ready.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        # closed: nobody takes batches any more; the item is dropped, not waited on
+
+    # ---- the trainer's side ----------------------------------------------------------------
+
+    def __next__(self) -> Batch:
+        """The next step's batch, built ahead on another thread (rank 0) or received."""
+        if self.stop_step is not None and self.step >= self.stop_step:
+            raise StopIteration
+        kind, got = self._ready.get()
+        if kind == _END:
+            self._ready.put((kind, got))  # every later call ends too
+            raise StopIteration
+        if kind == _ERROR:
+            self._ready.put((kind, got))
+            raise LoaderError(got)
+        batch, after = got
+        if (batch.step, batch.rank) != (self.step, self.rank):
+            raise LoaderError(
+                f"rank {self.rank} expected step {self.step} and received step {batch.step} "
+                f"of rank {batch.rank} from the node's Loader"
+            )
+        self.step += 1
+        self._state = after
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's state as of this rank's position (the same on every rank in step)."""
+        if self._state is None and not self._started.wait(self._timeout):
+            raise LoaderError(
+                f"rank {self.rank}: the node's Loader (rank 0) sent no state within "
+                f"{self._timeout:.0f} s (loading.timeout_s)"
+            )
+        assert self._state is not None
+        return self._state
+
+    def close(self) -> None:
+        """Stop, and wait for this rank's thread to end (before the process group goes).
+
+        Rank 0 stops its Loader; another rank's thread ends when rank 0's end
+        of the stream reaches it, which it does once every rank has taken its
+        batches up to the stop step (so call it on every rank, as synchronous
+        training ends them together). A thread still waiting after
+        ``loading.timeout_s`` is left behind.
+        """
+        self._closed.set()
+        if self.rank != 0:
+            # let the receiver take the end of the stream: it may wait on a full queue
+            while self._thread.is_alive() and not self._ready.empty():
+                self._ready.get_nowait()
+        self._thread.join(self._timeout)

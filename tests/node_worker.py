@@ -1,0 +1,75 @@
+"""One trainer process under ``torchrun``: its rank's batches through overlord's node mode.
+
+Run by tests/test_node.py as ``python -m torch.distributed.run --standalone
+--nproc_per_node N tests/node_worker.py PLAN OUT STEPS [STATE]``; writes the
+rank's dump lines and its final state to OUT. With ``OVERLORD_TEST_DATASET=1``
+it reads through ``OverlordIterableDataset.from_plan`` in a torch DataLoader
+instead, and writes a digest of each batch's ``input_ids``. Ray is blocked:
+node mode must not need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from importlib.abc import MetaPathFinder
+from pathlib import Path
+
+
+class _NoRay(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("Ray is blocked: node mode must work without it")
+        return None
+
+
+sys.meta_path.insert(0, _NoRay())
+
+import torch.distributed as dist  # noqa: E402
+
+from overlord import LoaderError, load_plan  # noqa: E402
+from overlord.node import NodeClient  # noqa: E402
+from overlord.run import dump_line  # noqa: E402
+
+
+def main() -> None:
+    plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result: dict = {"lines": [], "error": None}
+    if os.environ.get("OVERLORD_TEST_DATASET"):
+        import torch.utils.data
+
+        from overlord.torch import OverlordIterableDataset
+
+        ds = OverlordIterableDataset.from_plan(plan_path, state=state, stop_step=steps)
+        for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
+            ids = batch["input_ids"].numpy().tobytes()
+            result["lines"].append(hashlib.sha256(ids).hexdigest())
+        result["state"] = ds.overlord_state()
+        ds.close()
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    client = NodeClient(load_plan(plan_path), state=state, stop_step=steps)
+    try:
+        result["start"] = client.state_dict()
+        for batch in client:
+            result["lines"].append(dump_line(batch))
+        result["state"] = client.state_dict()
+    except LoaderError as e:
+        result["error"] = str(e)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    client.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""torchrun on one node without Ray: every rank gets its embedded batches; sources read once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_corpus
+from jobs import run_job
+
+from overlord import Loader, load_plan
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.integration
+
+WORKER = Path(__file__).with_name("node_worker.py")
+RANKS = 4
+
+
+def torchrun(
+    plan: Path, out: Path, steps: int, state: Path | None = None, dataset: bool = False
+) -> list[dict[str, Any]]:
+    """Run the worker on ``RANKS`` CPU processes; each rank's result."""
+    args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    env = {**os.environ, **({"OVERLORD_TEST_DATASET": "1"} if dataset else {})}
+    done = subprocess.run(
+        [*cmd, f"--nproc_per_node={RANKS}", str(WORKER), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory) -> Path:
+    return make_corpus(
+        tmp_path_factory.mktemp("node"),
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 20 + i for i in range(4)}, "loaders": 2},
+            "code": {"files": {"data/code/p0.parquet": 30}, "text_field": "content"},
+        },
+        batch={"tokens_per_step": 1024, "max_seq_len": 64, "prefetch_steps": 1},
+        world={"dp": RANKS},
+    )
+
+
+def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(plan_path, tmp_path):
+    want = run_job(load_plan(plan_path), steps=8).lines  # step by step, rank by rank
+    got = torchrun(plan_path, tmp_path / "run", 8)
+    assert all(r["error"] is None for r in got)
+    for rank, result in enumerate(got):
+        assert result["lines"] == want[rank::RANKS]
+    # every rank holds the same state at the same position: a synchronous checkpoint
+    assert all(r["state"] == got[0]["state"] for r in got) and got[0]["state"]["step"] == 8
+    assert all(r["start"]["step"] == 0 for r in got)
+
+
+def test_a_checkpoint_taken_under_torchrun_resumes_there(plan_path, tmp_path):
+    want = run_job(load_plan(plan_path), steps=10).lines
+    first = torchrun(plan_path, tmp_path / "a", 4)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(first[2]["state"]))  # any rank's: they are the same
+    second = torchrun(plan_path, tmp_path / "b", 10, state)
+    for rank in range(RANKS):
+        assert first[rank]["lines"] + second[rank]["lines"] == want[rank::RANKS]
+    assert all(r["start"]["step"] == 4 for r in second)
+
+
+def test_an_error_of_the_nodes_loader_reaches_every_rank_with_its_place(tmp_path):
+    bad = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": [{"text": "fine"}, "{not json", {"text": "x"}]}}},
+        world={"dp": RANKS},
+        batch={"tokens_per_step": 512, "max_seq_len": 64},
+    )
+    got = torchrun(bad, tmp_path / "run", 5)
+    for result in got:
+        assert "the node's Loader (rank 0) failed" in result["error"]
+        assert "data/web/a.jsonl, row 1" in result["error"]
+
+
+def test_the_pytorch_dataset_from_a_plan_uses_the_nodes_loader_under_torchrun(plan_path, tmp_path):
+    want: list[list[str]] = [[] for _ in range(RANKS)]
+    with Loader(load_plan(plan_path)) as loader:
+        clients = [loader.client(r) for r in range(RANKS)]
+        for _ in range(6):
+            for r, c in enumerate(clients):
+                ids = next(c).input_ids.astype("int64").tobytes()
+                want[r].append(hashlib.sha256(ids).hexdigest())
+    got = torchrun(plan_path, tmp_path / "ds", 6, dataset=True)
+    assert [r["lines"] for r in got] == want
+    assert all(r["state"]["step"] == 6 for r in got)
