@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from overlord import Loader  # noqa: E402
 from overlord.batch import Batch  # noqa: E402
 from overlord.plan.packing import pack  # noqa: E402
-from overlord.torch import hf_collate, hf_inputs, to_torch  # noqa: E402
+from overlord.torch import OverlordIterableDataset, hf_collate, hf_inputs, to_torch  # noqa: E402
 
 VOCAB = 258  # the bytes tokenizer's
 
@@ -129,3 +132,101 @@ def test_packed_documents_attend_only_to_themselves_with_use_cache_false(attn: s
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     # with a cache the mask is plain causal: the document sees the ones before it
     assert (cached - alone).abs().max().item() > 1e-3
+
+
+# ---- Trainer -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plan(tmp_path: Path, make_corpus: Any) -> Path:
+    return make_corpus(
+        tmp_path / "corpus",
+        world={"dp": 1},
+        batch={"tokens_per_step": 128, "max_seq_len": 32},
+    )
+
+
+def reference_steps(plan: Path, steps: int) -> list[np.ndarray]:
+    with Loader(plan) as loader:
+        client = loader.client(0)
+        return [next(client).input_ids.astype(np.int64) for _ in range(steps)]
+
+
+class Recorder:
+    """The overlord step of every batch the model is run on, by its input_ids."""
+
+    def __init__(self, model: Any, reference: list[np.ndarray]):
+        self.reference = reference
+        self.steps: list[int] = []
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        assert kwargs.get("use_cache") is False
+        ids = kwargs["input_ids"].numpy()
+        found = [s for s, ref in enumerate(self.reference) if np.array_equal(ref, ids)]
+        assert len(found) == 1, "a batch that is not one step of the stream"
+        self.steps.append(found[0])
+
+
+def make_trainer(
+    out: Path, plan: Path, reference: list[np.ndarray], max_steps: int, accum: int, **extra: Any
+) -> tuple[Any, Recorder, OverlordIterableDataset]:
+    hf = pytest.importorskip("overlord.hf", exc_type=ImportError)  # Trainer needs accelerate
+    model = tiny_gpt2()
+    recorder = Recorder(model, reference)
+    ds = OverlordIterableDataset.from_plan(plan)
+    args = transformers.TrainingArguments(
+        str(out),
+        max_steps=max_steps,
+        gradient_accumulation_steps=accum,
+        save_steps=2,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        logging_strategy="no",
+        seed=0,
+        **{**hf.TRAINING_ARGS, **extra},
+    )
+    trainer = transformers.Trainer(model=model, args=args, **hf.hf_trainer_recipe(ds))
+    return trainer, recorder, ds
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("accum", [1, 2])
+def test_trainer_trains_every_step_once_and_resumes_exactly(
+    tmp_path: Path, plan: Path, accum: int
+) -> None:
+    max_steps = 4  # optimizer steps; a checkpoint every 2
+    batches = max_steps * accum
+    reference = reference_steps(plan, batches + 2)
+
+    trainer, first, ds = make_trainer(tmp_path / "a", plan, reference, max_steps, accum)
+    with ds:
+        trainer.train()
+    assert first.steps == list(range(batches))
+    # accelerate read one batch ahead of the model; the dataset continues where it trained
+    assert ds.step == batches
+
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    state = saved["stateful_callbacks"]["OverlordTrainerCallback"]["attributes"]["overlord_state"]
+    assert state["step"] == 2 * accum  # the batches trained, not the one read ahead
+
+    trainer2, second, ds2 = make_trainer(tmp_path / "b", plan, reference, max_steps, accum)
+    with ds2:
+        trainer2.train(resume_from_checkpoint=str(ckpt))
+    assert first.steps[: 2 * accum] + second.steps == list(range(batches))
+    for p, q in zip(trainer.model.parameters(), trainer2.model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.integration
+def test_trainer_without_the_recipe_settings_is_refused(tmp_path: Path, plan: Path) -> None:
+    with pytest.raises(ValueError) as e:
+        make_trainer(
+            tmp_path, plan, [], 2, 1, ignore_data_skip=False, per_device_train_batch_size=2
+        )
+    assert "ignore_data_skip: expected True, found False" in str(e.value)
+    assert "per_device_train_batch_size: expected 1, found 2" in str(e.value)
