@@ -34,13 +34,17 @@ one key serves every rank and an elastic resume. torchdata's
 resume, ``load_state_dict()`` before it calls ``iter()`` on the dataset again,
 which is the order this class expects. ``load_state_dict`` also takes the plain
 state dict that :func:`overlord.checkpoint.load` returns.
+
+HuggingFace (:func:`hf_inputs`, :func:`hf_collate`): the inputs a ``transformers``
+causal LM takes, with labels unshifted for the model's own shift. The
+``transformers.Trainer`` recipe (which needs ``transformers``) is in :mod:`overlord.hf`.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +54,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from overlord.batch import Batch
 from overlord.checkpoint import check_state
 from overlord.errors import CheckpointError, LoaderError
+from overlord.plan.packing import IGNORE_INDEX
 from overlord.plan.spec import Plan, load_plan
 from overlord.roles.client import Client
 
@@ -90,6 +95,74 @@ def to_torch(
             t = t.to(device, non_blocking=pin)
         out[name] = t
     return out
+
+
+def hf_inputs(batch: Batch | Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` and ``position_ids`` as a ``transformers`` causal LM takes them.
+
+    ``batch`` is a :class:`~overlord.Batch` or the dict :func:`to_torch` returns.
+    overlord's ``labels`` are already shifted (``labels[t]`` is the token after
+    ``t``); a HuggingFace causal LM shifts its ``labels`` itself (``logits[t]``
+    against ``labels[t + 1]``). So the labels here are overlord's moved one
+    position right: ``-100`` at each row's first position, and wherever the token
+    before is a document's last token or padding, so that the model's shift never
+    crosses a document. ``model(**hf_inputs(batch), use_cache=False).loss`` is the
+    cross-entropy of the model's logits against overlord's ``labels``. All three
+    are int64, on the batch's device.
+
+    Attention across the documents of a packed row: pass ``use_cache=False`` (the
+    collator :func:`hf_collate` does) and no ``attention_mask``. Models whose mask
+    comes from ``transformers.masking_utils`` (GPT-2, Llama, Qwen, ... in
+    transformers 5) then read the documents off ``position_ids`` (a new document
+    wherever the position does not go up by one) and mask attention between them;
+    FlashAttention-2 (``attn_implementation="flash_attention_2"``) does the same
+    with varlen kernels. With a cache (``use_cache`` left to the config's
+    ``True``), or in a model that builds its own mask, every token attends to the
+    earlier documents of its row, without a warning. The loss is what the logits
+    make of overlord's labels either way.
+
+    >>> import numpy as np
+    >>> from overlord.plan.packing import pack
+    >>> b = pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 0]), 1, 6, 0)
+    >>> b["labels"].tolist(), hf_inputs(b)["labels"].tolist()
+    ([[2, -100, 4, 5, -100, -100]], [[-100, 2, -100, 4, 5, -100]])
+    """
+    arrays = batch.arrays() if isinstance(batch, Batch) else batch
+    input_ids, labels, position_ids = (
+        torch.as_tensor(arrays[k]).long() for k in ("input_ids", "labels", "position_ids")
+    )
+    if labels.ndim != 2 or labels.shape != input_ids.shape:
+        raise ValueError(
+            f"expected labels of the shape of input_ids, (rows, seq_len) = "
+            f"{tuple(input_ids.shape)}, found {tuple(labels.shape)}"
+        )
+    if (labels[:, -1] != IGNORE_INDEX).any():
+        # overlord never labels a row's last token (packing ends a document there or
+        # pads); a label there has no position to move to, and would be lost silently
+        raise ValueError(
+            "labels at a row's last position must be -100 (found a token): after the "
+            "model's shift they would be dropped. These are not overlord's packed labels."
+        )
+    hf_labels = torch.full_like(labels, IGNORE_INDEX)
+    hf_labels[:, 1:] = labels[:, :-1]
+    return {"input_ids": input_ids, "labels": hf_labels, "position_ids": position_ids}
+
+
+def hf_collate(features: Sequence[Batch | Mapping[str, Any]]) -> dict[str, Any]:
+    """A ``data_collator`` for ``transformers.Trainer``: one overlord batch -> :func:`hf_inputs`.
+
+    An overlord batch is a whole step already, so the Trainer's DataLoader must
+    hand over one at a time (``per_device_train_batch_size=1``); ``features`` is
+    that one-element list. Adds ``use_cache=False`` so that the model masks
+    attention between packed documents (see :func:`hf_inputs`).
+    """
+    if len(features) != 1:
+        raise ValueError(
+            f"hf_collate got {len(features)} overlord batches, expected 1: each is a whole "
+            "step of packed rows already. Set per_device_train_batch_size=1 (see "
+            "overlord.hf.TRAINING_ARGS)."
+        )
+    return {**hf_inputs(features[0]), "use_cache": False}
 
 
 def decode_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
