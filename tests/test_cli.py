@@ -313,6 +313,20 @@ def test_plan_needs_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "--steps" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "plan", "demo"])
+@pytest.mark.parametrize("steps", ["0", "-3", "two"])
+def test_steps_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, steps: str
+) -> None:
+    args = [command] if command == "demo" else [command, str(corpus(tmp_path))]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--steps", steps])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --steps:" in err
+    assert ("must be positive" if steps != "two" else "expected a whole number") in err
+
+
 # ---- the installed console script --------------------------------------------------------------
 
 
