@@ -57,7 +57,20 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
         for e in s["skipped_examples"]:
             print(f"  {e}", file=out)
     if s["dropped_docs"]:
-        print(f"dropped {s['dropped_docs']} document(s) (too long or empty)", file=out)
+        print(f"dropped {s['dropped_docs']} document(s) (too long, long_docs: drop)", file=out)
+    if s.get("records"):
+        print(
+            "records per source (each file counted once per loader that read it, "
+            "not once per epoch; read-ahead included):",
+            file=out,
+        )
+    for name, r in s.get("records", {}).items():
+        print(
+            f"  {name:>16}: {r['read']:,} read, {r['empty']:,} empty (not samples), "
+            f"{r['skipped']:,} skipped (bad), {r['dropped']:,} dropped (too long); "
+            f"{r['epochs']} epoch(s) begun",
+            file=out,
+        )
     if s["checkpoint_bytes"]:
         print(f"checkpoint: {s['checkpoint_bytes']} bytes", file=out)
     for name, sizes in s.get("scaling", {}).items():

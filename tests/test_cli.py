@@ -269,6 +269,29 @@ def test_run_prints_its_summary_to_stdout(
     assert "balance (kk)" in out and "web:" in out and "code:" in out
 
 
+@integration
+def test_run_summary_has_a_records_line_per_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    web = [{"text": f"web doc {i}"} for i in range(6)] + [{"text": " "}, '{"body": 1}']
+    plan = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": web}}, "code": 9},
+        on_error="skip",
+    )
+    assert main(["run", str(plan), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "records per source (each file counted once per loader that read it" in out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if "epoch(s) begun" in ln}
+    assert set(lines) == {"web", "code"}
+    assert re.search(
+        r"web: 8 read, 1 empty \(not samples\), 1 skipped \(bad\), 0 dropped "
+        r"\(too long\); [1-9]\d* epoch\(s\) begun$",
+        lines["web"],
+    )
+    assert re.search(r"code: 9 read, 0 empty .*, 0 skipped", lines["code"])
+
+
 # ---- plan --------------------------------------------------------------------------------------
 
 
