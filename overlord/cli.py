@@ -87,7 +87,19 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from overlord.sources.probe import check_sources
+
     plan = load_plan(args.plan)
+    problems = check_sources(plan)
+    if problems:
+        print(
+            f"overlord: {args.plan}: {len(problems)} problem(s) opening the tokenizer and the "
+            "first record of each source:",
+            file=sys.stderr,
+        )
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
     print(
         f"{args.plan}: valid: {len(plan.sources)} source(s), {plan.rows_per_step} rows of "
         f"{plan.batch.max_seq_len} tokens per step, dp={plan.world.dp} "

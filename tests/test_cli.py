@@ -113,6 +113,23 @@ def test_validate_glob_that_matches_nothing(
     assert "sources[0].path: source 'web': 'web/*.jsonl' matches no file" in err
 
 
+def test_validate_opens_the_first_record_of_each_source_and_the_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sources = {
+        "web": {"files": {"data/web/a.jsonl": ['{"body": "x"}']}},
+        "code": {"files": {"data/code/a.parquet": [{"content": "x"}]}, "text_field": "body"},
+    }
+    plan = make_corpus(tmp_path, sources, tokenizer={"kind": "hf", "path": "missing.json"})
+    assert main(["validate", str(plan)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{plan}: 3 problem(s) opening the tokenizer and the first record" in err
+    assert "  - tokenizer.path missing.json: cannot load the tokenizer file" in err
+    assert "  - source 'web', file data/web/a.jsonl, row 0: no field 'text'" in err
+    assert "  - source 'code', file data/code/a.parquet: no column 'body'" in err
+
+
 def test_validate_missing_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 1
     assert "cannot read the plan file" in capsys.readouterr().err
