@@ -19,6 +19,17 @@ from overlord.run import summarize as summarize  # re-exported: its home was her
 from overlord.runtime import RUNTIMES
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (``--steps 0`` is an error, not an empty run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, found '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, found {value}")
+    return value
+
+
 def _with_dp(plan: Plan, dp: int | None) -> Plan:
     return plan if dp is None else plan.with_dp(dp)
 
@@ -46,7 +57,20 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
         for e in s["skipped_examples"]:
             print(f"  {e}", file=out)
     if s["dropped_docs"]:
-        print(f"dropped {s['dropped_docs']} document(s) (too long or empty)", file=out)
+        print(f"dropped {s['dropped_docs']} document(s) (too long, long_docs: drop)", file=out)
+    if s.get("records"):
+        print(
+            "records per source (each file counted once per loader that read it, "
+            "not once per epoch; read-ahead included):",
+            file=out,
+        )
+    for name, r in s.get("records", {}).items():
+        print(
+            f"  {name:>16}: {r['read']:,} read, {r['empty']:,} empty (not samples), "
+            f"{r['skipped']:,} skipped (bad), {r['dropped']:,} dropped (too long); "
+            f"{r['epochs']} epoch(s) begun",
+            file=out,
+        )
     if s["checkpoint_bytes"]:
         print(f"checkpoint: {s['checkpoint_bytes']} bytes", file=out)
     for name, sizes in s.get("scaling", {}).items():
@@ -63,7 +87,19 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from overlord.sources.probe import check_sources
+
     plan = load_plan(args.plan)
+    problems = check_sources(plan)
+    if problems:
+        print(
+            f"overlord: {args.plan}: {len(problems)} problem(s) opening the tokenizer and the "
+            "first record of each source:",
+            file=sys.stderr,
+        )
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
     print(
         f"{args.plan}: valid: {len(plan.sources)} source(s), {plan.rows_per_step} rows of "
         f"{plan.batch.max_seq_len} tokens per step, dp={plan.world.dp} "
@@ -157,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build a corpus from Python's own files and run a plan on it")
     d.add_argument("--out", default="overlord-demo", help="folder for corpus, plan and report")
-    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--steps", type=positive_int, default=300)
     d.add_argument("--dp", type=int, default=4)
     d.set_defaults(func=_cmd_demo)
 
@@ -167,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="consume a plan as a trainer with every DP rank would")
     r.add_argument("plan")
-    r.add_argument("--steps", type=int, default=100, help="stop after global step N (steps 0..N-1)")
+    r.add_argument(
+        "--steps", type=positive_int, default=100, help="stop after global step N (steps 0..N-1)"
+    )
     r.add_argument("--dp", type=int, help="override world.dp")
     r.add_argument("--dump", help="write one JSON line per (step, rank)")
     r.add_argument("--checkpoint-dir", help="write checkpoints here")
@@ -186,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("plan", help="per-step balance and mixture, without building batches")
     q.add_argument("plan")
-    q.add_argument("--steps", type=int, required=True)
+    q.add_argument("--steps", type=positive_int, required=True)
     q.add_argument("--dp", type=int, help="override world.dp")
     q.set_defaults(func=_cmd_plan)
     return p

@@ -160,7 +160,7 @@ def render(r: Report, md: bool) -> str:
     if s["skipped_records"] or s["dropped_docs"]:
         lines.append(
             f"Skipped {s['skipped_records']} bad record(s) (on_error: skip); "
-            f"dropped {s['dropped_docs']} document(s) (too long or empty)."
+            f"dropped {s['dropped_docs']} document(s) (too long)."
         )
     if md:
         lines += [h2("Plots"), "![mixture](mixture.png)", "", "![balance](balance.png)"]

@@ -119,10 +119,30 @@ def summarize(
         "skipped_records": skipped,
         "skipped_examples": [e for s in stats["loaders"] for e in s["skipped_examples"]][:5],
         "dropped_docs": sum(s["dropped"] for s in stats["loaders"]),
+        "records": _records(names, stats["loaders"]),
         "checkpoint_bytes": ckpt_bytes,
         "scaling": _scaling(stats.get("scaling", [])),
         "faults": [e for e in stats.get("events", []) if e["event"] != "repartition"],
     }
+
+
+def _records(names: list[str], loaders: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per source, its loaders' record counts together: read, empty, skipped, dropped, epochs.
+
+    Each loader counts a file once, the first time it reads it (see
+    ``SourceLoader.stats``); the counts of a source's loaders are summed, so a
+    file that two loaders read (in different epochs) counts twice. ``epochs``
+    is the most any of its loaders has begun.
+    """
+    out = {n: {"read": 0, "empty": 0, "skipped": 0, "dropped": 0, "epochs": 0} for n in names}
+    for s in loaders:
+        r = out[s["source"]]
+        r["read"] += s["records"]
+        r["empty"] += s["empty"]
+        r["skipped"] += s["skipped"]
+        r["dropped"] += s["dropped"]
+        r["epochs"] = max(r["epochs"], s["epochs"])
+    return out
 
 
 def _scaling(decisions: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -6,11 +6,16 @@ each trainer process calls :func:`connect` with its DP rank and iterates.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+import re
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from overlord import checkpoint
@@ -23,6 +28,46 @@ from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
 
 
+def _lock_path(name: str) -> str:
+    """The lock file of job ``name`` for this user, in the temporary folder."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"overlord-{os.getuid()}-serve-{safe}-{digest}.lock")
+
+
+@contextlib.contextmanager
+def job_lock(name: str) -> Iterator[None]:
+    """Hold job ``name`` on this machine while ``serve`` runs; refuse a second holder.
+
+    Without ``--address`` each ``serve`` starts a Ray instance of its own, where
+    the name is free, so Ray's named actors cannot refuse a second job of the
+    same name. An exclusive ``flock`` on a file named after the job is the
+    machine's own record: it holds whether or not the two serves share a Ray
+    instance, it has no race (two serves starting at once: one gets it), and
+    the kernel releases it when the process ends, however it ends, so a
+    crashed serve never blocks the name (the file may stay; it is not the lock).
+    The lock is per user (the file is in the temporary folder, named with the
+    uid), as each user's serve runs a Ray of its own.
+    """
+    path = _lock_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise LoaderError(
+                f"a job named '{name}' is already served on this machine (by process {holder}; "
+                f"lock {path}): stop that 'overlord serve' first (Ctrl-C), or choose another "
+                "--name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def serve(
     plan: Plan,
     name: str,
@@ -31,7 +76,10 @@ def serve(
     ready: Callable[[Loader], None] | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Run job ``name`` until ``stop`` is set or SIGINT/SIGTERM; stop every actor on the way out."""
+    """Run job ``name`` until ``stop`` is set or SIGINT/SIGTERM; stop every actor on the way out.
+
+    A second ``serve`` of the same name on this machine is refused (see :func:`job_lock`).
+    """
     state = checkpoint.load(resume) if resume else None
     stop = stop or threading.Event()
     previous: dict[signal.Signals, Any] = {}
@@ -39,7 +87,10 @@ def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        with Loader(plan, runtime="ray", state=state, job=name, address=address) as loader:
+        with (
+            job_lock(name),
+            Loader(plan, runtime="ray", state=state, job=name, address=address) as loader,
+        ):
             if ready is not None:
                 ready(loader)
             while not stop.wait(0.5):

@@ -113,6 +113,23 @@ def test_validate_glob_that_matches_nothing(
     assert "sources[0].path: source 'web': 'web/*.jsonl' matches no file" in err
 
 
+def test_validate_opens_the_first_record_of_each_source_and_the_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sources = {
+        "web": {"files": {"data/web/a.jsonl": ['{"body": "x"}']}},
+        "code": {"files": {"data/code/a.parquet": [{"content": "x"}]}, "text_field": "body"},
+    }
+    plan = make_corpus(tmp_path, sources, tokenizer={"kind": "hf", "path": "missing.json"})
+    assert main(["validate", str(plan)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{plan}: 3 problem(s) opening the tokenizer and the first record" in err
+    assert "  - tokenizer.path missing.json: cannot load the tokenizer file" in err
+    assert "  - source 'web', file data/web/a.jsonl, row 0: no field 'text'" in err
+    assert "  - source 'code', file data/code/a.parquet: no column 'body'" in err
+
+
 def test_validate_missing_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 1
     assert "cannot read the plan file" in capsys.readouterr().err
@@ -269,6 +286,29 @@ def test_run_prints_its_summary_to_stdout(
     assert "balance (kk)" in out and "web:" in out and "code:" in out
 
 
+@integration
+def test_run_summary_has_a_records_line_per_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    web = [{"text": f"web doc {i}"} for i in range(6)] + [{"text": " "}, '{"body": 1}']
+    plan = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": web}}, "code": 9},
+        on_error="skip",
+    )
+    assert main(["run", str(plan), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "records per source (each file counted once per loader that read it" in out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if "epoch(s) begun" in ln}
+    assert set(lines) == {"web", "code"}
+    assert re.search(
+        r"web: 8 read, 1 empty \(not samples\), 1 skipped \(bad\), 0 dropped "
+        r"\(too long\); [1-9]\d* epoch\(s\) begun$",
+        lines["web"],
+    )
+    assert re.search(r"code: 9 read, 0 empty .*, 0 skipped", lines["code"])
+
+
 # ---- plan --------------------------------------------------------------------------------------
 
 
@@ -311,6 +351,20 @@ def test_plan_needs_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         main(["plan", str(corpus(tmp_path))])
     assert e.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "demo"])
+@pytest.mark.parametrize("steps", ["0", "-3", "two"])
+def test_steps_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, steps: str
+) -> None:
+    args = [command] if command == "demo" else [command, str(corpus(tmp_path))]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--steps", steps])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --steps:" in err
+    assert ("must be positive" if steps != "two" else "expected a whole number") in err
 
 
 # ---- the installed console script --------------------------------------------------------------

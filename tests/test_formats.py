@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from conftest import doc_text, make_corpus, overlord_cli
 from runs import byte_tokens, good, ids, run, sample_tokens
 
 from overlord import SourceError
+from overlord.plan.spec import Format
+from overlord.sources.files import Shard
+from overlord.sources.formats import read_shard
 
 pytestmark = pytest.mark.integration  # every test runs a Loader
 
@@ -191,3 +195,91 @@ def test_compressed_jsonl_shards_read_like_plain_ones(tmp_path: Path) -> None:
     for b in batches:
         got.update(sample_tokens(b))
     assert got == want
+
+
+# ---- truncated compressed shards ---------------------------------------------------------------
+
+
+def lines_of(n: int, tag: str = "web/cut") -> bytes:
+    return "".join(json.dumps({"text": doc_text(tag, i)}) + "\n" for i in range(n)).encode()
+
+
+def complete_lines(partial: bytes) -> int:
+    """How many whole lines a decompressed prefix holds (the test's own count)."""
+    return partial.count(b"\n")
+
+
+def write_cut_gzip(path: Path, data: bytes) -> int:
+    """A gzip file of ``data`` cut in the middle of its bytes; the whole lines left in it."""
+    whole = gzip.compress(data)
+    cut = whole[: len(whole) // 2]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cut)
+    partial = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(cut)
+    return complete_lines(partial)
+
+
+def test_truncated_gzip_under_skip_keeps_the_records_before_the_cut(tmp_path: Path) -> None:
+    kept = write_cut_gzip(tmp_path / "data/web/cut.jsonl.gz", lines_of(40))
+    assert 0 < kept < 40  # the cut is in the middle of the records
+    plan = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/part-0.jsonl": 6}, "path": "data/web/*"}},
+        on_error="skip",
+    )
+    batches, stats = run(plan, 16)
+    cut_ids = {i for i in ids(batches) if i.startswith("data/web/cut.jsonl.gz:")}
+    assert cut_ids == {f"data/web/cut.jsonl.gz:{r}" for r in range(kept)}
+    (web,) = stats["loaders"]
+    assert web["skipped"] == 1  # the cut, once (not once per epoch)
+    (example,) = web["skipped_examples"]
+    assert example.startswith(f"source 'web', file data/web/cut.jsonl.gz, row {kept}: ")
+    assert "truncated file" in example
+
+
+def test_truncated_gzip_under_fail_names_the_file(tmp_path: Path) -> None:
+    kept = write_cut_gzip(tmp_path / "data/web/cut.jsonl.gz", lines_of(40))
+    plan = make_corpus(tmp_path, {"web": {"files": {}, "path": "data/web/*"}})
+    with pytest.raises(SourceError) as e:
+        run(plan, 2)
+    assert (e.value.source, e.value.file, e.value.row) == ("web", "data/web/cut.jsonl.gz", kept)
+    assert "truncated file" in e.value.reason
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd"])
+def test_read_shard_of_a_truncated_file(tmp_path: Path, codec: str) -> None:
+    # 2.5 MB: Arrow's zstd decoder hands out 1 MiB pieces, and keeps those before the cut
+    data = lines_of(60000)
+    path = tmp_path / ("cut.jsonl.gz" if codec == "gzip" else "cut.jsonl.zst")
+    if codec == "gzip":
+        whole = gzip.compress(data)
+    else:
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as out:
+            out.write(data)
+        whole = sink.getvalue().to_pybytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    shard = Shard(str(path), path.name)
+    texts = read_shard("web", shard, Format.JSONL, "text", skip=True)
+    n = len(texts.rows)
+    assert 0 < n < 60000
+    assert texts.rows.tolist() == list(range(n))
+    assert texts.texts.to_pylist() == [doc_text("web/cut", i) for i in range(n)]
+    (cut,) = texts.skipped
+    assert (cut.file, cut.row) == (path.name, n) and "truncated file" in cut.reason
+    if codec == "gzip":  # every whole line before the cut
+        partial = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(whole[: len(whole) // 2])
+        assert n == complete_lines(partial)
+    with pytest.raises(SourceError, match="truncated file") as e:
+        read_shard("web", shard, Format.JSONL, "text", skip=False)
+    assert (e.value.file, e.value.row) == (path.name, n)
+
+
+def test_a_whole_multi_member_gzip_file_is_not_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "two.jsonl.gz"
+    path.write_bytes(gzip.compress(lines_of(3)) + gzip.compress(lines_of(2, "web/two")))
+    texts = read_shard("web", Shard(str(path), path.name), Format.JSONL, "text", skip=False)
+    assert texts.texts.to_pylist() == [doc_text("web/cut", i) for i in range(3)] + [
+        doc_text("web/two", i) for i in range(2)
+    ]
+    assert texts.skipped == []

@@ -192,6 +192,35 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
     assert not _alive(started), "processes started by `overlord serve` outlived it"
 
 
+def test_a_second_serve_of_the_same_name_is_refused_without_address(plan_path, tmp_path):
+    """Each serve would start a Ray of its own, where the name is free: the machine refuses."""
+    bin_dir = Path(sys.executable).parent
+    name = f"t-dup-{os.getpid()}"
+    cmd = [str(bin_dir / "overlord"), "serve", str(plan_path), "--name", name, "--dp", "2"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while "is ready" not in line:
+            line = first.stdout.readline()
+            assert line or first.poll() is None, "serve exited before it was ready"
+            assert time.monotonic() < deadline, "serve did not get ready"
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGINT)
+        rest = first.communicate(timeout=60)[0]
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"a job named '{name}' is already served on this machine" in second.stderr
+    assert f"by process {first.pid}" in second.stderr and "choose another --name" in second.stderr
+    assert "is ready" not in second.stdout
+    assert first.returncode == 0, rest
+    # the name is free again once the first serve ended
+    from overlord.serve import job_lock
+
+    with job_lock(name):
+        pass
+
+
 def test_loaders_pinned_to_a_node(ray_session, plan_path):
     import yaml
 

@@ -76,7 +76,7 @@ def test_long_docs_drop_skips_and_counts_them(tmp_path: Path) -> None:
     assert web["dropped"] == 3  # rows 0, 3 and 4, counted once over every epoch
     proc = overlord_cli("run", str(plan), "--steps", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "document(s) (too long or empty)" in proc.stdout
+    assert "dropped 3 document(s) (too long, long_docs: drop)" in proc.stdout
 
 
 def test_drop_count_of_one_shard(tmp_path: Path) -> None:
@@ -86,3 +86,42 @@ def test_drop_count_of_one_shard(tmp_path: Path) -> None:
     assert items.dropped == 3
     assert sorted(items.row.tolist()) == [1, 2]
     assert np.all(items.chunk == -1)
+
+
+# ---- empty records -----------------------------------------------------------------------------
+
+BLANKS = ["", "   ", "\t\r\n ", "\u3000\u2003"]  # empty, or only (Unicode) white space
+
+
+def hf_tokenizer_file(path: Path) -> Path:
+    """A tiny word-level tokenizer.json with an end-of-sequence token ``</s>``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+def test_blank_records_are_not_samples_but_counted_as_empty(tmp_path: Path, tokenizer: str) -> None:
+    texts = ["hello world", *BLANKS, "world hello hello"]
+    kind: dict[str, str] = {"kind": "bytes"}
+    if tokenizer == "hf":
+        hf_tokenizer_file(tmp_path / "tok.json")
+        kind = {"kind": "hf", "path": "tok.json", "eos": "</s>"}
+    plan = load_plan(
+        make_corpus(
+            tmp_path,
+            {"web": {"files": {"data/web/a.jsonl": [{"text": t} for t in texts]}}},
+            tokenizer=kind,
+        )
+    )
+    spec = plan.sources[0]
+    from overlord.sources.tokenizers import make_tokenizer
+
+    tok = make_tokenizer(plan.tokenizer, str(plan.base_dir))
+    items = load_shard_items(plan, spec, resolve_files(spec, plan.base_dir), tok, 0, 0)
+    assert sorted(items.row.tolist()) == [0, 5]  # only the two real documents
+    assert (items.records, items.empty, items.dropped) == (6, 4, 0)
+    assert np.all(items.length > 1)  # no document of its end token alone

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,20 @@ def test_a_read_that_never_returns_times_out_naming_the_source_and_file(tmp_path
                     next(c)
     finally:
         stuck.set()  # let the stuck reader thread end with the test
+
+
+def test_loader_stats_count_records_empty_skipped_and_epochs(tmp_path):
+    """Counts are per file (once, whatever the epochs); epochs are those begun."""
+    records = [{"text": f"document {i} " + "x" * i} for i in range(5)]
+    records[1:1] = [{"text": ""}, {"text": "  \n"}, '{"text": 7}']  # rows 1, 2 empty; 3 bad
+    plan = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": records}}}, on_error="skip")
+    with Loader(load_plan(plan)) as loader:
+        clients = [loader.client(r) for r in range(2)]
+        batches = [next(c) for _ in range(4) for c in clients]
+        (s,) = loader.stats()["loaders"]
+    delivered = Counter(x.id for b in batches for x in b.samples)
+    assert {i.split(":")[1] for i in delivered} == {"0", "4", "5", "6", "7"}  # no empty one
+    assert (s["records"], s["empty"], s["skipped"], s["dropped"]) == (8, 2, 1, 0)
+    # a file of 5 samples: a record delivered k times was read in k epochs at least
+    assert max(delivered.values()) >= 2
+    assert s["epochs"] >= max(delivered.values())

@@ -166,11 +166,21 @@ class SourceLoader:
         self._closed = False
         self._reading = ""  # the shard the reader waits for, for error messages
         self._waits_on: str | None = None  # what holds a read shard back: "budget" or "queue"
-        self._stats = {"shards": 0, "items": 0, "tokens": 0, "read_s": 0.0, "skipped": 0}
+        # records, empty, skipped and dropped count each file once (the first time this loader
+        # reads it), not once per epoch: how many of the source's records are what
+        self._stats = {
+            "shards": 0,
+            "items": 0,
+            "tokens": 0,
+            "read_s": 0.0,
+            "records": 0,
+            "empty": 0,
+            "skipped": 0,
+        }
         self._cost: dict[str, float] = {}
         self._skipped: list[str] = []
         self._dropped = 0
-        self._counted: set[int] = set()  # files whose bad records are counted (once, not per epoch)
+        self._counted: set[str] = set()  # files whose records are counted (once, not per epoch)
         self._thread = threading.Thread(
             target=self._run, name=f"overlord-loader-{source}-{index}", daemon=True
         )
@@ -299,8 +309,12 @@ class SourceLoader:
             ):
                 old = self._cost.get(key)
                 self._cost[key] = value if old is None else old + COST_EMA * (value - old)
-            if items.file_index not in self._counted:
-                self._counted.add(items.file_index)
+            # by name: a file's index in the list can change when a later epoch lists more files
+            name = self.files.at(items.epoch)[items.file_index].name
+            if name not in self._counted:
+                self._counted.add(name)
+                s["records"] += items.records
+                s["empty"] += items.empty
                 s["skipped"] += len(items.skipped)
                 self._skipped += [str(e) for e in items.skipped[: max(0, 20 - len(self._skipped))]]
                 self._dropped += items.dropped
@@ -539,7 +553,17 @@ class SourceLoader:
         return os.getpid()
 
     def stats(self) -> dict[str, Any]:
-        """What this loader did so far: shards, items, tokens, read time, bad records."""
+        """What this loader did so far: shards, items, tokens, read time, records.
+
+        ``records`` (every record of the files it read: good, empty and bad),
+        ``empty`` (blank texts, not samples), ``skipped`` (bad records, under
+        ``on_error: skip``) and ``dropped`` (too long, ``long_docs: drop``)
+        count each file once, the first time this loader reads it, whatever
+        the epochs; ``epochs`` is how many epochs of the source it has begun
+        (counted from the source's epoch 0: the epoch of the last shard it
+        read, plus 1; read-ahead included, so an epoch is begun when its first
+        shard of this loader is read, not when a trainer reaches it).
+        """
         with self._lock:
             return {
                 **self._stats,
@@ -559,6 +583,7 @@ class SourceLoader:
                 "rss_bytes": _rss(),
                 "budget_tokens": self._budget,
                 "dropped": self._dropped,
+                "epochs": self._last[0] + 1,
                 "skipped_examples": list(self._skipped),
             }
 

@@ -5,12 +5,23 @@ a file has bad records, a slower per-line pass finds each one so that its
 error names the exact row. Rows are 0-based: the line of a JSONL file (blank
 lines included in the count, though they hold no record), the row of a
 Parquet file.
+
+A compressed JSONL file that ends before its compressed stream does (a
+truncated ``.gz`` or ``.zst``, e.g. a copy cut short) is a bad record at the
+cut: under ``on_error: skip`` every complete line before the cut is read, and
+the cut counts as one skipped record (its row is the first line not complete;
+how many records the lost part held cannot be known); under ``fail`` it raises
+:class:`SourceError` naming the file. gzip is decoded with ``zlib``, which
+hands out every byte before the cut; Arrow's zstd decoder hands out whole
+pieces (1 MiB with Arrow 26), so the records of the piece the cut falls in
+are lost with it too.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import zlib
 from dataclasses import dataclass, field
 
 import fsspec
@@ -36,14 +47,50 @@ class ShardTexts:
     skipped: list[SourceError] = field(default_factory=list)  # bad records (on_error=skip)
 
 
-def _read_bytes(shard: Shard) -> bytes:
+_ZSTD_PIECE = 1 << 20  # bytes asked of Arrow's zstd decoder at once
+
+
+def _gunzip(raw: bytes) -> tuple[bytes, bool]:
+    """Every byte of a gzip file (all its members), and whether it ends before its stream."""
+    out: list[bytes] = []
+    while True:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out.append(d.decompress(raw))
+        if not d.eof:
+            out.append(d.flush())
+            return b"".join(out), True
+        raw = d.unused_data
+        if not raw.strip(b"\0"):  # trailing zero padding, as gzip tolerates
+            return b"".join(out), False
+
+
+def _unzstd(raw: bytes) -> tuple[bytes, bool]:
+    """Every byte Arrow can decode of a zstd file, and whether it ends before its stream."""
+    stream = pa.CompressedInputStream(pa.BufferReader(raw), "zstd")
+    out: list[bytes] = []
+    try:
+        while piece := stream.read(_ZSTD_PIECE):
+            out.append(piece)
+    except OSError as e:
+        if "truncated" not in str(e).lower():
+            raise
+        return b"".join(out), True
+    return b"".join(out), False
+
+
+def _read_bytes(shard: Shard) -> tuple[bytes, bool]:
+    """The file's bytes, decompressed; True if a compressed file ends before its stream."""
     with fsspec.open(shard.url, "rb") as f:
         raw = f.read()
     for suffix, codec in _CODECS.items():
         if shard.name.endswith(suffix):
-            stream = pa.CompressedInputStream(pa.BufferReader(raw), codec)
-            return stream.read()
-    return raw
+            if codec == "gzip":
+                try:
+                    return _gunzip(raw)
+                except zlib.error as e:
+                    raise OSError(f"corrupt gzip data: {e}") from None
+            return _unzstd(raw)
+    return raw, False
 
 
 def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +105,28 @@ def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_jsonl(source: str, shard: Shard, text_field: str, skip: bool) -> ShardTexts:
-    data = _read_bytes(shard)
+    data, truncated = _read_bytes(shard)
+    if not truncated:
+        return _read_lines(source, shard, data, text_field, skip)
+    # only complete lines are records: the part of a line before the cut is not one
+    whole = data[: data.rfind(b"\n") + 1]
+    cut = SourceError(
+        source,
+        shard.name,
+        whole.count(b"\n"),
+        f"truncated file: the compressed stream ends after {len(data)} decompressed bytes, "
+        "in the middle of the file; the records from this row on are lost (how many is "
+        "unknown); copy the file again",
+    )
+    if not skip:
+        raise cut
+    texts = _read_lines(source, shard, whole, text_field, skip)
+    texts.skipped.append(cut)
+    return texts
+
+
+def _read_lines(source: str, shard: Shard, data: bytes, text_field: str, skip: bool) -> ShardTexts:
+    """The records of a JSONL file's (decompressed) bytes."""
     starts, ends = _line_bounds(data)
     # a line holding only "\r", tabs or spaces is blank too; Arrow skips those, so do we.
     # Only a line that starts with whitespace can be one: check just those.

@@ -10,6 +10,12 @@ An *item* is what the planner places in a row: a whole document, or one chunk
 of a document longer than ``max_seq_len`` (``long_docs: split``). Its identity
 is its position ``(epoch, shard_pos, index)``: the shard's place in the epoch's
 order and the item's place in that shard's order.
+
+A record whose text is empty, or only white space (Unicode's, as ``str.strip``
+sees it), after the source's transform, is not a sample: it would be a
+document of its end-of-document token alone. It is counted as *empty*, as is a
+text the tokenizer turns into no token at all. Items are numbered after empty
+records are taken out.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from overlord.errors import SourceError
 from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
@@ -66,7 +73,9 @@ class ShardItems:
     chunk: np.ndarray  # int32 per item: k for the k-th chunk of a split document, else -1
     patches: np.ndarray  # int32 per item: image patches for the encoder's cost (0 for text)
     skipped: list[SourceError] = field(default_factory=list)
-    dropped: int = 0  # documents dropped as too long (long_docs: drop) or empty
+    dropped: int = 0  # documents dropped as too long (long_docs: drop)
+    records: int = 0  # records the file holds: good, empty and bad (a truncated file's cut: 1)
+    empty: int = 0  # records whose text is blank, or gives no token: not samples
 
     def __len__(self) -> int:
         return len(self.length)
@@ -106,8 +115,10 @@ def load_shard_items(
     shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
     texts = read_shard(spec.name, Shard(shard.url, shard.name), spec.format, spec.text_field, skip)
+    records = len(texts.rows) + len(texts.skipped)
     if spec.transform is not None:
         texts = _transform(spec, shard, texts, skip)
+    texts, empty = _without_blank(texts)
     tokens, offsets = tokenizer.encode(texts.texts)
     perm = record_order(plan.seed, spec.name, epoch, file_index, len(texts.rows))
     doc_start = offsets[:-1][perm]
@@ -116,12 +127,14 @@ def load_shard_items(
 
     cap = plan.batch.max_seq_len
     keep = doc_len > 0
+    empty += int(len(keep) - keep.sum())  # texts the tokenizer makes nothing of
     policy = plan.batch.long_docs
+    dropped = 0
     if policy is LongDocs.DROP:
+        dropped = int((keep & (doc_len > cap)).sum())
         keep &= doc_len <= cap
     elif policy is LongDocs.TRUNCATE:
         doc_len = np.minimum(doc_len, cap)
-    dropped = int(len(keep) - keep.sum())
     doc_start, doc_len, rows = doc_start[keep], doc_len[keep], rows[keep]
 
     n_chunks = (
@@ -145,4 +158,17 @@ def load_shard_items(
         patches=np.zeros(len(length), dtype=np.int32),
         skipped=texts.skipped,
         dropped=dropped,
+        records=records,
+        empty=empty,
     )
+
+
+def _without_blank(texts: ShardTexts) -> tuple[ShardTexts, int]:
+    """The records whose text is not blank, and how many were."""
+    blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts.texts)), 0)
+    n = int(pc.sum(blank).as_py() or 0)
+    if n == 0:
+        return texts, 0
+    keep = pc.invert(blank)
+    rows = texts.rows[np.asarray(keep, dtype=bool)]
+    return ShardTexts(rows, texts.texts.filter(keep), texts.skipped), n

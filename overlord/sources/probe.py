@@ -1,0 +1,148 @@
+"""Cheap checks of what a plan points at, before a job starts: ``overlord validate``.
+
+:func:`check_sources` opens what it can without reading the data: the ``hf``
+tokenizer file (does it load, is its ``eos`` a token of it), and the first
+file (by name) of each source: for JSONL its first record (the first line
+that is not blank: a JSON object whose ``text_field`` is a string), for
+Parquet the schema in the file's footer (``text_field`` is a column of
+strings; no row is read). Every problem is returned, each with its place, so
+that one run of ``validate`` shows them all.
+
+The other files and records are not opened: a bad record further on is met
+by the job, which names it (``on_error``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from overlord.errors import PlanError
+from overlord.plan.spec import Format, Plan, SourceSpec, TokenizerKind
+from overlord.sources.files import Shard, resolve_files
+
+_CHUNK = 1 << 16
+_MAX_FIRST_LINE = 64 << 20  # bytes read at most to find a first record
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing a plan points at that a job could not use: where, and what is wrong."""
+
+    place: str  # "tokenizer tok.json", "source 'web', file data/web/a.jsonl, row 0"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.place}: {self.reason}"
+
+
+def check_sources(plan: Plan) -> list[Problem]:
+    """Every problem found opening the plan's tokenizer and the first record of each source."""
+    problems = check_tokenizer(plan)
+    for spec in plan.sources:
+        problems += check_source(plan, spec)
+    return problems
+
+
+def check_tokenizer(plan: Plan) -> list[Problem]:
+    """An ``hf`` tokenizer file loads, and has the plan's ``eos`` token."""
+    spec = plan.tokenizer
+    if spec.kind is not TokenizerKind.HF or spec.path is None:
+        return []
+    import os
+
+    path = spec.path if os.path.isabs(spec.path) else str(plan.base_dir / spec.path)
+    place = f"tokenizer.path {spec.path}"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return [Problem(place, "tokenizer kind 'hf' needs: pip install 'overlord[hf]'")]
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises its own Exception type
+        return [Problem(place, f"cannot load the tokenizer file ({e})")]
+    if spec.eos is not None and tok.token_to_id(spec.eos) is None:
+        return [Problem(f"tokenizer.eos '{spec.eos}'", f"no such token in {spec.path}")]
+    return []
+
+
+def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
+    """The first file of a source: readable, and its first record (or schema) has the text."""
+    where = f"source '{spec.name}'"
+    try:
+        shards = resolve_files(spec, plan.base_dir)
+    except PlanError as e:
+        return [Problem(where, msg) for _, msg in e.problems]
+    if not shards:
+        return [Problem(where, "no file")]
+    shard = shards[0]
+    where += f", file {shard.name}"
+    try:
+        if spec.format is Format.PARQUET:
+            return _check_parquet(where, shard, spec.text_field)
+        return _check_jsonl(where, shard, spec.text_field)
+    except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
+        return [Problem(where, f"cannot read the file ({type(e).__name__}: {e})")]
+
+
+def _check_parquet(where: str, shard: Shard, text_field: str) -> list[Problem]:
+    with fsspec.open(shard.url, "rb") as f:
+        schema = pq.ParquetFile(f).schema_arrow  # the footer only
+    if text_field not in schema.names:
+        return [Problem(where, f"no column '{text_field}' (columns: {schema.names})")]
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return [Problem(f"{where}, column '{text_field}'", f"is {kind}, expected strings")]
+    return []
+
+
+def _first_line(stream: Any) -> tuple[int, bytes] | None:
+    """The row and bytes of the first line that is not blank; None if the file has none."""
+    buf, row = b"", 0
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                return row, line
+            row += 1
+        if len(buf) > _MAX_FIRST_LINE:
+            return row, buf
+        chunk = stream.read(_CHUNK)
+        if not chunk:
+            return (row, buf) if buf.strip() else None
+        buf += chunk
+
+
+def _check_jsonl(where: str, shard: Shard, text_field: str) -> list[Problem]:
+    with fsspec.open(shard.url, "rb") as raw:
+        if shard.name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw) as f:
+                first = _first_line(f)
+        elif shard.name.endswith((".zst", ".zstd")):
+            first = _first_line(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd"))
+        else:
+            first = _first_line(raw)
+    if first is None:
+        return [Problem(where, "no record (the file is empty or only blank lines)")]
+    row, line = first
+    where += f", row {row}"
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        return [Problem(where, f"malformed JSON ({e})")]
+    if not isinstance(record, dict):
+        return [Problem(where, f"expected a JSON object, found {type(record).__name__}")]
+    if text_field not in record:
+        keys = sorted(record)[:8]
+        return [Problem(where, f"no field '{text_field}' (the record has {keys})")]
+    if not isinstance(record[text_field], str):
+        kind = type(record[text_field]).__name__
+        return [Problem(where, f"field '{text_field}' is {kind}, expected a string")]
+    return []
