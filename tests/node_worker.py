@@ -25,8 +25,6 @@ class _NoRay(MetaPathFinder):
         return None
 
 
-sys.meta_path.insert(0, _NoRay())
-
 import torch.distributed as dist  # noqa: E402
 
 from overlord import LoaderError, load_plan  # noqa: E402
@@ -72,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.meta_path.insert(0, _NoRay())  # as a script only: pytest imports this module too
     main()
