@@ -47,6 +47,10 @@ class LoaderError(OverlordError):
     """A role (source loader, planner, constructor) failed; says which and where."""
 
 
+class RanksApart(LoaderError):
+    """A rank asked for a step further ahead of the slowest rank than the plan allows."""
+
+
 class ActorDiedError(LoaderError):
     """A role's process is gone (killed, node lost): callers fail over to a replica."""
 

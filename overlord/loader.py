@@ -152,7 +152,9 @@ class Loader:
             self.planner.call(PlannerRole.start).result()
             layout = self.planner.call(PlannerRole.layout).result()
             in_trainer = distributed and p.constructors is ConstructorSite.TRAINER
-            prefetch = self.plan.batch.prefetch_steps if distributed else 0
+            # constructors plan and build ahead on threads of their own, on every runtime:
+            # the trainer's thread only takes a ready batch
+            prefetch = self.plan.batch.prefetch_steps
             groups = constructor_ranks(self.plan.world.dp, p.ranks_per_constructor)
             for i, ranks in enumerate(groups if build_batches and not in_trainer else []):
                 h: Handle[ConstructorRole] = self.runtime.spawn(

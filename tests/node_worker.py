@@ -25,14 +25,14 @@ class _NoRay(MetaPathFinder):
         return None
 
 
-import torch.distributed as dist  # noqa: E402
-
-from overlord import LoaderError, load_plan  # noqa: E402
-from overlord.node import NodeClient  # noqa: E402
-from overlord.run import dump_line  # noqa: E402
-
-
 def main() -> None:
+    """Import overlord only now, with Ray blocked."""
+    import torch.distributed as dist
+
+    from overlord import LoaderError, load_plan
+    from overlord.node import NodeClient
+    from overlord.run import dump_line
+
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")

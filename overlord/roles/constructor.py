@@ -1,10 +1,13 @@
 """DataConstructor: pulls its ranks' payloads from the loaders and packs their batches.
 
 One constructor serves one DP rank, or several (the ranks of a node). With
-``prefetch`` it builds the next steps of each rank on a background thread, so
-a trainer's request is answered from memory; built batches of the current
-step are kept until the next one is asked for, so that TP/PP peers of a rank
-receive the very same batch.
+``prefetch`` it plans (through the planner) and builds each rank's batches on
+a thread of its own, ahead of the trainer, so that the trainer's request is
+answered from memory; built batches of the current step are kept until the
+next one is asked for, so that TP/PP peers of a rank receive the very same
+batch. A build ahead that the planner refuses because other ranks lag (in one
+process that consumes every rank) is not an error: the step is built when
+the trainer asks for it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from overlord.batch import Batch, Sample
-from overlord.errors import LoaderError
+from overlord.errors import LoaderError, RanksApart
 from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
@@ -44,7 +47,7 @@ class DataConstructor:
         self.planner, self.ranks = planner, list(ranks)
         self.prefetch = prefetch
         self._lock = threading.Lock()
-        self._built: dict[tuple[int, int], Future[Batch]] = {}
+        self._built: dict[tuple[int, int], Future[Batch | None]] = {}
         self._pool = ThreadPoolExecutor(1, "overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = PoolView(self.names, loaders, planner)
@@ -57,15 +60,25 @@ class DataConstructor:
             return self._build(step, rank)
         with self._lock:
             fut = self._built.get((step, rank))
-            if fut is None:
+            if fut is None or (fut.done() and fut.result() is None):  # none, or refused ahead
                 fut = self._built[(step, rank)] = self._pool.submit(self._build, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
                 if (ahead, rank) not in self._built:
-                    self._built[(ahead, rank)] = self._pool.submit(self._build, ahead, rank)
+                    self._built[(ahead, rank)] = self._pool.submit(self._ahead, ahead, rank)
             # keep this step for the rank's TP/PP peers; older steps are done with
             for key in [k for k in self._built if k[1] == rank and k[0] < step]:
                 del self._built[key]
-        return fut.result()
+        got = fut.result()
+        if got is None:  # refused when it was built ahead: build it now, still off this thread
+            return self._pool.submit(self._build, step, rank).result()
+        return got
+
+    def _ahead(self, step: int, rank: int) -> Batch | None:
+        """Build ``step`` ahead of the trainer; None if the planner cannot plan it yet."""
+        try:
+            return self._build(step, rank)
+        except RanksApart:
+            return None
 
     def _rank_plan(self, step: int, rank: int) -> dict[str, Any]:
         """The planner answers None while other ranks are too far behind: wait for them."""

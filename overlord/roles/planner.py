@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from overlord import state as statefmt
-from overlord.errors import ActorDiedError, LoaderError
+from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
 from overlord.plan.balance import assign, lower_bound, rank_costs
 from overlord.plan.cost import CostModel
@@ -260,7 +260,7 @@ class Planner:
             if self.wait_for_ranks:
                 return None
             slow = self.consumed.index(lag)
-            raise LoaderError(
+            raise RanksApart(
                 f"rank {rank} asked for step {step} while rank {slow} has consumed only up to "
                 f"step {lag}: ranks may run at most batch.prefetch_steps+1={ahead} steps apart "
                 "(consume every rank's batch of a step before the next step)"

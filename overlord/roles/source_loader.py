@@ -362,7 +362,7 @@ class SourceLoader:
                     "only once promoted"
                 )
             self._wait_asking(
-                lambda: not self._queue and self._error is None,
+                lambda: not self._queue and self._error is None and not self._closed,
                 deadline,
                 lambda: (
                     f"SourceLoader {self.source}[{self.index}] produced no data for "
@@ -375,6 +375,8 @@ class SourceLoader:
                 self._queue.clear()
                 self._lock.notify_all()
                 return out
+            if self._closed and self._error is None:
+                raise LoaderError(f"SourceLoader {self.source}[{self.index}] was closed")
             err = self._error
         assert err is not None
         if isinstance(err, OverlordError):

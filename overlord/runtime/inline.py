@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -10,24 +12,36 @@ from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptio
 
 
 class InlineHandle:
-    """A role object; calls run synchronously in the caller's thread."""
+    """A role object; calls run synchronously in the caller's thread.
+
+    ``serial``: one call at a time, as an actor that serves one call at once
+    (``RoleOptions.max_concurrency == 1``) does; the planner, for one, is
+    called from the trainer's thread and from constructors' build threads.
+    """
 
     def __init__(
-        self, obj: Any, name: str, cls: type[Any] | None = None, args: tuple[Any, ...] = ()
+        self,
+        obj: Any,
+        name: str,
+        cls: type[Any] | None = None,
+        args: tuple[Any, ...] = (),
+        serial: bool = False,
     ):
         self.obj = obj
         self.name = name
         self.dead = False  # killed: calls fail as calls to a dead actor do
         self._cls, self._args = cls, args  # to construct it again (restart)
+        self._lock: Any = threading.RLock() if serial else contextlib.nullcontext()
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Done[Any]:
         """Run the method now and keep what it returned or raised."""
-        if self.dead:
-            return Done(error=ActorDiedError(f"{self.name}: the role was killed"))
-        try:
-            return Done(getattr(self.obj, method.__name__)(*args, **kwargs))
-        except Exception as e:  # raised by Done.result, in the caller
-            return Done(error=e)
+        with self._lock:
+            if self.dead:
+                return Done(error=ActorDiedError(f"{self.name}: the role was killed"))
+            try:
+                return Done(getattr(self.obj, method.__name__)(*args, **kwargs))
+            except Exception as e:  # raised by Done.result, in the caller
+                return Done(error=e)
 
 
 class InlineRuntime:
@@ -43,7 +57,7 @@ class InlineRuntime:
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> InlineHandle:
         """Construct the role here (``options`` place actors; here there is one process)."""
-        h = InlineHandle(cls(*args), name, cls, args)
+        h = InlineHandle(cls(*args), name, cls, args, serial=options.max_concurrency == 1)
         self._handles.append(h)
         return h
 
@@ -60,14 +74,16 @@ class InlineRuntime:
         Holders of ``handle`` reach the new object; what the old one held is gone.
         """
         assert handle._cls is not None, "only a spawned role can be restarted"
-        _close(handle.obj)
-        handle.obj = handle._cls(*handle._args)
+        with handle._lock:
+            _close(handle.obj)
+            handle.obj = handle._cls(*handle._args)
 
     def kill(self, handle: Handle[Any]) -> None:
         """Close the role (stops its threads); later calls to it fail with ActorDiedError."""
         if not isinstance(handle, InlineHandle):
             return  # a Gone stand-in: nothing runs
-        handle.dead = True
+        with handle._lock:
+            handle.dead = True
         _close(handle.obj)
         if handle in self._handles:
             self._handles.remove(handle)
