@@ -49,8 +49,8 @@ corpus manifest): all four loaders then deliver about the same token shares.
 Needs ``mosaicml-streaming`` for loader 4 (skipped without it). Run from the repository
 root (Ray must stay on loopback)::
 
-    tools/loopback .venv/bin/python -m benchmarks.throughput_vs            # 15-20 minutes
-    tools/loopback .venv/bin/python -m benchmarks.throughput_vs --quick    # a few minutes
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs          # 12 minutes, 2 cores
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs --quick  # 6 minutes
 
 On a larger machine, e.g. 16 cores: ``--cores 16 --workers 0,1,2,8,15``.
 
@@ -532,15 +532,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def color(name: str) -> Any:
+def color(name: str, loaders: list[str]) -> Any:
     """Blues for overlord, reds for the DataLoader, oranges for Streaming; darker, more workers."""
     import matplotlib
 
     if name in OVERLORD:
         return ("tab:blue", "tab:cyan")[OVERLORD.index(name)]
-    family, _, workers = name.rpartition(" W=")
+    family = name.rpartition(" W=")[0]
+    kin = [n for n in loaders if n.startswith(family + " W=")]
     cmap = matplotlib.colormaps["Reds" if family == TORCH else "Oranges"]
-    return cmap(0.4 + 0.5 * min(int(workers), 15) / 15)
+    return cmap(0.35 + 0.55 * kin.index(name) / max(len(kin) - 1, 1))
 
 
 def plot(meds: dict[str, dict[str, dict[str, float]]], repeats: int, cores: int, path: str) -> None:
@@ -564,7 +565,7 @@ def plot(meds: dict[str, dict[str, dict[str, float]]], repeats: int, cores: int,
         for j, name in enumerate(loaders):
             x = np.arange(len(toks)) + (j - (len(loaders) - 1) / 2) * width
             vals = [meds[t][name][key] if name in meds[t] else np.nan for t in toks]
-            bars = ax.bar(x, vals, width, color=color(name), label=name)
+            bars = ax.bar(x, vals, width, color=color(name, loaders), label=name)
             for b, t, v in zip(bars, toks, vals):
                 if np.isnan(v):
                     continue
