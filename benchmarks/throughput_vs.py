@@ -49,8 +49,8 @@ corpus manifest): all four loaders then deliver about the same token shares.
 Needs ``mosaicml-streaming`` for loader 4 (skipped without it). Run from the repository
 root (Ray must stay on loopback)::
 
-    tools/loopback .venv/bin/python -m benchmarks.throughput_vs          # 12 minutes, 2 cores
-    tools/loopback .venv/bin/python -m benchmarks.throughput_vs --quick  # 6 minutes
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs          # 8-12 minutes, 2 cores
+    tools/loopback .venv/bin/python -m benchmarks.throughput_vs --quick  # 3-6 minutes
 
 On a larger machine, e.g. 16 cores: ``--cores 16 --workers 0,1,2,8,15``.
 
