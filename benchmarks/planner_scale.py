@@ -215,23 +215,23 @@ class FakeLoader:
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """No payloads: no constructor runs here."""
-        raise NotImplementedError("FakeLoader holds no payloads")
+        raise RuntimeError("FakeLoader holds no payloads")
 
     def promote(self, after: list[int] | None) -> None:
         """No shadows run here."""
-        raise NotImplementedError("FakeLoader: no failover in this benchmark")
+        raise RuntimeError("FakeLoader: no failover in this benchmark")
 
     def rewind(self, start: dict[str, Any]) -> None:
         """No planner restarts here."""
-        raise NotImplementedError("FakeLoader: no planner restart in this benchmark")
+        raise RuntimeError("FakeLoader: no planner restart in this benchmark")
 
     def freeze(self) -> list[int] | None:
         """No re-partition here."""
-        raise NotImplementedError("FakeLoader: no re-partition in this benchmark")
+        raise RuntimeError("FakeLoader: no re-partition in this benchmark")
 
     def until(self, limit: list[int]) -> None:
         """No re-partition here."""
-        raise NotImplementedError("FakeLoader: no re-partition in this benchmark")
+        raise RuntimeError("FakeLoader: no re-partition in this benchmark")
 
 
 if TYPE_CHECKING:  # it answers every call of a SourceLoader
@@ -269,7 +269,7 @@ class StandInRuntime(InlineRuntime):
         assert isinstance(plan, Plan)
         fresh = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
         if (k, n, shadow, limit, start) != (0, 1, False, None, fresh) or source in self.loaders:
-            raise NotImplementedError(
+            raise RuntimeError(
                 f"the stand-in runtime serves one primary loader per source from the start; "
                 f"asked for loader {k} of {n} of '{source}' (shadow={shadow}, limit={limit}, "
                 f"start={start})"

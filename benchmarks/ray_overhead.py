@@ -33,7 +33,7 @@ import yaml
 from benchmarks._lib.corpus import train_bpe
 from overlord import Loader, load_plan
 from overlord.demo import build_corpus
-from overlord.roles.source_loader import token_budget
+from overlord.plan.budget import token_budget
 
 TRAINER = """
 import json, sys, time

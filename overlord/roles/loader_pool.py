@@ -31,10 +31,11 @@ import numpy as np
 from overlord.errors import ActorDiedError, LoaderError
 from overlord.journal import Journal
 from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
+from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
 from overlord.roles.api import LoaderGroupRole, LoaderRole, PlannerRole
 from overlord.roles.loader_group import LoaderGroup, assign_groups
-from overlord.roles.source_loader import SourceLoader, token_budget
+from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 

@@ -12,7 +12,7 @@ among the loaders of the source's partition, so a source reads the same
 distance ahead with one loader or many. A caller that waits for this loader's
 next shard (the planner in ``metadata``, a constructor in ``take``) lifts the
 budget while it waits: the planner can never wait on a loader whose budget is
-full of items it has planned but not released (see :func:`token_budget`).
+full of items it has planned but not released (see :func:`overlord.plan.budget.token_budget`).
 
 Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from overlord.errors import LoaderError, OverlordError
+from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
 from overlord.roles.api import LoaderRole
 from overlord.sources.catalog import SourceFiles
@@ -79,29 +80,6 @@ def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
 
     threading.Thread(target=run, name="overlord-read", daemon=True).start()
     return fut
-
-
-def token_budget(plan: Plan, loaders: int = 1) -> int:
-    """Tokens one of ``loaders`` loaders of a source holds before its reader waits.
-
-    Items stay held until their step is consumed by every rank. The planner
-    plans at most ``prefetch_steps + 1`` steps past the last consumed one, so a
-    source may have to hold those steps, the step being planned and the items
-    its lookahead skips; one step more of slack covers releases in flight.
-    That is the source's read-ahead, shared by its loaders: more loaders read
-    in parallel, not further ahead (which would cost memory, push a
-    re-partition's boundary further out, and read tokens a run never uses).
-
-    A share can be smaller than what the planner holds of one loader (its
-    shards are the large ones), so the budget alone could stop a loader whose
-    next shard the planner waits for. It does not: a waiting ``metadata`` or
-    ``take`` lets the reader publish past the budget. The excess is bounded by
-    what the planner can hold (the steps above), as it waits only for items it
-    needs.
-    """
-    b = plan.batch
-    total = (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
-    return -(-total // max(1, loaders))
 
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
@@ -425,7 +403,7 @@ class SourceLoader:
         """Wait (lock held) while ``waiting()``; past ``deadline`` raise ``timed_out()``.
 
         The caller needs a shard this loader has not published: while it waits
-        the reader may publish past its budget (see :func:`token_budget`).
+        the reader may publish past its budget (see :func:`overlord.plan.budget.token_budget`).
         """
         self._asked += 1
         try:
