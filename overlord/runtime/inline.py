@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from overlord.errors import ActorDiedError
+from overlord.errors import ActorDiedError, LoaderError
 from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptions
 
 
@@ -52,11 +52,18 @@ class InlineRuntime:
 
     def __init__(self) -> None:
         self._handles: list[InlineHandle] = []
+        self._closed = False
 
     def spawn(
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> InlineHandle:
-        """Construct the role here (``options`` place actors; here there is one process)."""
+        """Construct the role here (``options`` place actors; here there is one process).
+
+        After :meth:`shutdown` nothing is spawned (a failover under way when the
+        job closes must not start a loader that nobody will close).
+        """
+        if self._closed:
+            raise LoaderError(f"cannot start '{name}': the job's runtime was shut down")
         h = InlineHandle(cls(*args), name, cls, args, serial=options.max_concurrency == 1)
         self._handles.append(h)
         return h
@@ -90,6 +97,7 @@ class InlineRuntime:
 
     def shutdown(self) -> None:
         """Close every role, newest first."""
+        self._closed = True
         for h in reversed(list(self._handles)):
             self.kill(h)
 
