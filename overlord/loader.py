@@ -115,7 +115,7 @@ class Loader:
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)
         # roles in processes of their own can die alone: shadows and a planner journal by
-        # default; their memory is their own; ranks wait for each other; constructors prefetch
+        # default; their memory is their own; ranks wait for each other
         distributed = self.runtime.isolated
         # the planner's journal, for a planner that Ray restarts; a fresh folder per run
         self.journal: str | None = None
