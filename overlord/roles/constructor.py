@@ -13,10 +13,8 @@ the trainer asks for it.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +26,7 @@ from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.loader_pool import PoolView, by_slot
+from overlord.roles.threads import Builder
 from overlord.runtime.base import Handle
 from overlord.sources.catalog import SourceFiles
 
@@ -50,7 +49,7 @@ class DataConstructor:
         self.prefetch = prefetch
         self._lock = threading.Lock()
         self._built: dict[tuple[int, int], Future[Batch | None]] = {}
-        self._pool = _Builder("overlord-constructor") if prefetch else None
+        self._pool = Builder("overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = PoolView(self.names, loaders, planner)
 
@@ -141,48 +140,6 @@ class DataConstructor:
         """Stop building ahead."""
         if self._pool is not None:
             self._pool.shutdown()
-
-
-_Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
-
-
-class _Builder:
-    """One daemon thread that runs submitted builds in order, each into a Future.
-
-    A daemon, unlike an executor's worker, so that a build still waiting for
-    data when the job closes never holds up the process's exit.
-    """
-
-    def __init__(self, name: str):
-        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)`` after the builds before it; its Future."""
-        fut: Future[Any] = Future()
-        self._todo.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while (job := self._todo.get()) is not None:
-            fut, fn, args = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Build nothing more (the build under way ends on its own)."""
-        while True:
-            try:
-                job = self._todo.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        self._todo.put(None)
 
 
 def _sample_id(file: str, row: int, chunk: int) -> str:

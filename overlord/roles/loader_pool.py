@@ -9,10 +9,9 @@ every rank consumed, re-partitions a source online, sizes it as the
 autoscaler decides, closes partitions once consumed, and records all of it in
 the planner's journal so that a restarted planner finds its loaders again.
 
-It lives in the planner's process and never imports the planner or its
-cursors: what it needs of them (the state every rank consumed, the step being
-planned) comes through two callables. Constructors in other processes reach
-the loaders through a :class:`PoolView`.
+It lives in the planner's process and never imports the planner: what it
+needs of it (the state every rank consumed, the step being planned) comes
+through two callables. Constructors elsewhere use a :class:`PoolView`.
 """
 
 from __future__ import annotations
@@ -527,8 +526,14 @@ class LoaderPool:
             "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
         }
         if self.scaler is not None:
-            record["autoscaler"] = {"policy": self.scaler.state_dict(), "cost": dict(self.cost)}
+            record["autoscaler"] = self.scaling_state()
         return record
+
+    def scaling_state(self) -> dict[str, Any] | None:
+        """The autoscaler's hysteresis timers and each source's measured cost (None: off)."""
+        if self.scaler is None:
+            return None
+        return {"policy": self.scaler.state_dict(), "cost": dict(self.cost)}
 
     def restore(self, record: dict[str, Any]) -> None:
         """Find the loaders of a :meth:`record` again (a dead one fails over when asked)."""

@@ -390,7 +390,7 @@ class Planner:
             "scaling": list(self.pool.scaling),
             "journal": self.journal.stats() if self.journal is not None else None,
             "loaders": self.pool.stats(),
-            "autoscaler": self.pool.record().get("autoscaler"),
+            "autoscaler": self.pool.scaling_state(),
         }
 
 

@@ -45,6 +45,7 @@ from overlord.errors import LoaderError, OverlordError
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
 from overlord.roles.api import LoaderRole
+from overlord.roles.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, load_shard_items, shard_order
 from overlord.sources.tokenizers import make_tokenizer
@@ -59,27 +60,6 @@ _BLOCK_COLUMNS = (
     ("chunk", "chunk", np.int32),
     ("patches", "patches", np.int32),
 )
-
-
-def _in_daemon_thread(fn: Any, *args: Any) -> Future[Any]:
-    """Run ``fn(*args)`` on a thread of its own that never holds up the process's exit.
-
-    A read that never returns (a hung network mount) must not keep the trainer's
-    process alive after it is told to stop, as an executor's threads would (they
-    are joined at exit).
-    """
-    fut: Future[Any] = Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="overlord-read", daemon=True).start()
-    return fut
 
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
@@ -239,7 +219,7 @@ class SourceLoader:
         """Start reading shards until ``threads`` are in flight; the next shard to start."""
         with self._lock:
             while nxt is not None and self._may_read(nxt) and len(pending) < self._threads:
-                pending.append((nxt, _in_daemon_thread(self._load, *nxt)))
+                pending.append((nxt, in_daemon_thread(self._load, *nxt)))
                 nxt = next(positions, None)
             self._next = nxt
         return nxt
