@@ -26,6 +26,15 @@ from overlord.state import STATE_VERSION
 _NAME = re.compile(r"^step-(\d{8,})\.json$")
 
 
+_OLD_VERSIONS = {
+    1: " (version 1 predates recording each source's files in the state; resume it "
+    "with the overlord release that wrote it)",
+    2: " (version 2 read every shard whole and ordered its records by one permutation; "
+    "shards now stream in blocks, in another order, so its positions name other "
+    "records: resume it with the overlord release that wrote it)",
+}
+
+
 def check_state(state: dict[str, Any], plan: Plan) -> None:
     """Raise :class:`CheckpointError` if ``state`` cannot resume ``plan``."""
     if not isinstance(state, dict):
@@ -34,12 +43,7 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
     if version != STATE_VERSION:
         raise CheckpointError(
             f"checkpoint format version {version!r} is not supported: expected {STATE_VERSION}"
-            + (
-                " (version 1 predates recording each source's files in the state; resume it "
-                "with the overlord release that wrote it)"
-                if version == 1
-                else ""
-            )
+            + (_OLD_VERSIONS.get(version, "") if isinstance(version, int) else "")
         )
     for key in ("step", "sources"):
         if key not in state:

@@ -3,7 +3,7 @@
 A state is the JSON document a checkpoint holds: where each source's order
 resumes, what the mixture has placed, and each source's files::
 
-    {"version": 2, "fingerprint": "...", "step": 12,
+    {"version": 3, "fingerprint": "...", "step": 12,
      "sources": {"web": {"fingerprint": "...", "cursor": {"epoch", "shard_pos", "index", "skip"},
                          "target": 812.5, "placed": 790.0,
                          "files": [[0, [["data/web/a.jsonl", 1234], ...]]]}}}
@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 # 2: each source's files are part of the state (1 held a fingerprint of their names)
-STATE_VERSION = 2
+# 3: shards stream in blocks and windows; an item's index is its place in that order
+STATE_VERSION = 3
 
 Weights = Callable[[int], Mapping[str, float]]  # the schedule's weight of each source at a step
 

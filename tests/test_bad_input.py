@@ -106,7 +106,7 @@ def test_loader_crash_is_reraised_in_the_trainer_naming_the_loader(
     def broken(*args: Any) -> Any:
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(sl, "load_shard_items", broken)
+    monkeypatch.setattr(sl, "cut_items", broken)
     plan = make_corpus(tmp_path, {"web": 4})
     with pytest.raises(LoaderError) as e:
         run(plan, 1)
@@ -120,13 +120,13 @@ def test_stuck_loader_times_out_naming_source_and_file(
     import overlord.roles.source_loader as sl
 
     release = threading.Event()
-    real = sl.load_shard_items
+    real = sl.shard_windows
 
     def slow(*args: Any) -> Any:
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(sl, "load_shard_items", slow)
+    monkeypatch.setattr(sl, "shard_windows", slow)
     plan = make_corpus(tmp_path, {"web": 4}, loading={"timeout_s": 0.3})
     with Loader(plan) as loader:
         client = loader.client(0)

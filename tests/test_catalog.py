@@ -124,7 +124,7 @@ def test_a_file_of_the_current_epoch_that_changed_stops_the_resume_naming_it(tmp
 def test_a_checkpoint_of_the_old_format_is_refused_with_its_version(tmp_path):
     plan = load_plan(plan_of(tmp_path))
     old = {"version": 1, "step": 3, "sources": {}}
-    with pytest.raises(CheckpointError, match="version 1 is not supported: expected 2"):
+    with pytest.raises(CheckpointError, match="version 1 is not supported: expected 3"):
         Loader(plan, state=old)
 
 

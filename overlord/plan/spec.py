@@ -170,6 +170,21 @@ class BalanceSpec(_Model):
     cost: CostSpec = CostSpec(alpha=1.0, beta=0.0)
 
 
+class ShuffleSpec(_Model):
+    """How a shard's records are ordered while it streams (the rule is in the README).
+
+    A shard is read in *blocks* (the lines that start in ``block_bytes`` of a
+    JSONL file, a row group of a Parquet file); the records of
+    ``window_blocks`` blocks are permuted together. A loader holds a window's
+    text, never a whole shard.
+    """
+
+    block_bytes: int = Field(
+        1 << 20, ge=256, description="bytes of a JSONL file (decompressed) in one block"
+    )
+    window_blocks: int = Field(8, ge=1, description="blocks whose records are permuted together")
+
+
 class LoadingSpec(_Model):
     """How source loaders read ahead."""
 
@@ -271,6 +286,7 @@ class Plan(_Model):
     world: World = World()
     balance: BalanceSpec = BalanceSpec()
     on_error: OnError = OnError.FAIL
+    shuffle: ShuffleSpec = ShuffleSpec()
     loading: LoadingSpec = LoadingSpec()
     placement: PlacementSpec = PlacementSpec()
     recovery: RecoverySpec = RecoverySpec()
@@ -334,6 +350,7 @@ class Plan(_Model):
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
             "on_error": self.on_error.value,
+            "shuffle": self.shuffle.model_dump(mode="json"),
         }
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from overlord.batch import Batch
     from overlord.runtime.base import Handle
 
+# A loader's metadata block: ``epoch``, ``shard_pos``, ``file_index``, ``index`` and the
+# items' columns; ``stop`` (the index after the piece's last item) and ``last`` (the
+# shard's closing block, with no item). A closing block's end, as a key's index:
+SHARD_END = 1 << 62
+
 
 class LoaderRole(Protocol):
     """A SourceLoader: reads one source's shards ahead and holds their tokens."""
@@ -33,7 +38,7 @@ class LoaderRole(Protocol):
         ...
 
     def promote(self, after: list[int] | None) -> None:
-        """Start serving metadata after shard ``after`` (a shadow whose primary died)."""
+        """Serve metadata after key ``after``, a block's end (a shadow whose primary died)."""
         ...
 
     def rewind(self, start: dict[str, Any]) -> None:

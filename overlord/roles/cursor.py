@@ -24,6 +24,9 @@ Key = tuple[int, int, int]
 class SourceCursor:
     """Pending items of one source, fetched from its loaders on demand.
 
+    A loader sends a shard as blocks of consecutive items (its pieces), then a
+    closing block (``last``) after which the next shard is due.
+
     ``fetch(k)`` returns the new metadata blocks of loader slot ``k`` (waiting
     for one); ``shards(epoch)`` is how many shards that epoch of the source
     has; ``partitions()`` are the partitions of its order, whose owner (the
@@ -45,7 +48,8 @@ class SourceCursor:
         self._blocks: dict[int, deque[dict[str, Any]]] = {}  # per slot
         start = start or {}
         self._expect = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
-        self._start_index = int(start.get("index", 0))  # where the first shard resumes
+        # where the shard being received resumes: the end of its last piece received
+        self._start_index = int(start.get("index", 0))
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
         # pending items, in source order: key, tokens, slot, file index, record row, chunk,
@@ -90,6 +94,9 @@ class SourceCursor:
         self.chunk += block["chunk"].tolist()
         self.patches += block["patches"].tolist()
         self._epoch_items += n
+        if not block["last"]:  # a piece of the shard: more follow
+            self._start_index = int(block["stop"])
+            return
         pos += 1
         if pos == self.shards(epoch):
             if self._full_epoch and self._epoch_items == 0:

@@ -32,7 +32,7 @@ from overlord.journal import Journal
 from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
-from overlord.roles.api import LoaderGroupRole, LoaderRole, PlannerRole
+from overlord.roles.api import SHARD_END, LoaderGroupRole, LoaderRole, PlannerRole
 from overlord.roles.loader_group import LoaderGroup, assign_groups
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
@@ -224,7 +224,7 @@ class LoaderPool:
         self.names = plan.source_names
         self.slots: dict[str, list[list[Handle[LoaderRole]]]] = {n: [] for n in self.names}
         self.parts: dict[str, list[Part]] = {n: [] for n in self.names}
-        self._received: dict[tuple[str, int], list[int]] = {}  # last shard the planner got
+        self._received: dict[tuple[str, int], list[int]] = {}  # end of the last block it got
         self._releases = OneWay("planner", ignore=(ActorDiedError,))
         self.events: list[dict[str, Any]] = []  # failovers and re-partitions
         self.scaling: list[dict[str, Any]] = []  # the autoscaler's decisions, with reasons
@@ -330,7 +330,8 @@ class LoaderPool:
                 continue
             if blocks:
                 last = blocks[-1]
-                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"])]
+                end = SHARD_END if last["last"] else int(last["stop"])
+                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
             return blocks
 
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:

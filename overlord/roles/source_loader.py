@@ -1,18 +1,26 @@
 """SourceLoader: holds one source's state once, reads ahead, serves metadata and payloads.
 
 Loader ``k`` of ``n`` for a source owns the shards at positions ``p`` with
-``p % n == k`` in each epoch's shard order. A background thread reads them in
-that order (``loading.threads`` shards at once), tokenizes them and keeps the
-tokens until a DataConstructor takes them. The planner receives metadata only:
-one block per shard with each item's position and token count.
+``p % n == k`` in each epoch's shard order. A shard streams: one thread reads
+it a *window* at a time (:mod:`overlord.sources.shard`: a few blocks of
+records, permuted), and the window's records are tokenized a *piece* at a
+time, ``loading.threads`` pieces at once. The tokens are kept until a
+DataConstructor takes them. The planner receives metadata only: one block per
+piece, with each item's position and token count, and one closing block
+(``last``) per shard.
 
-Memory is bounded: the reader waits while the tokens it holds reach a budget
-derived from the plan (the steps planned ahead plus the lookahead), divided
-among the loaders of the source's partition, so a source reads the same
-distance ahead with one loader or many. A caller that waits for this loader's
-next shard (the planner in ``metadata``, a constructor in ``take``) lifts the
-budget while it waits: the planner can never wait on a loader whose budget is
-full of items it has planned but not released (see :func:`overlord.plan.budget.token_budget`).
+Memory is bounded whatever the shards' sizes. The pieces held and those being
+tokenized stay within a token budget derived from the plan (the steps planned
+ahead plus the lookahead), divided among the loaders of the source's
+partition, so a source reads the same distance ahead with one loader or many,
+and more threads add throughput, not read-ahead. A piece's tokens are
+estimated from its text bytes before it is tokenized (the source's measured
+tokens per byte). Besides the budget a loader holds the window being cut and
+at most one window read ahead. A caller that waits for an item not published
+yet (the planner in ``metadata``, a constructor in ``take``) lets one piece at
+a time past the budget: the planner can never wait on a loader whose budget
+is full of items it has planned but not released (see
+:func:`overlord.plan.budget.token_budget`).
 
 Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
@@ -20,7 +28,7 @@ call that is retried, can take the same items again, and a *shadow* (a hot
 standby started with ``shadow=True``) that reads the same shards and receives
 the same releases holds exactly what the primary holds. When the primary dies,
 the planner promotes the shadow: it starts serving metadata after the last
-shard the planner received, and constructors take from it instead. A loader
+block the planner received, and constructors take from it instead. A loader
 can also be *rewound* to a planner state (a restarted planner resumes there):
 it serves again the metadata of every held item from that point on.
 
@@ -30,12 +38,14 @@ decode them.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,14 +54,15 @@ import pyarrow as pa
 from overlord.errors import LoaderError, OverlordError
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
+from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
-from overlord.sources.shard import ShardItems, load_shard_items, shard_order
+from overlord.sources.shard import ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import make_tokenizer
 
-MAX_QUEUED_BLOCKS = 64
-COST_EMA = 0.2  # weight of the newest shard in the per-token cost's moving average
+MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
+COST_EMA = 0.2  # weight of the newest piece in the moving averages of its costs
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 # metadata columns of a block: key, ShardItems field, dtype
 _BLOCK_COLUMNS = (
@@ -63,6 +74,33 @@ _BLOCK_COLUMNS = (
 
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
+Key = tuple[int, int, int]  # (epoch, shard_pos, index): an item's place in the source's order
+
+
+@dataclass
+class _Piece:
+    """Items ``base ..`` of a shard, held until released."""
+
+    base: int
+    items: ShardItems
+    remaining: np.ndarray  # bool per item: not released yet
+
+
+@dataclass
+class _Task:
+    """What the reader publishes next, in order: a window's counts, a piece, or a shard's end."""
+
+    at: Position
+    file_index: int
+    window: Window | None = None  # counts (no piece) or a piece of it
+    lo: int = 0
+    hi: int = 0
+    piece: Future[tuple[ShardItems, float]] | None = None
+    estimate: int = 0  # tokens the piece is expected to hold while it is tokenized
+    end: bool = False
+
+    def ready(self) -> bool:
+        return self.piece is None or self.piece.done()
 
 
 class SourceLoader:
@@ -99,33 +137,39 @@ class SourceLoader:
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan, count)
-        self._asked = 0  # callers waiting for a shard not published yet: lifts the budget
-        # items consumed already, dropped when their shard is read: before ``_floor``,
+        self._asked = 0  # callers waiting for an item not published yet: lifts the budget
+        # items consumed already, dropped when their piece is read: before ``_floor``,
         # and the runs of ``_skip`` after it
         self._floor = (*self._start, int(start.get("index", 0)))
         self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
         self._released_ahead: dict[Position, list[int]] = {}  # a lagging shadow's releases
         self._serving = not shadow  # queues metadata for the planner
-        self._send_from: Position = self._start  # first shard whose metadata is queued
-        self._last: Position = (-1, -1)  # the last shard published
+        self._send_from: Key = (*self._start, 0)  # first key whose block is queued
+        self._last: Key = (-1, -1, 0)  # every item of this loader before it is published
         # partitions: this loader's shards end before ``_limit`` (a re-partition set it);
         # ``_next`` is the first shard it has not started to read
         self._limit: Position | None = None if limit is None else (int(limit[0]), int(limit[1]))
         self._frozen = False
         self._next: Position | None = self._start  # None: it owns no shard from here on
         self._threads = self.plan.loading.threads
-        self._pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]] = deque()
+        self._cache: dict[Any, Any] = {}  # line indexes of plain JSONL files, for every epoch
 
         self._lock = threading.Condition()
+        self._windows: deque[Window | _Task | BaseException] = deque()  # read, not cut yet
+        self._cut: tuple[Window, list[tuple[int, int]]] | None = None  # the window being cut
+        self._pending: deque[_Task] = deque()  # in publishing order
+        self._in_flight = 0  # estimated tokens of the pieces being tokenized
+        self._tokens_per_byte = 1.0  # a guess until a piece is measured (bytes: about 1)
         self._queue: deque[dict[str, Any]] = deque()
-        self._held: dict[tuple[int, int], tuple[ShardItems, np.ndarray]] = {}
+        self._held: dict[Position, list[_Piece]] = {}  # by shard; the open shard has one
+        self._next_index: dict[Position, int] = {}  # index of the next item of an open shard
         self._held_tokens = 0
         self._error: BaseException | None = None
         self._closed = False
-        self._reading = ""  # the shard the reader waits for, for error messages
-        self._waits_on: str | None = None  # what holds a read shard back: "budget" or "queue"
-        # records, empty, skipped and dropped count each file once (the first time this loader
-        # reads it), not once per epoch: how many of the source's records are what
+        self._reading = ""  # the shard the reader is on, for error messages
+        self._waits_on: str | None = None  # what holds reading back: "budget" or "queue"
+        # records, empty, skipped and dropped count each window once (the first time this
+        # loader reads it), not once per epoch: how many of the source's records are what
         self._stats = {
             "shards": 0,
             "items": 0,
@@ -138,13 +182,15 @@ class SourceLoader:
         self._cost: dict[str, float] = {}
         self._skipped: list[str] = []
         self._dropped = 0
-        self._counted: set[str] = set()  # files whose records are counted (once, not per epoch)
-        self._thread = threading.Thread(
-            target=self._run, name=f"overlord-loader-{source}-{index}", daemon=True
-        )
-        self._thread.start()
+        self._counted: set[tuple[str, int, int]] = set()  # (file, window, piece) counted once
+        self._threads_started = [
+            threading.Thread(target=fn, name=f"overlord-{what}-{source}-{index}", daemon=True)
+            for fn, what in ((self._read_windows, "window"), (self._run, "loader"))
+        ]
+        for t in self._threads_started:
+            t.start()
 
-    # ---- reader thread -------------------------------------------------------------------
+    # ---- reading -------------------------------------------------------------------------
 
     def _positions(self) -> Iterator[Position]:
         """The shards this loader reads, in source order; ends if no later epoch has one."""
@@ -159,136 +205,254 @@ class SourceLoader:
                 return  # more loaders than shards: this one owns none from here on
             epoch, pos = epoch + 1, 0
 
-    def _load(self, epoch: int, pos: int) -> tuple[ShardItems, float, float]:
-        """One shard's items, the wall seconds and the CPU seconds (this thread's) it took."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        files = self.files.at(epoch)
-        items = load_shard_items(self.plan, self.spec, files, self.tokenizer, epoch, pos)
-        # the shard's text is gone; hand Arrow's freed pages back instead of keeping them
-        pa.default_memory_pool().release_unused()
-        return items, time.perf_counter() - t0, time.thread_time() - c0
-
-    def _keep_mask(self, at: Position, n: int) -> np.ndarray:
-        """Items of shard ``at`` not consumed yet (per the floor, skip runs, releases)."""
-        keep = np.ones(n, dtype=bool)
-        floor_at, floor_index = self._floor[:2], self._floor[2]
-        if at < floor_at:
-            keep[:] = False
-        elif at == floor_at:
-            keep[:floor_index] = False
-        for e, p, i, c in self._skip:
-            if (e, p) == at:
-                keep[i : i + c] = False
-        ahead = self._released_ahead.pop(at, None)
-        if ahead:
-            keep[np.asarray(ahead, dtype=np.int64)] = False
-        return keep
-
-    def _run(self) -> None:
+    def _read_windows(self) -> None:
+        """The window thread: this loader's shards, a window at a time, one window ahead."""
         positions = self._positions()
         nxt = next(positions, None)
-        pending = self._pending
         try:
-            while not self._closed:
+            while True:
                 with self._lock:
                     # frozen (a re-partition is choosing its boundary), or every shard it
                     # owns is read: wait for until() or close()
-                    while not self._closed and not pending and not self._may_read(nxt):
+                    while not self._closed and not self._may_read(nxt):
                         self._lock.wait(0.5)
-                nxt = self._submit(pending, positions, nxt)
-                if not pending:
-                    continue
-                (epoch, pos), fut = pending.popleft()
-                files = self.files.at(epoch)
-                self._reading = files[
-                    shard_order(self.plan.seed, self.source, epoch, len(files))[pos]
-                ].name
-                items, seconds, cpu = fut.result()
-                self._publish(items, seconds, cpu)
+                    if self._closed:
+                        return
+                    assert nxt is not None
+                    at, nxt = nxt, next(positions, None)
+                    self._next = nxt
+                files = self.files.at(at[0])
+                file = shard_file(self.plan, self.spec, files, *at)
+                self._reading = file.name
+                file_index = files.index(file)
+                for window in shard_windows(self.plan, self.spec, files, *at, self._cache):
+                    if not self._put(window):
+                        return
+                if not self._put(_Task(at, file_index, end=True)):
+                    return
+        except BaseException as e:  # published in order, after what was read before it
+            self._put(e)
+
+    def _put(self, what: Window | _Task | BaseException) -> bool:
+        """Hand a window to the reader, waiting while one waits already; False once closed."""
+        with self._lock:
+            while self._windows and not self._closed and not isinstance(what, BaseException):
+                self._lock.wait(0.5)
+            self._windows.append(what)
+            self._lock.notify_all()
+            return not self._closed
+
+    def _may_read(self, at: Position | None) -> bool:
+        """Whether the window thread may start on shard ``at`` now (lock held)."""
+        if at is None:
+            return False  # this loader owns no shard from here on
+        return not (self._closed or self._frozen) and (self._limit is None or at < self._limit)
+
+    def _run(self) -> None:
+        """The reader: starts pieces within the budget, publishes what is done, in order."""
+        pending = self._pending
+        try:
+            while True:
+                with self._lock:
+                    task = None
+                    while not self._closed:
+                        if pending and pending[0].ready():
+                            break
+                        task = self._next_task()
+                        if task is not None:
+                            break
+                        self._lock.wait(0.5)
+                    if self._closed:
+                        return
+                if task is None:
+                    self._publish(pending.popleft())
         except BaseException as e:  # handed to the planner by metadata()
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
 
-    def _submit(
-        self,
-        pending: deque[tuple[Position, Future[tuple[ShardItems, float, float]]]],
-        positions: Iterator[Position],
-        nxt: Position | None,
-    ) -> Position | None:
-        """Start reading shards until ``threads`` are in flight; the next shard to start."""
-        with self._lock:
-            while nxt is not None and self._may_read(nxt) and len(pending) < self._threads:
-                pending.append((nxt, in_daemon_thread(self._load, *nxt)))
-                nxt = next(positions, None)
-            self._next = nxt
-        return nxt
+    def _next_task(self) -> _Task | None:
+        """Start the next task if the budget and the threads allow it (lock held)."""
+        if self._cut is None or not self._cut[1]:
+            if self._cut is not None:
+                self._cut = None
+            if not self._windows:
+                return None
+            got = self._windows[0]
+            if isinstance(got, BaseException):
+                if self._pending:
+                    return None  # publish what came before it first
+                raise got
+            self._windows.popleft()
+            self._lock.notify_all()
+            if isinstance(got, _Task):  # a shard's end
+                self._pending.append(got)
+                return got
+            self._cut = (got, got.pieces())
+            task = _Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
+            self._pending.append(task)
+            return task
+        window, pieces = self._cut
+        lo, hi = pieces[0]
+        estimate = int(self._text_bytes(window, lo, hi) * self._tokens_per_byte)
+        pieces_in_flight = sum(t.piece is not None for t in self._pending)
+        if pieces_in_flight >= self._threads:
+            return None
+        if self._held_tokens + self._in_flight + estimate > self._budget and not (
+            (self._asked and not pieces_in_flight)
+            or (not self._held_tokens and not self._in_flight)
+        ):
+            self._waits_on = "budget"
+            return None
+        self._waits_on = None
+        pieces.pop(0)
+        piece = in_daemon_thread(self._tokenize, window, lo, hi)
+        piece.add_done_callback(self._wake)
+        task = _Task((window.epoch, window.shard_pos), window.file_index, window, lo, hi, piece)
+        task.estimate = estimate
+        self._in_flight += estimate
+        self._pending.append(task)
+        return task
 
-    def _may_read(self, at: Position | None) -> bool:
-        """Whether the reader may start on shard ``at`` now (lock held)."""
-        if at is None:
-            return False  # this loader owns no shard from here on
-        return not (self._closed or self._frozen) and (self._limit is None or at < self._limit)
+    @staticmethod
+    def _text_bytes(window: Window, lo: int, hi: int) -> int:
+        offs = np.frombuffer(window.texts.buffers()[1], np.int64)
+        return int(offs[window.texts.offset + hi] - offs[window.texts.offset + lo])
 
-    def _publish(self, items: ShardItems, seconds: float, cpu: float) -> None:
-        at = (items.epoch, items.shard_pos)
+    def _wake(self, _: Future[Any]) -> None:
         with self._lock:
-            while not self._closed:
-                if self._held_tokens >= self._budget and not self._asked:
-                    self._waits_on = "budget"
-                elif self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS:
-                    self._waits_on = "queue"
-                else:
-                    break
+            self._lock.notify_all()
+
+    def _tokenize(self, window: Window, lo: int, hi: int) -> tuple[ShardItems, float]:
+        """One piece's items, and the CPU seconds (this thread's) it took."""
+        c0 = time.thread_time()
+        items = cut_items(self.plan, self.tokenizer, window, lo, hi)
+        if hi == len(window.texts):  # the window's text is gone: hand Arrow's pages back
+            pa.default_memory_pool().release_unused()
+        return items, time.thread_time() - c0
+
+    def _keep_mask(self, at: Position, base: int, n: int) -> np.ndarray:
+        """Items ``base .. base + n`` of shard ``at`` not consumed yet (floor, skips, releases)."""
+        keep = np.ones(n, dtype=bool)
+        floor_at, floor_index = self._floor[:2], self._floor[2]
+        if at < floor_at:
+            keep[:] = False
+        elif at == floor_at:
+            keep[: max(0, floor_index - base)] = False
+        for e, p, i, c in self._skip:
+            if (e, p) == at:
+                keep[max(0, i - base) : max(0, i + c - base)] = False
+        ahead = self._released_ahead.get(at)
+        if ahead:
+            idx = np.asarray(ahead, dtype=np.int64)
+            mine = (idx >= base) & (idx < base + n)
+            keep[idx[mine] - base] = False
+            rest = idx[~mine].tolist()
+            if rest:
+                self._released_ahead[at] = rest
+            else:
+                del self._released_ahead[at]
+        return keep
+
+    def _publish(self, task: _Task) -> None:
+        """Make a finished task's items (or a window's counts, or a shard's end) visible."""
+        got = task.piece.result() if task.piece is not None else None
+        with self._lock:
+            while self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS and not self._closed:
+                self._waits_on = "queue"
                 self._lock.wait(0.5)
             self._waits_on = None
             if self._closed:
                 return
-            keep = self._keep_mask(at, len(items))
-            idx = np.flatnonzero(keep)
-            tokens = int(items.length[idx].sum())
-            if len(idx) and self.keep_payloads:
-                self._held[at] = (items, keep)
-                self._held_tokens += tokens
-            self._last = at
-            if self._serving and at >= self._send_from:
-                self._queue.append(self._block(at, items.file_index, items, keep))
-            s = self._stats
-            s["shards"] += 1
-            s["items"] += len(idx)
-            s["tokens"] += tokens
-            s["read_s"] += seconds
-            # moving averages of what a token and a sample cost to read, decode and tokenize
-            # (the autoscaler's measure); over every item of the shard, kept or not
-            n_tok, n_items = max(1, int(items.length.sum())), max(1, len(items))
-            for key, value in (
-                ("s_per_token", cpu / n_tok),
-                ("s_per_sample", cpu / n_items),
-            ):
-                old = self._cost.get(key)
-                self._cost[key] = value if old is None else old + COST_EMA * (value - old)
-            # by name: a file's index in the list can change when a later epoch lists more files
-            name = self.files.at(items.epoch)[items.file_index].name
-            if name not in self._counted:
-                self._counted.add(name)
-                s["records"] += items.records
-                s["empty"] += items.empty
-                s["skipped"] += len(items.skipped)
-                self._skipped += [str(e) for e in items.skipped[: max(0, 20 - len(self._skipped))]]
-                self._dropped += items.dropped
+            at = task.at
+            name = self.files.at(at[0])[task.file_index].name
+            if task.end:
+                self._end_shard(at, task.file_index)
+            elif got is None:
+                self._count_window(name, task)
+            else:
+                self._in_flight -= task.estimate
+                self._add_piece(at, task, got[0], got[1], name)
             self._lock.notify_all()
+
+    def _count_window(self, name: str, task: _Task) -> None:
+        window = task.window
+        assert window is not None
+        self._next_index.setdefault(task.at, 0)
+        self._held.setdefault(task.at, [])
+        if (name, window.number, -1) in self._counted:
+            return
+        self._counted.add((name, window.number, -1))
+        s = self._stats
+        s["records"] += window.records
+        s["empty"] += window.empty
+        s["skipped"] += len(window.skipped)
+        self._skipped += [str(e) for e in window.skipped[: max(0, 20 - len(self._skipped))]]
+
+    def _add_piece(
+        self, at: Position, task: _Task, items: ShardItems, cpu: float, name: str
+    ) -> None:
+        base = self._next_index.get(at, 0)
+        n = len(items)
+        self._next_index[at] = base + n
+        keep = self._keep_mask(at, base, n)
+        idx = np.flatnonzero(keep)
+        tokens = int(items.length[idx].sum())
+        held = self._held.setdefault(at, [])
+        if len(idx) and self.keep_payloads:
+            held.append(_Piece(base, items, keep))
+            self._held_tokens += tokens
+        self._last = (*at, base + n)
+        if self._serving and (*at, base) >= self._send_from:
+            self._queue.append(self._block(at, task.file_index, base, items, keep))
+        s = self._stats
+        s["items"] += len(idx)
+        s["tokens"] += tokens
+        s["read_s"] += cpu
+        # moving averages of what a token and a sample cost to read, decode and tokenize
+        # (the autoscaler's measure), and of tokens per byte of text (the budget's estimate)
+        n_tok, n_items = max(1, int(items.length.sum())), max(1, n)
+        for key, value in (
+            ("s_per_token", cpu / n_tok),
+            ("s_per_sample", cpu / n_items),
+            ("tokens_per_byte", len(items.tokens) / max(1, items.text_bytes)),
+        ):
+            old = self._cost.get(key)
+            self._cost[key] = value if old is None else old + COST_EMA * (value - old)
+        self._tokens_per_byte = self._cost["tokens_per_byte"]
+        part = (name, task.window.number if task.window else 0, task.lo)
+        if part not in self._counted:
+            self._counted.add(part)
+            self._stats["empty"] += items.empty
+            self._dropped += items.dropped
+
+    def _end_shard(self, at: Position, file_index: int) -> None:
+        self._last = (*at, END)
+        self._next_index.pop(at, None)
+        if not self._held.get(at):
+            self._held.pop(at, None)
+        self._stats["shards"] += 1
+        if self._serving and (*at, END) >= self._send_from:
+            self._queue.append(self._block(at, file_index, 0, None, None, last=True))
 
     @staticmethod
     def _block(
-        at: Position, file_index: int, items: ShardItems | None, keep: np.ndarray | None
+        at: Position,
+        file_index: int,
+        base: int,
+        items: ShardItems | None,
+        keep: np.ndarray | None,
+        last: bool = False,
     ) -> dict[str, Any]:
-        """The metadata of shard ``at``'s items in ``keep`` (none without items)."""
+        """The metadata of a piece's items in ``keep`` (a shard's closing block: ``last``)."""
         idx = np.flatnonzero(keep) if keep is not None else np.zeros(0, dtype=np.int64)
         block: dict[str, Any] = {
             "epoch": at[0],
             "shard_pos": at[1],
             "file_index": file_index,
-            "index": idx.astype(np.int64),
+            "index": (idx + base).astype(np.int64),
+            "stop": base + (len(items) if items is not None else 0),
+            "last": last,
         }
         for key, attr, dtype in _BLOCK_COLUMNS:
             column = getattr(items, attr) if items is not None else np.zeros(0, dtype=dtype)
@@ -297,16 +461,17 @@ class SourceLoader:
 
     def _published(self, first: Position) -> Iterator[tuple[Position, int]]:
         """Shards of this loader from ``first`` to the last one published, with file indexes."""
-        for epoch in range(max(first[0], self._start[0]), self._last[0] + 1):
-            n = len(self.files.at(epoch))
-            order = shard_order(self.plan.seed, self.source, epoch, n)
+        last = self._last[:2]
+        for epoch in range(max(first[0], self._start[0]), last[0] + 1):
+            files = self.files.at(epoch)
             lo = first[1] if epoch == first[0] else 0
             if epoch == self._start[0]:
                 lo = max(lo, self._start[1])
-            hi = self._last[1] + 1 if epoch == self._last[0] else n
+            hi = last[1] + 1 if epoch == last[0] else len(files)
             for p in range(max(lo, 0), hi):
                 if p % self.count == self.index:
-                    yield (epoch, p), int(order[p])
+                    file = shard_file(self.plan, self.spec, files, epoch, p)
+                    yield (epoch, p), files.index(file)
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -349,30 +514,40 @@ class SourceLoader:
         lengths = np.empty(len(keys), dtype=np.int32)
         with self._lock:
             for j, (e, p, i) in enumerate(np.asarray(keys, dtype=np.int64).tolist()):
-                if (e, p) > self._last:
-                    self._wait_until_read((e, p))
-                entry = self._held.get((e, p))
-                if entry is None or not entry[1][i]:
+                if (e, p, i) >= self._last:
+                    self._wait_until_read((e, p, i))
+                piece = self._piece_of((e, p), i)
+                if piece is None or not piece.remaining[i - piece.base]:
                     raise LoaderError(
                         f"SourceLoader {self.source}[{self.index}] does not hold item "
                         f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
                         "consumed) or never read"
                     )
-                items = entry[0]
-                s, n = int(items.start[i]), int(items.length[i])
+                items, k = piece.items, i - piece.base
+                s, n = int(items.start[k]), int(items.length[k])
                 parts.append(items.tokens[s : s + n])
                 lengths[j] = n
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return {"tokens": tokens, "lengths": lengths}
 
-    def _wait_until_read(self, at: Position) -> None:
-        """Wait (lock held) until shard ``at`` is read: a promoted shadow may lag its primary."""
+    def _piece_of(self, at: Position, i: int) -> _Piece | None:
+        """The held piece of shard ``at`` that item ``i`` is in (lock held)."""
+        pieces = self._held.get(at)
+        if not pieces:
+            return None
+        j = bisect.bisect_right([p.base for p in pieces], i) - 1
+        if j < 0 or i >= pieces[j].base + len(pieces[j].items):
+            return None
+        return pieces[j]
+
+    def _wait_until_read(self, key: Key) -> None:
+        """Wait (lock held) until item ``key`` is read: a promoted shadow may lag its primary."""
         timeout = self.plan.loading.timeout_s
         self._wait_asking(
-            lambda: at > self._last and not self._closed and self._error is None,
+            lambda: key >= self._last and not self._closed and self._error is None,
             time.monotonic() + timeout,
             lambda: (
-                f"SourceLoader {self.source}[{self.index}] did not read shard {at} within "
+                f"SourceLoader {self.source}[{self.index}] did not read item {key} within "
                 f"{timeout:.0f} s (loading.timeout_s) while reading {self._reading}"
             ),
         )
@@ -382,8 +557,9 @@ class SourceLoader:
     ) -> None:
         """Wait (lock held) while ``waiting()``; past ``deadline`` raise ``timed_out()``.
 
-        The caller needs a shard this loader has not published: while it waits
-        the reader may publish past its budget (see :func:`overlord.plan.budget.token_budget`).
+        The caller needs an item this loader has not published: while it
+        waits the reader may read past its budget (see
+        :func:`overlord.plan.budget.token_budget`).
         """
         self._asked += 1
         try:
@@ -391,7 +567,7 @@ class SourceLoader:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LoaderError(timed_out())
-                self._lock.notify_all()  # a reader held by the budget may publish now
+                self._lock.notify_all()  # a reader held by the budget may read on now
                 self._lock.wait(min(left, 0.5))
         finally:
             self._asked -= 1
@@ -401,7 +577,7 @@ class SourceLoader:
         keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
         with self._lock:
             if len(keys):
-                order = np.lexsort((keys[:, 1], keys[:, 0]))  # by shard, one pass per shard
+                order = np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))
                 keys = keys[order]
                 cut = np.flatnonzero(np.any(np.diff(keys[:, :2], axis=0) != 0, axis=1)) + 1
                 for part in np.split(keys, cut):
@@ -409,35 +585,58 @@ class SourceLoader:
             self._lock.notify_all()
 
     def _release_in(self, at: Position, index: np.ndarray) -> None:
-        """Release items ``index`` of shard ``at`` (lock held)."""
-        entry = self._held.get(at)
-        if entry is None:
-            if at > self._last:  # not read yet: dropped when it is
-                self._released_ahead.setdefault(at, []).extend(index.tolist())
+        """Release items ``index`` (sorted) of shard ``at`` (lock held)."""
+        read = (
+            index < self._last[2]
+            if at == self._last[:2]
+            else np.full(len(index), at < self._last[:2])
+        )
+        if not read.all():  # not read yet: dropped when it is
+            self._released_ahead.setdefault(at, []).extend(index[~read].tolist())
+            index = index[read]
+        pieces = self._held.get(at)
+        if not pieces or not len(index):
             return
-        items, remaining = entry
-        freed = index[remaining[index]]
-        remaining[freed] = False
-        self._held_tokens -= int(items.length[freed].sum())
-        if not remaining.any():
+        bases = np.array([p.base for p in pieces])
+        which = np.searchsorted(bases, index, side="right") - 1
+        for j in np.unique(which[which >= 0]).tolist():
+            piece = pieces[j]
+            local = index[which == j] - piece.base
+            local = local[local < len(piece.items)]
+            freed = local[piece.remaining[local]]
+            piece.remaining[freed] = False
+            self._held_tokens -= int(piece.items.length[freed].sum())
+        self._held[at] = [p for p in pieces if p.remaining.any()]
+        if not self._held[at] and at not in self._next_index:  # a closed shard, all released
             del self._held[at]
 
     def promote(self, after: list[int] | None) -> None:
-        """Start serving metadata: every shard after ``after`` (``[epoch, shard_pos]``).
+        """Start serving metadata: every block after key ``after`` (``[epoch, shard_pos, i]``).
 
-        Called on a shadow when its primary died; ``after`` is the last shard of
-        this loader the planner received. None: none since the planner started,
-        which is this loader's start (or the point it was rewound to).
+        Called on a shadow when its primary died; ``after`` is the end of the
+        last block of this loader the planner received (``i`` is the block's
+        ``stop``, or :data:`END` for a shard's closing block). None: none since
+        the planner started, which is this loader's start (or the point it was
+        rewound to).
         """
         with self._lock:
             self._serving = True
             if after is not None:
-                self._send_from = (int(after[0]), int(after[1]) + 1)
-            self._queue = deque(
-                self._block(at, f, *self._held.get(at, (None, None)))
-                for at, f in self._published(self._send_from)
-            )
+                e, p, i = (int(x) for x in after)
+                self._send_from = (e, p, i + 1) if i == END else (e, p, i)
+            self._queue = deque(self._blocks_from(self._send_from))
             self._lock.notify_all()
+
+    def _blocks_from(self, first: Key) -> list[dict[str, Any]]:
+        """The blocks of held items from key ``first`` on, and the shards' closing blocks."""
+        blocks = []
+        for at, f in self._published(first[:2]):
+            for piece in self._held.get(at, []):
+                if (*at, piece.base) >= first:
+                    blocks.append(self._block(at, f, piece.base, piece.items, piece.remaining))
+            if (*at, END) >= first and (at < self._last[:2] or self._last[2] == END):
+                blocks.append(self._block(at, f, 0, None, None, last=True))
+        return blocks
 
     def rewind(self, start: dict[str, Any]) -> None:
         """Serve metadata again from planner state ``start`` (a source cursor's state).
@@ -452,29 +651,25 @@ class SourceLoader:
             self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
             first: Position = self._floor[:2]
             for at in [at for at in self._held if at < first]:  # consumed
-                self._release_in(at, np.flatnonzero(self._held[at][1]))
+                for piece in list(self._held.get(at, [])):
+                    self._release_in(at, piece.base + np.flatnonzero(piece.remaining))
             for at in [at for at in self._released_ahead if at < first]:
                 del self._released_ahead[at]
-            blocks = []
-            for at, f in self._published(first):
-                entry = self._held.get(at)
-                if entry is None:  # every item consumed (or none kept)
-                    blocks.append(self._block(at, f, None, None))
-                    continue
-                items, remaining = entry
-                keep = self._keep_mask(at, len(items))
-                lost = keep & ~remaining
-                if lost.any():
-                    raise LoaderError(
-                        f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
-                        f"item {(*at, int(np.flatnonzero(lost)[0]))} was released already "
-                        "(the planner's journal is older than what every rank consumed)"
-                    )
-                self._release_in(at, np.flatnonzero(remaining & ~keep))
-                blocks.append(self._block(at, f, items, keep))
-            self._send_from = first
+            for at, _ in self._published(first):
+                for piece in list(self._held.get(at, [])):
+                    keep = self._keep_mask(at, piece.base, len(piece.items))
+                    lost = keep & ~piece.remaining
+                    if lost.any():
+                        raise LoaderError(
+                            f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
+                            f"item {(*at, piece.base + int(np.flatnonzero(lost)[0]))} was "
+                            "released already (the planner's journal is older than what "
+                            "every rank consumed)"
+                        )
+                    self._release_in(at, piece.base + np.flatnonzero(piece.remaining & ~keep))
+            self._send_from = (*first, 0)
             if self._serving:
-                self._queue = deque(blocks)
+                self._queue = deque(self._blocks_from(self._send_from))
             self._lock.notify_all()
 
     def freeze(self) -> list[int] | None:
@@ -501,7 +696,7 @@ class SourceLoader:
             self._lock.notify_all()
 
     def set_threads(self, threads: int) -> None:
-        """Read ``threads`` shards at once from now on (the autoscaler's finer knob)."""
+        """Tokenize ``threads`` pieces at once from now on (the autoscaler's finer knob)."""
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         with self._lock:
@@ -518,8 +713,8 @@ class SourceLoader:
         ``records`` (every record of the files it read: good, empty and bad),
         ``empty`` (blank texts, not samples), ``skipped`` (bad records, under
         ``on_error: skip``) and ``dropped`` (too long, ``long_docs: drop``)
-        count each file once, the first time this loader reads it, whatever
-        the epochs; ``epochs`` is how many epochs of the source it has begun
+        count each part of a file once, the first time this loader reads it,
+        whatever the epochs; ``epochs`` is how many epochs of the source it has begun
         (counted from the source's epoch 0: the epoch of the last shard it
         read, plus 1; read-ahead included, so an epoch is begun when its first
         shard of this loader is read, not when a trainer reaches it).
@@ -530,7 +725,10 @@ class SourceLoader:
                 "source": self.source,
                 "loader": self.index,
                 "held_tokens": self._held_tokens,
-                "held_shards": len(self._held),
+                "held_shards": sum(bool(p) for p in self._held.values()),
+                "held_pieces": sum(len(p) for p in self._held.values()),
+                "reads_in_flight": sum(t.piece is not None for t in self._pending),
+                "tokens_per_byte": self._tokens_per_byte,
                 "shadow": not self._serving,
                 "queued_blocks": len(self._queue),
                 "waits_on": self._waits_on,
@@ -556,9 +754,10 @@ class SourceLoader:
             self._lock.notify_all()
         # let reads in flight end (a process must not exit in the middle of Arrow's C++);
         # a read that hangs is a daemon thread and is left behind
-        self._thread.join(timeout=2)
+        for thread in self._threads_started:
+            thread.join(timeout=2)
         wait(
-            [f for _, f in list(self._pending)],
+            [t.piece for t in list(self._pending) if t.piece is not None],
             timeout=min(CLOSE_WAIT_S, self.plan.loading.timeout_s),
         )
 

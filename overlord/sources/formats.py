@@ -1,20 +1,32 @@
-"""Reading one shard's text records: JSONL (plain, .gz, .zst) and Parquet.
+"""Reading a shard's text records block by block: JSONL (plain, .gz, .zst) and Parquet.
 
-A shard is read whole, with Arrow's vectorized readers on the fast path. When
-a file has bad records, a slower per-line pass finds each one so that its
-error names the exact row. Rows are 0-based: the line of a JSONL file (blank
-lines included in the count, though they hold no record), the row of a
-Parquet file.
+A shard is never read whole. Block ``k`` of a JSONL file holds the lines that
+*start* in bytes ``[k*B, (k+1)*B)`` of the file (of its decompressed bytes, for
+``.gz`` and ``.zst``), ``B`` being ``shuffle.block_bytes``; a file of ``S``
+bytes has ``ceil(S / B)`` blocks, and a line longer than ``B`` leaves the
+blocks it spans empty. Block ``k`` of a Parquet file is its row group ``k``.
+A plain JSONL file or a Parquet file can be read at any block
+(:meth:`ShardReader.block`); a compressed file only in order
+(:meth:`ShardReader.blocks`), as a stream.
+
+Where a plain JSONL file's blocks start, and the row each starts at, come from
+one pass over the file that counts its lines (a few MB at a time; the index
+is a few integers per block and is kept for the next epoch).
+
+Rows are 0-based: the line of a JSONL file (blank lines included in the
+count, though they hold no record), the row of a Parquet file. Arrow's
+vectorized JSON reader parses a block; when a block has bad records, a slower
+per-line pass finds each one so that its error names the exact row.
 
 A compressed JSONL file that ends before its compressed stream does (a
 truncated ``.gz`` or ``.zst``, e.g. a copy cut short) is a bad record at the
 cut: under ``on_error: skip`` every complete line before the cut is read, and
 the cut counts as one skipped record (its row is the first line not complete;
 how many records the lost part held cannot be known); under ``fail`` it raises
-:class:`SourceError` naming the file. gzip is decoded with ``zlib``, which
-hands out every byte before the cut; Arrow's zstd decoder hands out whole
-pieces (1 MiB with Arrow 26), so the records of the piece the cut falls in
-are lost with it too.
+:class:`SourceError` naming the file, when the stream reaches the cut. gzip is
+decoded with ``zlib``, which hands out every byte before the cut; Arrow's zstd
+decoder hands out whole pieces (1 MiB with Arrow 26), so the records of the
+piece the cut falls in are lost with it too.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ from __future__ import annotations
 import io
 import json
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 import fsspec
 import numpy as np
@@ -36,61 +50,52 @@ from overlord.sources.files import Shard
 
 _CODECS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _SPACE = np.array([9, 11, 12, 13, 32], dtype=np.uint8)  # what bytes.strip() removes, but "\n"
+_READ = 1 << 20  # compressed bytes read at once
+_SCAN = 8 << 20  # bytes counted at once by the line index
+_ZSTD_PIECE = 1 << 20  # bytes asked of Arrow's zstd decoder at once
 
 
 @dataclass
-class ShardTexts:
-    """The good records of one shard, in file order."""
+class RecordBlock:
+    """The good records of one block, in file order, and its bad ones."""
 
+    number: int  # the block's place in the file
     rows: np.ndarray  # int64, 0-based row of each record
     texts: pa.Array  # large_string, one per record
     skipped: list[SourceError] = field(default_factory=list)  # bad records (on_error=skip)
 
-
-_ZSTD_PIECE = 1 << 20  # bytes asked of Arrow's zstd decoder at once
-
-
-def _gunzip(raw: bytes) -> tuple[bytes, bool]:
-    """Every byte of a gzip file (all its members), and whether it ends before its stream."""
-    out: list[bytes] = []
-    while True:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        out.append(d.decompress(raw))
-        if not d.eof:
-            out.append(d.flush())
-            return b"".join(out), True
-        raw = d.unused_data
-        if not raw.strip(b"\0"):  # trailing zero padding, as gzip tolerates
-            return b"".join(out), False
+    @property
+    def records(self) -> int:
+        """Records of the block: good and bad."""
+        return len(self.rows) + len(self.skipped)
 
 
-def _unzstd(raw: bytes) -> tuple[bytes, bool]:
-    """Every byte Arrow can decode of a zstd file, and whether it ends before its stream."""
-    stream = pa.CompressedInputStream(pa.BufferReader(raw), "zstd")
-    out: list[bytes] = []
-    try:
-        while piece := stream.read(_ZSTD_PIECE):
-            out.append(piece)
-    except OSError as e:
-        if "truncated" not in str(e).lower():
-            raise
-        return b"".join(out), True
-    return b"".join(out), False
+def _empty_block(number: int) -> RecordBlock:
+    return RecordBlock(number, np.zeros(0, np.int64), pa.array([], pa.large_string()))
 
 
-def _read_bytes(shard: Shard) -> tuple[bytes, bool]:
-    """The file's bytes, decompressed; True if a compressed file ends before its stream."""
-    with fsspec.open(shard.url, "rb") as f:
-        raw = f.read()
-    for suffix, codec in _CODECS.items():
-        if shard.name.endswith(suffix):
-            if codec == "gzip":
-                try:
-                    return _gunzip(raw)
-                except zlib.error as e:
-                    raise OSError(f"corrupt gzip data: {e}") from None
-            return _unzstd(raw)
-    return raw, False
+class ShardReader:
+    """One open shard. ``n_blocks`` is None for a compressed file (known only at its end)."""
+
+    source: str
+    shard: Shard
+    n_blocks: int | None = None
+
+    def block(self, k: int) -> RecordBlock:
+        """Block ``k`` (a file that can seek)."""
+        raise TypeError(f"{type(self).__name__} reads its blocks in order only")
+
+    def blocks(self) -> Iterator[RecordBlock]:
+        """Every block, in file order."""
+        assert self.n_blocks is not None
+        for k in range(self.n_blocks):
+            yield self.block(k)
+
+    def close(self) -> None:
+        """Close the file."""
+
+
+# ---- JSONL -------------------------------------------------------------------------------
 
 
 def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -104,29 +109,10 @@ def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     return starts.astype(np.int64), ends.astype(np.int64)
 
 
-def _read_jsonl(source: str, shard: Shard, text_field: str, skip: bool) -> ShardTexts:
-    data, truncated = _read_bytes(shard)
-    if not truncated:
-        return _read_lines(source, shard, data, text_field, skip)
-    # only complete lines are records: the part of a line before the cut is not one
-    whole = data[: data.rfind(b"\n") + 1]
-    cut = SourceError(
-        source,
-        shard.name,
-        whole.count(b"\n"),
-        f"truncated file: the compressed stream ends after {len(data)} decompressed bytes, "
-        "in the middle of the file; the records from this row on are lost (how many is "
-        "unknown); copy the file again",
-    )
-    if not skip:
-        raise cut
-    texts = _read_lines(source, shard, whole, text_field, skip)
-    texts.skipped.append(cut)
-    return texts
-
-
-def _read_lines(source: str, shard: Shard, data: bytes, text_field: str, skip: bool) -> ShardTexts:
-    """The records of a JSONL file's (decompressed) bytes."""
+def parse_lines(
+    source: str, name: str, data: bytes, text_field: str, skip: bool, row0: int, number: int
+) -> RecordBlock:
+    """The records of whole JSONL lines; ``row0`` is the row of the first line."""
     starts, ends = _line_bounds(data)
     # a line holding only "\r", tabs or spaces is blank too; Arrow skips those, so do we.
     # Only a line that starts with whitespace can be one: check just those.
@@ -137,6 +123,8 @@ def _read_lines(source: str, shard: Shard, data: bytes, text_field: str, skip: b
     blank = [i for i in maybe.tolist() if not data[starts[i] : ends[i]].strip()]
     if blank:
         nonblank = np.setdiff1d(nonblank, blank)
+    if len(nonblank) == 0:
+        return _empty_block(number)
     schema = pa.schema([(text_field, pa.large_string())])
     opts = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
@@ -144,30 +132,16 @@ def _read_lines(source: str, shard: Shard, data: bytes, text_field: str, skip: b
         col = table.column(text_field).combine_chunks()
         col.validate(full=True)  # Arrow's JSON reader lets invalid UTF-8 through
         if len(col) == len(nonblank) and col.null_count == 0:
-            return ShardTexts(rows=nonblank, texts=col)
+            return RecordBlock(number, nonblank + row0, col)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         pass
-    return _read_jsonl_slow(source, shard, data, starts, ends, nonblank, text_field, skip)
-
-
-def _read_jsonl_slow(
-    source: str,
-    shard: Shard,
-    data: bytes,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    nonblank: np.ndarray,
-    text_field: str,
-    skip: bool,
-) -> ShardTexts:
     rows: list[int] = []
     texts: list[str] = []
     skipped: list[SourceError] = []
     for i in nonblank.tolist():
-        line = data[starts[i] : ends[i]]
         reason = None
         try:
-            record = json.loads(line)
+            record = json.loads(data[starts[i] : ends[i]])
         except (ValueError, UnicodeDecodeError) as e:
             reason = f"malformed JSON ({e})"
         else:
@@ -180,59 +154,314 @@ def _read_jsonl_slow(
                 kind = type(record[text_field]).__name__
                 reason = f"field '{text_field}' is {kind}, expected a string"
         if reason is None:
-            rows.append(i)
+            rows.append(row0 + i)
             texts.append(record[text_field])
             continue
-        err = SourceError(source, shard.name, i, reason)
+        err = SourceError(source, name, row0 + i, reason)
         if not skip:
             raise err
         skipped.append(err)
-    return ShardTexts(np.asarray(rows, dtype=np.int64), pa.array(texts, pa.large_string()), skipped)
+    return RecordBlock(
+        number, np.asarray(rows, dtype=np.int64), pa.array(texts, pa.large_string()), skipped
+    )
 
 
-def _read_parquet(source: str, shard: Shard, text_field: str, skip: bool) -> ShardTexts:
+def line_index(f: BinaryIO, size: int, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each block of a plain JSONL file starts, and its first row; the file's end last.
+
+    Block ``k`` starts at the first line start at or after ``k * B``: one
+    past the first newline at or after ``k * B - 1``. Its first row is the
+    number of newlines before that start.
+    """
+    n = -(-size // block_bytes)
+    starts = np.full(n + 1, size, np.int64)
+    rows = np.zeros(n + 1, np.int64)
+    starts[0] = 0
+    k, seen, pos = 1, 0, 0
+    f.seek(0)
+    while k < n:
+        chunk = f.read(_SCAN)
+        if not chunk:
+            break
+        nl = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos
+        pos += len(chunk)
+        # thresholds that fall before this chunk's end; their newline is here, or later
+        hi = min(n, (pos + 1) // block_bytes + 1)
+        ks = np.arange(k, max(k, hi))
+        j = np.searchsorted(nl, ks * block_bytes - 1)
+        found = int(np.count_nonzero(j < len(nl)))  # a prefix: j grows with the threshold
+        starts[k : k + found] = nl[j[:found]] + 1
+        rows[k : k + found] = seen + j[:found] + 1
+        k += found
+        seen += len(nl)
+    rows[k:] = seen
+    return starts, rows
+
+
+class _PlainJsonl(ShardReader):
+    def __init__(
+        self,
+        source: str,
+        shard: Shard,
+        text_field: str,
+        block_bytes: int,
+        skip: bool,
+        cache: dict[Any, Any],
+    ):
+        self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+        opened = fsspec.open(shard.url, "rb")
+        size = opened.fs.size(opened.path)
+        self._f = opened.open()
+        key = (shard.url, int(size), block_bytes)
+        if key not in cache:
+            cache[key] = line_index(self._f, int(size), block_bytes)
+        self._starts, self._rows = cache[key]
+        self.n_blocks = len(self._starts) - 1
+
+    def block(self, k: int) -> RecordBlock:
+        lo, hi = int(self._starts[k]), int(self._starts[k + 1])
+        if lo == hi:
+            return _empty_block(k)
+        self._f.seek(lo)
+        data = self._f.read(hi - lo)
+        if len(data) != hi - lo:
+            raise OSError(f"the file is shorter than when it was indexed ({lo + len(data)} bytes)")
+        row0 = int(self._rows[k])
+        return parse_lines(self.source, self.shard.name, data, self.text_field, self.skip, row0, k)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _Truncated:
+    """Whether a decompressed stream ended before its compressed stream did."""
+
+    cut = False
+
+
+def _gunzip(f: BinaryIO, state: _Truncated) -> Iterator[bytes]:
+    """Every decompressed byte of a gzip file (all its members), a piece at a time."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    started = False  # the current member has had input
     try:
-        with fsspec.open(shard.url, "rb") as f:
-            pf = pq.ParquetFile(f)
-            names = pf.schema_arrow.names
-            if text_field not in names:
-                raise SourceError(
-                    source, shard.name, None, f"no column '{text_field}' (columns: {names})"
-                )
-            table = pf.read(columns=[text_field])
-    except SourceError:
-        raise
-    except (pa.ArrowException, OSError) as e:
-        raise SourceError(source, shard.name, None, f"cannot read Parquet file ({e})") from None
-    col = table.column(text_field).combine_chunks()
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        raise SourceError(
-            source, shard.name, None, f"column '{text_field}' is {col.type}, expected strings"
+        while raw := f.read(_READ):
+            while raw:
+                if not started:
+                    if not raw.strip(b"\0"):  # trailing zero padding, as gzip tolerates
+                        break
+                    started = True
+                out = d.decompress(raw)
+                if out:
+                    yield out
+                if not d.eof:
+                    break
+                raw = d.unused_data
+                d, started = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+        if started and not d.eof:
+            if tail := d.flush():
+                yield tail
+            state.cut = True
+    except zlib.error as e:
+        raise OSError(f"corrupt gzip data: {e}") from None
+
+
+def _unzstd(f: BinaryIO, state: _Truncated) -> Iterator[bytes]:
+    """Every byte Arrow can decode of a zstd file, a piece at a time."""
+    stream = pa.CompressedInputStream(pa.PythonFile(f, mode="r"), "zstd")
+    try:
+        while piece := stream.read(_ZSTD_PIECE):
+            yield piece
+    except OSError as e:
+        if "truncated" not in str(e).lower():
+            raise
+        state.cut = True
+
+
+class _CompressedJsonl(ShardReader):
+    """A compressed JSONL file, cut into blocks as it is decompressed."""
+
+    def __init__(
+        self, source: str, shard: Shard, codec: str, text_field: str, block_bytes: int, skip: bool
+    ):
+        self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+        self.codec, self.block_bytes = codec, block_bytes
+        self._f = fsspec.open(shard.url, "rb").open()
+
+    def blocks(self) -> Iterator[RecordBlock]:
+        B, state = self.block_bytes, _Truncated()
+        pieces = (_gunzip if self.codec == "gzip" else _unzstd)(self._f, state)
+        buf = bytearray()
+        at = 0  # decompressed offset of buf[0]: a line start
+        row, k, eof = 0, 0, False
+        while True:
+            if at >= (k + 1) * B:  # a long line spans block k: no line starts in it
+                yield _empty_block(k)
+                k += 1
+                continue
+            # block k ends one past the first newline at or after (k + 1) * B - 1
+            cut = -1
+            while not eof:
+                cut = buf.find(b"\n", max(0, (k + 1) * B - 1 - at))
+                if cut >= 0:
+                    break
+                piece = next(pieces, None)
+                if piece is None:
+                    eof = True
+                else:
+                    buf += piece
+            if eof and cut < 0 and k * B >= at + len(buf):
+                break
+            end = cut + 1 if cut >= 0 else len(buf)
+            data = bytes(buf[:end])
+            del buf[:end]
+            total = at + end
+            partial = b""
+            if cut < 0 and state.cut and not data.endswith(b"\n"):
+                # a truncated stream: the part of a line before the cut is not a record
+                keep = data.rfind(b"\n") + 1
+                data, partial = data[:keep], data[keep:]
+            block = parse_lines(
+                self.source, self.shard.name, data, self.text_field, self.skip, row, k
+            )
+            row += data.count(b"\n")
+            at = total
+            if partial:
+                block.skipped.append(self._cut(row, total))
+                state.cut = False  # reported once
+            yield block
+            k += 1
+        if state.cut:  # the cut falls at the end of a line: its block is the next one
+            block = _empty_block(k)
+            block.skipped.append(self._cut(row, at))
+            yield block
+
+    def _cut(self, row: int, at: int) -> SourceError:
+        err = SourceError(
+            self.source,
+            self.shard.name,
+            row,
+            f"truncated file: the compressed stream ends after {at} decompressed bytes, "
+            "in the middle of the file; the records from this row on are lost (how many is "
+            "unknown); copy the file again",
         )
-    col = col.cast(pa.large_string())
-    rows = np.arange(len(col), dtype=np.int64)
-    if col.null_count == 0:
-        return ShardTexts(rows, col)
-    valid = np.asarray(col.is_valid())
-    skipped = [
-        SourceError(source, shard.name, int(r), f"field '{text_field}' is null")
-        for r in np.flatnonzero(~valid)
-    ]
-    if not skip:
-        raise skipped[0]
-    return ShardTexts(rows[valid], col.filter(pa.array(valid)), skipped)
+        if not self.skip:
+            raise err
+        return err
+
+    def close(self) -> None:
+        self._f.close()
 
 
-def read_shard(source: str, shard: Shard, fmt: Format, text_field: str, skip: bool) -> ShardTexts:
-    """Read every good record of one shard; raise (or, with ``skip``, collect) bad ones.
+# ---- Parquet -----------------------------------------------------------------------------
 
-    A file that cannot be read at all raises :class:`SourceError` with no row.
+
+class _Parquet(ShardReader):
+    def __init__(self, source: str, shard: Shard, text_field: str, skip: bool):
+        self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+        self._f = fsspec.open(shard.url, "rb").open()
+        try:
+            self._pf = pq.ParquetFile(self._f)
+        except (pa.ArrowException, OSError) as e:
+            self._f.close()
+            raise SourceError(source, shard.name, None, f"cannot read Parquet file ({e})") from None
+        schema = self._pf.schema_arrow
+        if text_field not in schema.names:
+            self._f.close()
+            raise SourceError(
+                source, shard.name, None, f"no column '{text_field}' (columns: {schema.names})"
+            )
+        kind = schema.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            self._f.close()
+            raise SourceError(
+                source, shard.name, None, f"column '{text_field}' is {kind}, expected strings"
+            )
+        meta = self._pf.metadata
+        self.n_blocks = meta.num_row_groups
+        sizes = [meta.row_group(i).num_rows for i in range(self.n_blocks)]
+        self._row0 = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+
+    def block(self, k: int) -> RecordBlock:
+        try:
+            table = self._pf.read_row_group(k, columns=[self.text_field])
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(
+                self.source, self.shard.name, None, f"cannot read Parquet row group {k} ({e})"
+            ) from None
+        col = table.column(self.text_field).combine_chunks().cast(pa.large_string())
+        rows = np.arange(len(col), dtype=np.int64) + int(self._row0[k])
+        if col.null_count == 0:
+            return RecordBlock(k, rows, col)
+        valid = np.asarray(col.is_valid())
+        skipped = [
+            SourceError(self.source, self.shard.name, int(r), f"field '{self.text_field}' is null")
+            for r in rows[~valid]
+        ]
+        if not self.skip:
+            raise skipped[0]
+        return RecordBlock(k, rows[valid], col.filter(pa.array(valid)), skipped)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def open_shard(
+    source: str,
+    shard: Shard,
+    fmt: Format,
+    text_field: str,
+    block_bytes: int,
+    skip: bool,
+    cache: dict[Any, Any] | None = None,
+) -> ShardReader:
+    """Open one shard for reading by blocks; ``cache`` keeps plain JSONL line indexes.
+
+    A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
     try:
-        if fmt is Format.JSONL:
-            return _read_jsonl(source, shard, text_field, skip)
-        return _read_parquet(source, shard, text_field, skip)
+        if fmt is Format.PARQUET:
+            return _Parquet(source, shard, text_field, skip)
+        for suffix, codec in _CODECS.items():
+            if shard.name.endswith(suffix):
+                return _CompressedJsonl(source, shard, codec, text_field, block_bytes, skip)
+        return _PlainJsonl(
+            source, shard, text_field, block_bytes, skip, {} if cache is None else cache
+        )
     except SourceError:
         raise
     except (OSError, pa.ArrowException) as e:
         raise SourceError(source, shard.name, None, f"cannot read file ({e})") from None
+
+
+def read_blocks(reader: ShardReader, ks: list[int] | None = None) -> Iterator[RecordBlock]:
+    """Blocks ``ks`` of an open shard (every block in file order if None), errors named."""
+    source, name = reader.source, reader.shard.name
+    try:
+        if ks is None:
+            yield from reader.blocks()
+        else:
+            for k in ks:
+                yield reader.block(k)
+    except SourceError:
+        raise
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(source, name, None, f"cannot read file ({e})") from None
+
+
+def read_shard(
+    source: str, shard: Shard, fmt: Format, text_field: str, skip: bool, block_bytes: int = 1 << 20
+) -> RecordBlock:
+    """Every good record of one shard, in file order (for checks and tests: it holds them all)."""
+    reader = open_shard(source, shard, fmt, text_field, block_bytes, skip)
+    try:
+        blocks = list(read_blocks(reader))
+    finally:
+        reader.close()
+    if not blocks:
+        return _empty_block(0)
+    return RecordBlock(
+        0,
+        np.concatenate([b.rows for b in blocks]),
+        pa.concat_arrays([b.texts for b in blocks]),
+        [e for b in blocks for e in b.skipped],
+    )

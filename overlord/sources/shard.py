@@ -1,15 +1,27 @@
-"""A source's deterministic order, and one shard turned into planner items.
+"""A source's deterministic order, streamed: shards, blocks, windows, items.
 
-The order of a source in epoch ``e``: its shards in a permutation drawn from
-``(seed, source, e)``, and inside each shard its records in a permutation drawn
-from ``(seed, source, e, shard)``. Reading one shard at a time keeps I/O
-sequential; the order does not depend on how many loaders share the source,
-because a shard's items are the same whoever reads it.
+The order of a source in epoch ``e`` (the README states it as the contract):
 
-An *item* is what the planner places in a row: a whole document, or one chunk
-of a document longer than ``max_seq_len`` (``long_docs: split``). Its identity
-is its position ``(epoch, shard_pos, index)``: the shard's place in the epoch's
-order and the item's place in that shard's order.
+1. its shards in a permutation drawn from ``(seed, source, e)``;
+2. a shard's blocks (:mod:`overlord.sources.formats`) in a permutation drawn
+   from ``(seed, source, e, shard)``, or in file order for a compressed file
+   (a stream cannot seek);
+3. the blocks in that order taken ``shuffle.window_blocks`` at a time into
+   *windows*; the records of a window (good and not blank, in block order)
+   in a permutation drawn from ``(seed, source, e, shard, window)``;
+4. each record in that order gives its document, or the chunks of one longer
+   than ``max_seq_len`` (``long_docs: split``): these are the *items*.
+
+``shard`` is the file's index in the epoch's file list. Reading one shard at
+a time keeps I/O sequential, holding one window bounds memory whatever the
+shard's size, and the order does not depend on how many loaders share the
+source, because a shard's items are the same whoever reads it.
+
+An item's identity is its position ``(epoch, shard_pos, index)``: the shard's
+place in the epoch's order and the item's place in that shard's order. A
+window's records are tokenized a *piece* (consecutive records) at a time, so
+that the first items of a shard are ready long before its last; pieces are
+how the work is cut, not part of the order.
 
 A record whose text is empty, or only white space (Unicode's, as ``str.strip``
 sees it), after the source's transform, is not a sample: it would be a
@@ -21,8 +33,9 @@ records are taken out.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,9 +45,11 @@ from overlord.errors import SourceError
 from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
 from overlord.sources.catalog import File
 from overlord.sources.files import Shard
-from overlord.sources.formats import ShardTexts, read_shard
+from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
+
+PIECE_BYTES = 256 << 10  # text tokenized at once: a few ms of work, a fast first batch
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -54,80 +69,195 @@ def shard_order(seed: int, source: str, epoch: int, n_shards: int) -> np.ndarray
     return _rng(seed, _name_key(source), epoch, 0x5A).permutation(n_shards)
 
 
-def record_order(seed: int, source: str, epoch: int, file_index: int, n: int) -> np.ndarray:
-    """Permutation of a shard's records for one epoch."""
-    return _rng(seed, _name_key(source), epoch, file_index + 1).permutation(n)
+def block_order(seed: int, source: str, epoch: int, file_index: int, n_blocks: int) -> np.ndarray:
+    """The order epoch ``epoch`` reads the blocks of a file that can seek."""
+    return _rng(seed, _name_key(source), epoch, 0xB1, file_index).permutation(n_blocks)
+
+
+def window_order(
+    seed: int, source: str, epoch: int, file_index: int, window: int, n: int
+) -> np.ndarray:
+    """Permutation of the ``n`` records of one window."""
+    return _rng(seed, _name_key(source), epoch, 0xB2, file_index, window).permutation(n)
 
 
 @dataclass
-class ShardItems:
-    """Items of one shard in epoch order, with their tokens (payloads)."""
+class Window:
+    """The records of one window, in the source's order: transformed, not blank, permuted."""
 
     epoch: int
     shard_pos: int
     file_index: int
-    tokens: np.ndarray  # int32: the shard's documents back to back
+    number: int
+    rows: np.ndarray  # int64: the row of each record in its file
+    texts: pa.Array  # large_string
+    skipped: list[SourceError] = field(default_factory=list)
+    records: int = 0  # records its blocks hold: good, empty and bad
+    empty: int = 0  # blank texts: not samples
+
+    def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each."""
+        n = len(self.texts)
+        if n == 0:
+            return []
+        offs = np.frombuffer(self.texts.buffers()[1], np.int64)[
+            self.texts.offset : self.texts.offset + n + 1
+        ]
+        cuts = np.searchsorted(
+            offs - offs[0], np.arange(piece_bytes, int(offs[-1] - offs[0]), piece_bytes)
+        )
+        bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
+        return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+
+
+@dataclass
+class ShardItems:
+    """Items of a run of a shard's records in epoch order, with their tokens (payloads)."""
+
+    epoch: int
+    shard_pos: int
+    file_index: int
+    tokens: np.ndarray  # int32: the documents back to back
     start: np.ndarray  # int64 per item: first token in ``tokens``
     length: np.ndarray  # int32 per item: tokens
     row: np.ndarray  # int64 per item: row of the record in its file
     chunk: np.ndarray  # int32 per item: k for the k-th chunk of a split document, else -1
     patches: np.ndarray  # int32 per item: image patches for the encoder's cost (0 for text)
-    skipped: list[SourceError] = field(default_factory=list)
     dropped: int = 0  # documents dropped as too long (long_docs: drop)
-    records: int = 0  # records the file holds: good, empty and bad (a truncated file's cut: 1)
-    empty: int = 0  # records whose text is blank, or gives no token: not samples
+    empty: int = 0  # texts that give no token: not samples
+    text_bytes: int = 0  # bytes of text tokenized
+    records: int = 0  # records of a whole shard (load_shard_items): good, empty and bad
+    skipped: list[SourceError] = field(default_factory=list)  # its bad records (on_error: skip)
 
     def __len__(self) -> int:
         return len(self.length)
 
 
-def _transform(spec: SourceSpec, shard: File, texts: ShardTexts, skip: bool) -> ShardTexts:
+def _transform(spec: SourceSpec, name: str, block: RecordBlock, skip: bool) -> RecordBlock:
     """The source's transform on every record; one that fails is a bad record."""
     assert spec.transform is not None
     fn = load_transform(spec.transform)
-    rows, out, skipped = [], [], list(texts.skipped)
-    for row, text in zip(texts.rows.tolist(), texts.texts.to_pylist()):
+    rows, out, skipped = [], [], list(block.skipped)
+    for row, text in zip(block.rows.tolist(), block.texts.to_pylist()):
         try:
             new = fn(text)
             if not isinstance(new, str):
                 raise TypeError(f"returned {type(new).__name__}, not str")
         except Exception as e:
-            err = SourceError(spec.name, shard.name, row, f"transform {spec.transform}: {e!r}")
+            err = SourceError(spec.name, name, row, f"transform {spec.transform}: {e!r}")
             if not skip:
                 raise err from e
             skipped.append(err)
             continue
         rows.append(row)
         out.append(new)
-    return ShardTexts(np.asarray(rows, dtype=np.int64), pa.array(out, pa.large_string()), skipped)
+    return RecordBlock(
+        block.number, np.asarray(rows, dtype=np.int64), pa.array(out, pa.large_string()), skipped
+    )
 
 
-def load_shard_items(
+def shard_file(plan: Plan, spec: SourceSpec, files: Sequence[File], epoch: int, pos: int) -> File:
+    """The file at place ``pos`` of epoch ``epoch``'s shard order (``files``: the epoch's)."""
+    return files[int(shard_order(plan.seed, spec.name, epoch, len(files))[pos])]
+
+
+def shard_windows(
     plan: Plan,
     spec: SourceSpec,
     files: Sequence[File],
-    tokenizer: Tokenizer,
     epoch: int,
     shard_pos: int,
-) -> ShardItems:
-    """Read, tokenize, order and cut one shard into items; ``files`` are the epoch's files."""
+    cache: dict[Any, Any] | None = None,
+) -> Iterator[Window]:
+    """The windows of one shard in epoch order; ``files`` are the epoch's files.
+
+    ``cache`` keeps what opening a file learns (a plain JSONL file's line
+    index) for the next epoch.
+    """
     file_index = int(shard_order(plan.seed, spec.name, epoch, len(files))[shard_pos])
     shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
-    texts = read_shard(spec.name, Shard(shard.url, shard.name), spec.format, spec.text_field, skip)
-    records = len(texts.rows) + len(texts.skipped)
+    W = plan.shuffle.window_blocks
+    reader = open_shard(
+        spec.name,
+        Shard(shard.url, shard.name),
+        spec.format,
+        spec.text_field,
+        plan.shuffle.block_bytes,
+        skip,
+        cache,
+    )
+    try:
+        if reader.n_blocks is not None:
+            order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()
+            groups: Iterator[list[RecordBlock]] = (
+                list(read_blocks(reader, order[i : i + W])) for i in range(0, len(order), W)
+            )
+        else:
+            groups = _batched(read_blocks(reader), W)
+        for number, blocks in enumerate(groups):
+            yield _window(plan, spec, shard.name, epoch, shard_pos, file_index, number, blocks)
+    finally:
+        reader.close()
+
+
+def _batched(blocks: Iterator[RecordBlock], n: int) -> Iterator[list[RecordBlock]]:
+    group: list[RecordBlock] = []
+    for block in blocks:
+        group.append(block)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _window(
+    plan: Plan,
+    spec: SourceSpec,
+    name: str,
+    epoch: int,
+    shard_pos: int,
+    file_index: int,
+    number: int,
+    blocks: list[RecordBlock],
+) -> Window:
+    skip = plan.on_error is OnError.SKIP
+    records = sum(b.records for b in blocks)
+    block = RecordBlock(
+        number,
+        np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
+        pa.concat_arrays([b.texts for b in blocks]) if blocks else pa.array([], pa.large_string()),
+        [e for b in blocks for e in b.skipped],
+    )
     if spec.transform is not None:
-        texts = _transform(spec, shard, texts, skip)
-    texts, empty = _without_blank(texts)
-    tokens, offsets = tokenizer.encode(texts.texts)
-    perm = record_order(plan.seed, spec.name, epoch, file_index, len(texts.rows))
-    doc_start = offsets[:-1][perm]
-    doc_len = np.diff(offsets)[perm]
-    rows = texts.rows[perm]
+        block = _transform(spec, name, block, skip)
+    rows, texts, empty = _without_blank(block.rows, block.texts)
+    perm = window_order(plan.seed, spec.name, epoch, file_index, number, len(rows))
+    return Window(
+        epoch=epoch,
+        shard_pos=shard_pos,
+        file_index=file_index,
+        number=number,
+        rows=rows[perm],
+        texts=texts.take(pa.array(perm)),
+        skipped=block.skipped,
+        records=records,
+        empty=empty,
+    )
+
+
+def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int) -> ShardItems:
+    """Tokenize records ``[lo, hi)`` of a window and cut them into items, in order."""
+    texts = window.texts.slice(lo, hi - lo)
+    tokens, offsets = tokenizer.encode(texts)
+    doc_start = offsets[:-1]
+    doc_len = np.diff(offsets)
+    rows = window.rows[lo:hi]
 
     cap = plan.batch.max_seq_len
     keep = doc_len > 0
-    empty += int(len(keep) - keep.sum())  # texts the tokenizer makes nothing of
+    empty = int(len(keep) - keep.sum())  # texts the tokenizer makes nothing of
     policy = plan.batch.long_docs
     dropped = 0
     if policy is LongDocs.DROP:
@@ -147,28 +277,74 @@ def load_shard_items(
     length = np.minimum(cap, doc_len[doc_of] - k * cap).astype(np.int32)
     chunk = np.where(n_chunks[doc_of] > 1, k, -1).astype(np.int32)
     return ShardItems(
-        epoch=epoch,
-        shard_pos=shard_pos,
-        file_index=file_index,
+        epoch=window.epoch,
+        shard_pos=window.shard_pos,
+        file_index=window.file_index,
         tokens=tokens,
         start=start.astype(np.int64),
         length=length,
         row=rows[doc_of].astype(np.int64),
         chunk=chunk,
         patches=np.zeros(len(length), dtype=np.int32),
-        skipped=texts.skipped,
         dropped=dropped,
-        records=records,
         empty=empty,
+        text_bytes=int(pc.sum(pc.binary_length(texts)).as_py() or 0),
     )
 
 
-def _without_blank(texts: ShardTexts) -> tuple[ShardTexts, int]:
+def load_shard_items(
+    plan: Plan,
+    spec: SourceSpec,
+    files: Sequence[File],
+    tokenizer: Tokenizer,
+    epoch: int,
+    shard_pos: int,
+) -> ShardItems:
+    """Every item of one shard in order, with its counts, at once (tests and benchmarks).
+
+    A SourceLoader streams a shard instead: this holds the whole of it.
+    """
+    parts: list[ShardItems] = []
+    records, empty, skipped = 0, 0, []
+    file_index = int(shard_order(plan.seed, spec.name, epoch, len(files))[shard_pos])
+    for window in shard_windows(plan, spec, files, epoch, shard_pos):
+        records += window.records
+        empty += window.empty
+        skipped += window.skipped
+        for lo, hi in window.pieces():
+            parts.append(cut_items(plan, tokenizer, window, lo, hi))
+    base = np.cumsum([0] + [len(p.tokens) for p in parts])
+    items = ShardItems(
+        epoch=epoch,
+        shard_pos=shard_pos,
+        file_index=file_index,
+        tokens=np.concatenate([p.tokens for p in parts]) if parts else np.zeros(0, np.int32),
+        start=np.concatenate([p.start + b for p, b in zip(parts, base)])
+        if parts
+        else np.zeros(0, np.int64),
+        length=_cat([p.length for p in parts], np.int32),
+        row=_cat([p.row for p in parts], np.int64),
+        chunk=_cat([p.chunk for p in parts], np.int32),
+        patches=_cat([p.patches for p in parts], np.int32),
+        dropped=sum(p.dropped for p in parts),
+        empty=sum(p.empty for p in parts),
+        text_bytes=sum(p.text_bytes for p in parts),
+        records=records,
+        skipped=skipped,
+    )
+    items.empty += empty
+    return items
+
+
+def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+
+def _without_blank(rows: np.ndarray, texts: pa.Array) -> tuple[np.ndarray, pa.Array, int]:
     """The records whose text is not blank, and how many were."""
-    blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts.texts)), 0)
+    blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
     n = int(pc.sum(blank).as_py() or 0)
     if n == 0:
-        return texts, 0
+        return rows, texts, 0
     keep = pc.invert(blank)
-    rows = texts.rows[np.asarray(keep, dtype=bool)]
-    return ShardTexts(rows, texts.texts.filter(keep), texts.skipped), n
+    return rows[np.asarray(keep, dtype=bool)], texts.filter(keep), n
