@@ -9,9 +9,8 @@ every rank consumed, re-partitions a source online, sizes it as the
 autoscaler decides, closes partitions once consumed, and records all of it in
 the planner's journal so that a restarted planner finds its loaders again.
 
-It lives in the planner's process and never imports the planner: what it
-needs of it (the state every rank consumed, the step being planned) comes
-through two callables. Constructors elsewhere use a :class:`PoolView`.
+It lives in the planner's process and never imports the planner (what it needs
+of it comes through two callables). Constructors use a :class:`PoolView`.
 """
 
 from __future__ import annotations
@@ -329,9 +328,9 @@ class LoaderPool:
                 self.failover(source, k, replica_name(handle))
                 continue
             if blocks:
-                last = blocks[-1]
-                end = SHARD_END if last["last"] else int(last["stop"])
-                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
+                b = blocks[-1]
+                end = SHARD_END if b["last"] else int(b["stop"])
+                self._received[(source, k)] = [int(b["epoch"]), int(b["shard_pos"]), end]
             return blocks
 
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:

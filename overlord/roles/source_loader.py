@@ -38,7 +38,6 @@ decode them.
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import time
@@ -56,34 +55,15 @@ from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
+from overlord.roles.held import HeldItems, Key, Position, metadata_block
+from overlord.roles.read_stats import ReadStats
 from overlord.roles.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
-COST_EMA = 0.2  # weight of the newest piece in the moving averages of its costs
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
-# metadata columns of a block: key, ShardItems field, dtype
-_BLOCK_COLUMNS = (
-    ("tokens", "length", np.int32),
-    ("row", "row", np.int64),
-    ("chunk", "chunk", np.int32),
-    ("patches", "patches", np.int32),
-)
-
-
-Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
-Key = tuple[int, int, int]  # (epoch, shard_pos, index): an item's place in the source's order
-
-
-@dataclass
-class _Piece:
-    """Items ``base ..`` of a shard, held until released."""
-
-    base: int
-    items: ShardItems
-    remaining: np.ndarray  # bool per item: not released yet
 
 
 @dataclass
@@ -138,11 +118,7 @@ class SourceLoader:
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan, count)
         self._asked = 0  # callers waiting for an item not published yet: lifts the budget
-        # items consumed already, dropped when their piece is read: before ``_floor``,
-        # and the runs of ``_skip`` after it
-        self._floor = (*self._start, int(start.get("index", 0)))
-        self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
-        self._released_ahead: dict[Position, list[int]] = {}  # a lagging shadow's releases
+        self._held = HeldItems(start)  # what it holds, and what was consumed
         self._serving = not shadow  # queues metadata for the planner
         self._send_from: Key = (*self._start, 0)  # first key whose block is queued
         self._last: Key = (-1, -1, 0)  # every item of this loader before it is published
@@ -159,30 +135,13 @@ class SourceLoader:
         self._cut: tuple[Window, list[tuple[int, int]]] | None = None  # the window being cut
         self._pending: deque[_Task] = deque()  # in publishing order
         self._in_flight = 0  # estimated tokens of the pieces being tokenized
-        self._tokens_per_byte = 1.0  # a guess until a piece is measured (bytes: about 1)
         self._queue: deque[dict[str, Any]] = deque()
-        self._held: dict[Position, list[_Piece]] = {}  # by shard; the open shard has one
         self._next_index: dict[Position, int] = {}  # index of the next item of an open shard
-        self._held_tokens = 0
         self._error: BaseException | None = None
         self._closed = False
         self._reading = ""  # the shard the reader is on, for error messages
         self._waits_on: str | None = None  # what holds reading back: "budget" or "queue"
-        # records, empty, skipped and dropped count each window once (the first time this
-        # loader reads it), not once per epoch: how many of the source's records are what
-        self._stats = {
-            "shards": 0,
-            "items": 0,
-            "tokens": 0,
-            "read_s": 0.0,
-            "records": 0,
-            "empty": 0,
-            "skipped": 0,
-        }
-        self._cost: dict[str, float] = {}
-        self._skipped: list[str] = []
-        self._dropped = 0
-        self._counted: set[tuple[str, int, int]] = set()  # (file, window, piece) counted once
+        self._read = ReadStats()
         self._threads_started = [
             threading.Thread(target=fn, name=f"overlord-{what}-{source}-{index}", daemon=True)
             for fn, what in ((self._read_windows, "window"), (self._run, "loader"))
@@ -294,13 +253,13 @@ class SourceLoader:
             return task
         window, pieces = self._cut
         lo, hi = pieces[0]
-        estimate = int(self._text_bytes(window, lo, hi) * self._tokens_per_byte)
+        estimate = int(window.text_bytes(lo, hi) * self._read.tokens_per_byte)
         pieces_in_flight = sum(t.piece is not None for t in self._pending)
         if pieces_in_flight >= self._threads:
             return None
-        if self._held_tokens + self._in_flight + estimate > self._budget and not (
-            (self._asked and not pieces_in_flight)
-            or (not self._held_tokens and not self._in_flight)
+        held = self._held.tokens
+        if held + self._in_flight + estimate > self._budget and not (
+            (self._asked and not pieces_in_flight) or (not held and not self._in_flight)
         ):
             self._waits_on = "budget"
             return None
@@ -314,11 +273,6 @@ class SourceLoader:
         self._pending.append(task)
         return task
 
-    @staticmethod
-    def _text_bytes(window: Window, lo: int, hi: int) -> int:
-        offs = np.frombuffer(window.texts.buffers()[1], np.int64)
-        return int(offs[window.texts.offset + hi] - offs[window.texts.offset + lo])
-
     def _wake(self, _: Future[Any]) -> None:
         with self._lock:
             self._lock.notify_all()
@@ -330,29 +284,6 @@ class SourceLoader:
         if hi == len(window.texts):  # the window's text is gone: hand Arrow's pages back
             pa.default_memory_pool().release_unused()
         return items, time.thread_time() - c0
-
-    def _keep_mask(self, at: Position, base: int, n: int) -> np.ndarray:
-        """Items ``base .. base + n`` of shard ``at`` not consumed yet (floor, skips, releases)."""
-        keep = np.ones(n, dtype=bool)
-        floor_at, floor_index = self._floor[:2], self._floor[2]
-        if at < floor_at:
-            keep[:] = False
-        elif at == floor_at:
-            keep[: max(0, floor_index - base)] = False
-        for e, p, i, c in self._skip:
-            if (e, p) == at:
-                keep[max(0, i - base) : max(0, i + c - base)] = False
-        ahead = self._released_ahead.get(at)
-        if ahead:
-            idx = np.asarray(ahead, dtype=np.int64)
-            mine = (idx >= base) & (idx < base + n)
-            keep[idx[mine] - base] = False
-            rest = idx[~mine].tolist()
-            if rest:
-                self._released_ahead[at] = rest
-            else:
-                del self._released_ahead[at]
-        return keep
 
     def _publish(self, task: _Task) -> None:
         """Make a finished task's items (or a window's counts, or a shard's end) visible."""
@@ -369,25 +300,14 @@ class SourceLoader:
             if task.end:
                 self._end_shard(at, task.file_index)
             elif got is None:
-                self._count_window(name, task)
+                assert task.window is not None
+                self._next_index.setdefault(at, 0)
+                self._held.open_shard(at)
+                self._read.window(name, task.window)
             else:
                 self._in_flight -= task.estimate
                 self._add_piece(at, task, got[0], got[1], name)
             self._lock.notify_all()
-
-    def _count_window(self, name: str, task: _Task) -> None:
-        window = task.window
-        assert window is not None
-        self._next_index.setdefault(task.at, 0)
-        self._held.setdefault(task.at, [])
-        if (name, window.number, -1) in self._counted:
-            return
-        self._counted.add((name, window.number, -1))
-        s = self._stats
-        s["records"] += window.records
-        s["empty"] += window.empty
-        s["skipped"] += len(window.skipped)
-        self._skipped += [str(e) for e in window.skipped[: max(0, 20 - len(self._skipped))]]
 
     def _add_piece(
         self, at: Position, task: _Task, items: ShardItems, cpu: float, name: str
@@ -395,69 +315,23 @@ class SourceLoader:
         base = self._next_index.get(at, 0)
         n = len(items)
         self._next_index[at] = base + n
-        keep = self._keep_mask(at, base, n)
-        idx = np.flatnonzero(keep)
-        tokens = int(items.length[idx].sum())
-        held = self._held.setdefault(at, [])
-        if len(idx) and self.keep_payloads:
-            held.append(_Piece(base, items, keep))
-            self._held_tokens += tokens
+        keep = self._held.keep_mask(at, base, n)
+        if self.keep_payloads:
+            self._held.add(at, base, items, keep)
         self._last = (*at, base + n)
         if self._serving and (*at, base) >= self._send_from:
-            self._queue.append(self._block(at, task.file_index, base, items, keep))
-        s = self._stats
-        s["items"] += len(idx)
-        s["tokens"] += tokens
-        s["read_s"] += cpu
-        # moving averages of what a token and a sample cost to read, decode and tokenize
-        # (the autoscaler's measure), and of tokens per byte of text (the budget's estimate)
-        n_tok, n_items = max(1, int(items.length.sum())), max(1, n)
-        for key, value in (
-            ("s_per_token", cpu / n_tok),
-            ("s_per_sample", cpu / n_items),
-            ("tokens_per_byte", len(items.tokens) / max(1, items.text_bytes)),
-        ):
-            old = self._cost.get(key)
-            self._cost[key] = value if old is None else old + COST_EMA * (value - old)
-        self._tokens_per_byte = self._cost["tokens_per_byte"]
-        part = (name, task.window.number if task.window else 0, task.lo)
-        if part not in self._counted:
-            self._counted.add(part)
-            self._stats["empty"] += items.empty
-            self._dropped += items.dropped
+            self._queue.append(metadata_block(at, task.file_index, base, items, keep))
+        assert task.window is not None
+        tokens = int(items.length[keep].sum())
+        self._read.piece(name, task.window.number, task.lo, items, int(keep.sum()), tokens, cpu)
 
     def _end_shard(self, at: Position, file_index: int) -> None:
         self._last = (*at, END)
         self._next_index.pop(at, None)
-        if not self._held.get(at):
-            self._held.pop(at, None)
-        self._stats["shards"] += 1
+        self._held.close_shard(at)
+        self._read.counts["shards"] += 1
         if self._serving and (*at, END) >= self._send_from:
-            self._queue.append(self._block(at, file_index, 0, None, None, last=True))
-
-    @staticmethod
-    def _block(
-        at: Position,
-        file_index: int,
-        base: int,
-        items: ShardItems | None,
-        keep: np.ndarray | None,
-        last: bool = False,
-    ) -> dict[str, Any]:
-        """The metadata of a piece's items in ``keep`` (a shard's closing block: ``last``)."""
-        idx = np.flatnonzero(keep) if keep is not None else np.zeros(0, dtype=np.int64)
-        block: dict[str, Any] = {
-            "epoch": at[0],
-            "shard_pos": at[1],
-            "file_index": file_index,
-            "index": (idx + base).astype(np.int64),
-            "stop": base + (len(items) if items is not None else 0),
-            "last": last,
-        }
-        for key, attr, dtype in _BLOCK_COLUMNS:
-            column = getattr(items, attr) if items is not None else np.zeros(0, dtype=dtype)
-            block[key] = column[idx]
-        return block
+            self._queue.append(metadata_block(at, file_index, 0, None, None, last=True))
 
     def _published(self, first: Position) -> Iterator[tuple[Position, int]]:
         """Shards of this loader from ``first`` to the last one published, with file indexes."""
@@ -516,7 +390,7 @@ class SourceLoader:
             for j, (e, p, i) in enumerate(np.asarray(keys, dtype=np.int64).tolist()):
                 if (e, p, i) >= self._last:
                     self._wait_until_read((e, p, i))
-                piece = self._piece_of((e, p), i)
+                piece = self._held.piece_of((e, p), i)
                 if piece is None or not piece.remaining[i - piece.base]:
                     raise LoaderError(
                         f"SourceLoader {self.source}[{self.index}] does not hold item "
@@ -529,16 +403,6 @@ class SourceLoader:
                 lengths[j] = n
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return {"tokens": tokens, "lengths": lengths}
-
-    def _piece_of(self, at: Position, i: int) -> _Piece | None:
-        """The held piece of shard ``at`` that item ``i`` is in (lock held)."""
-        pieces = self._held.get(at)
-        if not pieces:
-            return None
-        j = bisect.bisect_right([p.base for p in pieces], i) - 1
-        if j < 0 or i >= pieces[j].base + len(pieces[j].items):
-            return None
-        return pieces[j]
 
     def _wait_until_read(self, key: Key) -> None:
         """Wait (lock held) until item ``key`` is read: a promoted shadow may lag its primary."""
@@ -586,29 +450,11 @@ class SourceLoader:
 
     def _release_in(self, at: Position, index: np.ndarray) -> None:
         """Release items ``index`` (sorted) of shard ``at`` (lock held)."""
-        read = (
-            index < self._last[2]
-            if at == self._last[:2]
-            else np.full(len(index), at < self._last[:2])
-        )
-        if not read.all():  # not read yet: dropped when it is
-            self._released_ahead.setdefault(at, []).extend(index[~read].tolist())
-            index = index[read]
-        pieces = self._held.get(at)
-        if not pieces or not len(index):
-            return
-        bases = np.array([p.base for p in pieces])
-        which = np.searchsorted(bases, index, side="right") - 1
-        for j in np.unique(which[which >= 0]).tolist():
-            piece = pieces[j]
-            local = index[which == j] - piece.base
-            local = local[local < len(piece.items)]
-            freed = local[piece.remaining[local]]
-            piece.remaining[freed] = False
-            self._held_tokens -= int(piece.items.length[freed].sum())
-        self._held[at] = [p for p in pieces if p.remaining.any()]
-        if not self._held[at] and at not in self._next_index:  # a closed shard, all released
-            del self._held[at]
+        if at == self._last[:2]:
+            read = index < self._last[2]
+        else:
+            read = np.full(len(index), at < self._last[:2])
+        self._held.release(at, index, read)
 
     def promote(self, after: list[int] | None) -> None:
         """Start serving metadata: every block after key ``after`` (``[epoch, shard_pos, i]``).
@@ -631,11 +477,11 @@ class SourceLoader:
         """The blocks of held items from key ``first`` on, and the shards' closing blocks."""
         blocks = []
         for at, f in self._published(first[:2]):
-            for piece in self._held.get(at, []):
+            for piece in self._held.shards.get(at, []):
                 if (*at, piece.base) >= first:
-                    blocks.append(self._block(at, f, piece.base, piece.items, piece.remaining))
+                    blocks.append(metadata_block(at, f, piece.base, piece.items, piece.remaining))
             if (*at, END) >= first and (at < self._last[:2] or self._last[2] == END):
-                blocks.append(self._block(at, f, 0, None, None, last=True))
+                blocks.append(metadata_block(at, f, 0, None, None, last=True))
         return blocks
 
     def rewind(self, start: dict[str, Any]) -> None:
@@ -647,26 +493,14 @@ class SourceLoader:
         planner re-plans the same steps.
         """
         with self._lock:
-            self._floor = (int(start["epoch"]), int(start["shard_pos"]), int(start["index"]))
-            self._skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
-            first: Position = self._floor[:2]
-            for at in [at for at in self._held if at < first]:  # consumed
-                for piece in list(self._held.get(at, [])):
-                    self._release_in(at, piece.base + np.flatnonzero(piece.remaining))
-            for at in [at for at in self._released_ahead if at < first]:
-                del self._released_ahead[at]
-            for at, _ in self._published(first):
-                for piece in list(self._held.get(at, [])):
-                    keep = self._keep_mask(at, piece.base, len(piece.items))
-                    lost = keep & ~piece.remaining
-                    if lost.any():
-                        raise LoaderError(
-                            f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
-                            f"item {(*at, piece.base + int(np.flatnonzero(lost)[0]))} was "
-                            "released already (the planner's journal is older than what "
-                            "every rank consumed)"
-                        )
-                    self._release_in(at, piece.base + np.flatnonzero(piece.remaining & ~keep))
+            first: Position = (int(start["epoch"]), int(start["shard_pos"]))
+            lost = self._held.rewind(start, [at for at, _ in self._published(first)])
+            if lost is not None:
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
+                    f"item {lost} was released already (the planner's journal is older than "
+                    "what every rank consumed)"
+                )
             self._send_from = (*first, 0)
             if self._serving:
                 self._queue = deque(self._blocks_from(self._send_from))
@@ -710,25 +544,18 @@ class SourceLoader:
     def stats(self) -> dict[str, Any]:
         """What this loader did so far: shards, items, tokens, read time, records.
 
-        ``records`` (every record of the files it read: good, empty and bad),
-        ``empty`` (blank texts, not samples), ``skipped`` (bad records, under
-        ``on_error: skip``) and ``dropped`` (too long, ``long_docs: drop``)
-        count each part of a file once, the first time this loader reads it,
-        whatever the epochs; ``epochs`` is how many epochs of the source it has begun
-        (counted from the source's epoch 0: the epoch of the last shard it
-        read, plus 1; read-ahead included, so an epoch is begun when its first
+        The counts are :class:`~overlord.roles.read_stats.ReadStats`'s. ``epochs``
+        is how many epochs of the source it has begun (from epoch 0: the epoch
+        of the last shard it read, plus 1; an epoch is begun when its first
         shard of this loader is read, not when a trainer reaches it).
         """
         with self._lock:
             return {
-                **self._stats,
+                **self._read.as_dict(),
                 "source": self.source,
                 "loader": self.index,
-                "held_tokens": self._held_tokens,
-                "held_shards": sum(bool(p) for p in self._held.values()),
-                "held_pieces": sum(len(p) for p in self._held.values()),
+                **self._held.counts(),
                 "reads_in_flight": sum(t.piece is not None for t in self._pending),
-                "tokens_per_byte": self._tokens_per_byte,
                 "shadow": not self._serving,
                 "queued_blocks": len(self._queue),
                 "waits_on": self._waits_on,
@@ -736,13 +563,9 @@ class SourceLoader:
                 "pid": os.getpid(),
                 "done_reading": self._next is None
                 or (self._limit is not None and self._next >= self._limit),
-                "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
-                "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
                 "rss_bytes": _rss(),
                 "budget_tokens": self._budget,
-                "dropped": self._dropped,
                 "epochs": self._last[0] + 1,
-                "skipped_examples": list(self._skipped),
             }
 
     def close(self) -> None:

@@ -95,17 +95,22 @@ class Window:
     records: int = 0  # records its blocks hold: good, empty and bad
     empty: int = 0  # blank texts: not samples
 
+    def _offsets(self) -> np.ndarray:
+        n, at = len(self.texts), self.texts.offset
+        return np.frombuffer(self.texts.buffers()[1], np.int64)[at : at + n + 1]
+
+    def text_bytes(self, lo: int, hi: int) -> int:
+        """Bytes of text of records ``[lo, hi)``."""
+        offs = self._offsets()
+        return int(offs[hi] - offs[lo])
+
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
         """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each."""
         n = len(self.texts)
         if n == 0:
             return []
-        offs = np.frombuffer(self.texts.buffers()[1], np.int64)[
-            self.texts.offset : self.texts.offset + n + 1
-        ]
-        cuts = np.searchsorted(
-            offs - offs[0], np.arange(piece_bytes, int(offs[-1] - offs[0]), piece_bytes)
-        )
+        offs = self._offsets() - self._offsets()[0]
+        cuts = np.searchsorted(offs, np.arange(piece_bytes, int(offs[-1]), piece_bytes))
         bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
         return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 

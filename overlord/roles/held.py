@@ -1,0 +1,199 @@
+"""What a SourceLoader holds: its published items not released yet, and what was consumed.
+
+And the metadata block a loader sends the planner for a piece of a shard.
+
+Items are kept by shard, in the pieces they were tokenized in. An item is
+*consumed* when it lies before the ``floor`` of the state the loader started
+from (or was rewound to), in one of that state's ``skip`` runs, or was
+released; a consumed item is never held, whether its release came before the
+item was read (a lagging shadow) or after. Not thread-safe: the loader's lock
+guards every call.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from overlord.sources.shard import ShardItems
+
+Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
+Key = tuple[int, int, int]  # (epoch, shard_pos, index): an item's place in the source's order
+
+
+# metadata columns of a block: key, ShardItems field, dtype
+_BLOCK_COLUMNS = (
+    ("tokens", "length", np.int32),
+    ("row", "row", np.int64),
+    ("chunk", "chunk", np.int32),
+    ("patches", "patches", np.int32),
+)
+
+
+def metadata_block(
+    at: Position,
+    file_index: int,
+    base: int,
+    items: ShardItems | None,
+    keep: np.ndarray | None,
+    last: bool = False,
+) -> dict[str, Any]:
+    """The planner's metadata of a piece's items in ``keep`` (a shard's closing block: ``last``).
+
+    See :data:`overlord.roles.api.SHARD_END` for the fields.
+    """
+    idx = np.flatnonzero(keep) if keep is not None else np.zeros(0, dtype=np.int64)
+    block: dict[str, Any] = {
+        "epoch": at[0],
+        "shard_pos": at[1],
+        "file_index": file_index,
+        "index": (idx + base).astype(np.int64),
+        "stop": base + (len(items) if items is not None else 0),
+        "last": last,
+    }
+    for key, attr, dtype in _BLOCK_COLUMNS:
+        column = getattr(items, attr) if items is not None else np.zeros(0, dtype=dtype)
+        block[key] = column[idx]
+    return block
+
+
+@dataclass
+class Piece:
+    """Items ``base ..`` of a shard, held until released."""
+
+    base: int
+    items: ShardItems
+    remaining: np.ndarray  # bool per item: not released yet
+
+
+class HeldItems:
+    """Published items by shard and piece, and the consumed ones (``start``: a cursor state)."""
+
+    def __init__(self, start: dict[str, Any]):
+        self.consumed_from(start)
+        self.shards: dict[Position, list[Piece]] = {}  # the open shards have an entry
+        self.open: set[Position] = set()  # shards whose closing block is not published
+        self.tokens = 0  # tokens of the items held
+        self._released_ahead: dict[Position, list[int]] = {}  # releases of items not read
+
+    def consumed_from(self, start: dict[str, Any]) -> None:
+        """Items before ``start`` and in its ``skip`` runs are consumed."""
+        self.floor: Key = (
+            int(start.get("epoch", 0)),
+            int(start.get("shard_pos", 0)),
+            int(start.get("index", 0)),
+        )
+        self.skip = [tuple(int(x) for x in run) for run in start.get("skip", [])]
+
+    def keep_mask(self, at: Position, base: int, n: int) -> np.ndarray:
+        """Items ``base .. base + n`` of shard ``at`` not consumed yet."""
+        keep = np.ones(n, dtype=bool)
+        if at < self.floor[:2]:
+            keep[:] = False
+        elif at == self.floor[:2]:
+            keep[: max(0, self.floor[2] - base)] = False
+        for e, p, i, c in self.skip:
+            if (e, p) == at:
+                keep[max(0, i - base) : max(0, i + c - base)] = False
+        ahead = self._released_ahead.get(at)
+        if ahead:
+            idx = np.asarray(ahead, dtype=np.int64)
+            mine = (idx >= base) & (idx < base + n)
+            keep[idx[mine] - base] = False
+            if mine.all():
+                del self._released_ahead[at]
+            else:
+                self._released_ahead[at] = idx[~mine].tolist()
+        return keep
+
+    def open_shard(self, at: Position) -> None:
+        """Shard ``at`` is being published."""
+        self.open.add(at)
+        self.shards.setdefault(at, [])
+
+    def close_shard(self, at: Position) -> None:
+        """Shard ``at`` is published whole."""
+        self.open.discard(at)
+        if not self.shards.get(at):
+            self.shards.pop(at, None)
+
+    def add(self, at: Position, base: int, items: ShardItems, keep: np.ndarray) -> int:
+        """Hold the items of a piece in ``keep``; the tokens they hold."""
+        tokens = int(items.length[keep].sum())
+        if keep.any():
+            self.shards.setdefault(at, []).append(Piece(base, items, keep))
+            self.tokens += tokens
+        return tokens
+
+    def piece_of(self, at: Position, i: int) -> Piece | None:
+        """The held piece of shard ``at`` that item ``i`` is in."""
+        pieces = self.shards.get(at)
+        if not pieces:
+            return None
+        j = bisect.bisect_right([p.base for p in pieces], i) - 1
+        if j < 0 or i >= pieces[j].base + len(pieces[j].items):
+            return None
+        return pieces[j]
+
+    def release(self, at: Position, index: np.ndarray, read: np.ndarray) -> None:
+        """Release items ``index`` (sorted) of shard ``at``; ``read``: those published yet."""
+        if not read.all():  # not read yet: dropped when it is
+            self._released_ahead.setdefault(at, []).extend(index[~read].tolist())
+            index = index[read]
+        pieces = self.shards.get(at)
+        if not pieces or not len(index):
+            return
+        bases = np.array([p.base for p in pieces])
+        which = np.searchsorted(bases, index, side="right") - 1
+        for j in np.unique(which[which >= 0]).tolist():
+            piece = pieces[j]
+            local = index[which == j] - piece.base
+            local = local[local < len(piece.items)]
+            freed = local[piece.remaining[local]]
+            piece.remaining[freed] = False
+            self.tokens -= int(piece.items.length[freed].sum())
+        self.shards[at] = [p for p in pieces if p.remaining.any()]
+        if not self.shards[at] and at not in self.open:
+            del self.shards[at]
+
+    def rewind(self, start: dict[str, Any], shards: list[Position]) -> Key | None:
+        """Consume what ``start`` consumed; the first item it needs that was released, if any.
+
+        ``shards`` are the published shards from ``start``'s on.
+        """
+        self.consumed_from(start)
+        first = self.floor[:2]
+        for at in [at for at in self.shards if at < first]:  # consumed
+            for piece in list(self.shards.get(at, [])):
+                self.release(at, piece.base + np.flatnonzero(piece.remaining), _all(piece))
+        for at in [at for at in self._released_ahead if at < first]:
+            del self._released_ahead[at]
+        for at in shards:
+            for piece in list(self.shards.get(at, [])):
+                keep = self.keep_mask(at, piece.base, len(piece.items))
+                lost = keep & ~piece.remaining
+                if lost.any():
+                    return (*at, piece.base + int(np.flatnonzero(lost)[0]))
+                gone = piece.base + np.flatnonzero(piece.remaining & ~keep)
+                self.release(at, gone, np.ones(len(gone), dtype=bool))
+        return None
+
+    def counts(self) -> dict[str, int]:
+        """Tokens, shards and pieces held."""
+        return {
+            "held_tokens": self.tokens,
+            "held_shards": sum(bool(p) for p in self.shards.values()),
+            "held_pieces": sum(len(p) for p in self.shards.values()),
+        }
+
+    def clear(self) -> None:
+        """Hold nothing more."""
+        self.shards.clear()
+        self.tokens = 0
+
+
+def _all(piece: Piece) -> np.ndarray:
+    return np.ones(int(piece.remaining.sum()), dtype=bool)
