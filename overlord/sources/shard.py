@@ -49,7 +49,8 @@ from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
 
-PIECE_BYTES = 256 << 10  # text tokenized at once: a few ms of work, a fast first batch
+PIECE_BYTES = 256 << 10  # text tokenized at once: tens of ms of work at most
+FIRST_PIECE_BYTES = 16 << 10  # a window's first piece: its first items come fast
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -105,12 +106,21 @@ class Window:
         return int(offs[hi] - offs[lo])
 
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
-        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each."""
+        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each.
+
+        The first pieces are smaller (from ``FIRST_PIECE_BYTES``, doubling): the
+        window's first items are ready soon after it is read.
+        """
         n = len(self.texts)
         if n == 0:
             return []
         offs = self._offsets() - self._offsets()[0]
-        cuts = np.searchsorted(offs, np.arange(piece_bytes, int(offs[-1]), piece_bytes))
+        size, at, targets = min(FIRST_PIECE_BYTES, piece_bytes), 0, []
+        while at + size < offs[-1]:
+            at += size
+            targets.append(at)
+            size = min(2 * size, piece_bytes)
+        cuts = np.searchsorted(offs, np.asarray(targets, dtype=np.int64))
         bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
         return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Protocol
 
 import numpy as np
@@ -78,28 +80,55 @@ class HFTokenizer:
         self.pad_id = self.eos_id if self.eos_id is not None else 0
 
     def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """Encode a batch on the Rust side, which runs in parallel and releases the GIL."""
+        """Encode a batch on the Rust side, which runs in parallel and releases the GIL.
+
+        The binding hands each text's ids out as a Python list; they go into
+        one numpy array in a single pass (``np.fromiter`` over the chained
+        lists), with no Python loop over texts or tokens.
+        """
         batch = texts.to_pylist()
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        ids = [e.ids for e in encode(batch, add_special_tokens=False)]
-        extra = 0 if self.eos_id is None else 1
-        lengths = np.fromiter((len(x) + extra for x in ids), np.int64, len(ids))
-        offs = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=offs[1:])
-        tokens = np.empty(offs[-1], np.int32)
-        for i, x in enumerate(ids):
-            tokens[offs[i] : offs[i] + len(x)] = x
-        if self.eos_id is not None:
-            tokens[offs[1:] - 1] = self.eos_id
+        encodings = encode(batch, add_special_tokens=False)
+        n = len(encodings)
+        ids = np.fromiter(
+            itertools.chain.from_iterable(e.ids for e in encodings),
+            np.int32,
+            count=sum(len(e) for e in encodings),
+        )
+        if self.eos_id is None:
+            lengths = np.fromiter((len(e) for e in encodings), np.int64, n)
+            return ids, np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        lengths = np.fromiter((len(e) + 1 for e in encodings), np.int64, n)
+        offs = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        tokens = np.full(offs[-1], self.eos_id, np.int32)
+        is_id = np.ones(offs[-1], dtype=bool)
+        is_id[offs[1:] - 1] = False
+        tokens[is_id] = ids
         return tokens, offs
 
 
 def make_tokenizer(spec: TokenizerSpec, base_dir: str | None = None) -> Tokenizer:
-    """The tokenizer a plan asks for; a relative ``path`` is taken from the plan's folder."""
+    """The tokenizer a plan asks for; a relative ``path`` is taken from the plan's folder.
+
+    One per process and file: every SourceLoader of a process shares it (a
+    ``tokenizers`` tokenizer encodes from many threads at once), so loading
+    it and its memory are paid once, not once per loader.
+    """
     if spec.kind is TokenizerKind.BYTES:
         return BytesTokenizer()
     import os
 
     assert spec.path is not None  # checked by plan validation
     path = spec.path if os.path.isabs(spec.path) or base_dir is None else f"{base_dir}/{spec.path}"
-    return HFTokenizer(path, spec.eos)
+    try:
+        st = os.stat(path)
+        version = (st.st_size, st.st_mtime_ns)
+    except OSError:
+        version = (-1, -1)  # HFTokenizer names the missing file
+    return _hf_tokenizer(os.path.abspath(path), spec.eos, version)
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_tokenizer(path: str, eos: str | None, version: tuple[int, int]) -> HFTokenizer:
+    """The tokenizer of ``path`` (``version``: its size and time, so an edited file reloads)."""
+    return HFTokenizer(path, eos)
