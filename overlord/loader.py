@@ -22,7 +22,7 @@ from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import RUNTIMES
-from overlord.runtime.base import Handle, RoleOptions, Runtime
+from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.runtime.inline import InlineHandle, InlineRuntime
 from overlord.sources.catalog import SourceFiles, job_files
 from overlord.sources.tokenizers import make_tokenizer
@@ -174,6 +174,8 @@ class Loader:
             self.close()
             raise
         self.start_step = int((state or {}).get("step", 0))
+        # every client's consumption notices, in order, from one thread (never the trainer's)
+        self._notices = OneWay("clients", background=True)
 
     def client(self, rank: int, stop_step: int | None = None) -> Client:
         """Iterator of batches for DP rank ``rank``, from the resumed step on."""
@@ -183,7 +185,9 @@ class Loader:
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
         constructor = self._constructor_of[rank]
-        return Client(rank, constructor, self.planner, self.start_step, stop_step)
+        return Client(
+            rank, constructor, self.planner, self.start_step, stop_step, None, self._notices
+        )
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
@@ -191,10 +195,12 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state as of the last step every rank has consumed."""
+        self._notices.flush()
         return self.planner.call(PlannerRole.state_dict).result()
 
     def stats(self) -> dict[str, Any]:
         """Planner history, events, scaling and every current loader's counters."""
+        self._notices.flush()
         return self.planner.call(PlannerRole.stats).result()
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
@@ -214,6 +220,8 @@ class Loader:
         try:
             for obj in self._owned:  # trainer-side constructors are not the runtime's
                 obj.close()
+            if hasattr(self, "_notices"):
+                self._notices.close(raise_errors=False)
             self.runtime.shutdown()
         finally:
             if self.journal is not None:

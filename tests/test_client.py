@@ -50,8 +50,32 @@ def test_a_repeated_delivery_is_dropped_by_its_step_and_rank():
     planner = Planner()
     client = Client(1, InlineHandle(Replays(), "c"), InlineHandle(planner, "p"), 0, 3)
     assert [b.step for b in client] == [0, 1, 2]
-    assert planner.consumed == [(1, 0), (1, 1), (1, 2)]  # each step marked once
     assert client.state_dict() == {"step": 3}  # the state at this rank's position
+    assert planner.consumed == [(1, 0), (1, 1), (1, 2)]  # each step marked once, before it
+
+
+def test_consumption_notices_leave_the_trainers_thread():
+    """The planner's mark_consumed runs on the notices' thread; its error reaches next()."""
+    import threading
+
+    class Slow(Planner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: set[str] = set()
+
+        def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+            self.threads.add(threading.current_thread().name)
+            if step == 1:
+                raise RuntimeError("planner on fire")
+            super().mark_consumed(rank, step, train_s)
+
+    planner = Slow()
+    client = Client(1, InlineHandle(Replays(), "c"), InlineHandle(planner, "p"), 0)
+    next(client), next(client)
+    with pytest.raises(LoaderError, match="mark_consumed failed: RuntimeError: planner on fire"):
+        client._notices.flush()  # what the next next() raises once the call has failed
+    assert threading.current_thread().name not in planner.threads
+    client.close()
 
 
 def test_a_batch_of_another_step_is_refused():

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from overlord.batch import Batch
-from overlord.errors import LoaderError
+from overlord.errors import LoaderError, RanksApart
 from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.runtime.base import Handle, OneWay
 
@@ -28,11 +28,15 @@ class Client(Iterator[Batch]):
         start_step: int,
         stop_step: int | None = None,
         owned: ConstructorRole | None = None,
+        notices: OneWay | None = None,
     ):
         self.rank = rank
         self._constructor, self._planner = constructor, planner
         self._owned = owned  # a constructor in this process that this client closes
-        self._notices = OneWay(f"client of rank {rank}")
+        # sent from a thread of their own (shared by a Loader's clients, which keeps their
+        # order): the trainer's thread never waits for the planner
+        self._shared = notices is not None
+        self._notices = notices or OneWay(f"client of rank {rank}", background=True)
         self.step = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
@@ -46,7 +50,14 @@ class Client(Iterator[Batch]):
         now = time.perf_counter()
         train_s = None if self._returned is None else now - self._returned
         while True:
-            batch = self._constructor.call(ConstructorRole.batch, self.step, self.rank).result()
+            try:
+                ref = self._constructor.call(ConstructorRole.batch, self.step, self.rank)
+                batch = ref.result()
+            except RanksApart:
+                if not self._notices.pending():
+                    raise
+                self._notices.flush()  # the other ranks' notices were on their way: ask again
+                continue
             if (batch.step, batch.rank) == (self.step, self.rank):
                 break
             if batch.step < self.step and batch.rank == self.rank:
@@ -61,10 +72,17 @@ class Client(Iterator[Batch]):
         self._returned = time.perf_counter()
         return batch
 
+    def flush(self) -> None:
+        """Wait until this rank's consumption notices reached the planner (raising errors)."""
+        self._notices.flush()
+
     def close(self) -> None:
         """Wait for the last consumption notices (raising their errors); stop an owned one."""
         try:
-            self._notices.flush()
+            if self._shared:
+                self._notices.flush()
+            else:
+                self._notices.close()
         finally:
             if self._owned is not None:
                 self._owned.close()
@@ -81,4 +99,5 @@ class Client(Iterator[Batch]):
         Call it where the trainer checkpoints, once every rank has trained on
         the same step (as synchronous data-parallel training does).
         """
+        self.flush()  # this rank's consumption reaches the planner first
         return self._planner.call(PlannerRole.state_dict, self.step).result()

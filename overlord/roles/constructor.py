@@ -26,8 +26,8 @@ from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.loader_pool import PoolView, by_slot
-from overlord.roles.threads import Builder
 from overlord.runtime.base import Handle
+from overlord.runtime.threads import Builder
 from overlord.sources.catalog import SourceFiles
 
 
@@ -61,7 +61,8 @@ class DataConstructor:
             return self._build(step, rank)
         with self._lock:
             fut = self._built.get((step, rank))
-            if fut is None or (fut.done() and fut.result() is None):  # none, or refused ahead
+            if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
+                # none yet; refused when built ahead; or failed (a retry builds it again)
                 fut = self._built[(step, rank)] = self._pool.submit(self._build, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
                 if (ahead, rank) not in self._built:

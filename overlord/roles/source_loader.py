@@ -57,7 +57,7 @@ from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block
 from overlord.roles.read_stats import ReadStats
-from overlord.roles.threads import in_daemon_thread
+from overlord.runtime.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import make_tokenizer

@@ -15,12 +15,14 @@ and raises its error at the sender's next check: no error is dropped.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from overlord.errors import ActorDiedError, LoaderError
+from overlord.runtime.threads import Builder
 
 log = logging.getLogger("overlord.runtime")
 
@@ -145,13 +147,24 @@ class OneWay:
     (a release sent to a loader that died holds nothing to release) and only
     logged at debug level. At most ``limit`` calls are kept in flight; the
     oldest is waited for beyond that, so memory stays bounded.
+
+    With ``background``, calls are made in order on a thread of their own:
+    the sender's thread only queues them. That matters where a call runs on
+    the caller's thread (the embedded runtime), e.g. a trainer's consumption
+    notice, which would otherwise wait while the planner plans a step.
     """
 
     def __init__(
-        self, sender: str, ignore: tuple[type[BaseException], ...] = (), limit: int = 1024
+        self,
+        sender: str,
+        ignore: tuple[type[BaseException], ...] = (),
+        limit: int = 1024,
+        background: bool = False,
     ):
         self.sender, self.ignore, self.limit = sender, ignore, limit
         self._pending: deque[tuple[Ref[Any], str]] = deque()
+        self._thread = Builder(f"overlord-oneway-{sender}") if background else None
+        self._lock = threading.RLock()  # senders on several threads (a Loader's clients)
 
     def send(
         self,
@@ -161,21 +174,43 @@ class OneWay:
         **kwargs: P.kwargs,
     ) -> None:
         """Start ``method(*args)`` on ``handle`` without waiting for it."""
-        ref = handle.call(method, *args, **kwargs)
-        self._pending.append((ref, f"{handle.name}.{method.__name__}"))
-        while len(self._pending) > self.limit:
-            self._settle(*self._pending.popleft(), timeout=None)
+        ref: Ref[Any]
+        with self._lock:
+            if self._thread is None:
+                ref = handle.call(method, *args, **kwargs)
+            else:
+                ref = self._thread.submit(lambda: handle.call(method, *args, **kwargs).result())
+            self._pending.append((ref, f"{handle.name}.{method.__name__}"))
+            while len(self._pending) > self.limit:
+                self._settle(*self._pending.popleft(), timeout=None)
         self.check()
 
     def check(self) -> None:
         """Raise the error of the first finished call that failed; forget the finished ones."""
-        while self._pending and self._pending[0][0].done():
-            self._settle(*self._pending.popleft(), timeout=0)
+        with self._lock:
+            while self._pending and self._pending[0][0].done():
+                self._settle(*self._pending.popleft(), timeout=0)
+
+    def pending(self) -> bool:
+        """Whether a call is in flight."""
+        return bool(self._pending)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every call in flight, raising the first error."""
-        while self._pending:
-            self._settle(*self._pending.popleft(), timeout=timeout)
+        with self._lock:
+            while self._pending:
+                self._settle(*self._pending.popleft(), timeout=timeout)
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for every call in flight (raising the first error); end the thread."""
+        try:
+            self.flush()
+        except LoaderError:
+            if raise_errors:
+                raise
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
 
     def _settle(self, ref: Ref[Any], what: str, timeout: float | None) -> None:
         try:
