@@ -70,10 +70,10 @@ def per_document_index(
     ``is_tail[k]`` says whether segment ``k`` of ``cu_seqlens`` is a row's padding tail.
 
     >>> cu = np.array([0, 3, 8]); tail = np.array([False, True])   # a doc of 3, a tail of 5
-    >>> per_document_index(cu, tail, 1, 8, 2, 0)[0].tolist()       # doc -> 4, tail 8 - 4
-    [[0, -1, 3, 4]]
-    >>> per_document_index(cu, tail, 1, 8, 2, 1)[0].tolist()
-    [[1, 2, 5, 6]]
+    >>> per_document_index(cu, tail, 1, 8, 2, 0)[0].tolist()  # R = 4 * ceil((4 + 5) / 4) = 12
+    [[0, -1, 3, 4, -1, -1]]
+    >>> per_document_index(cu, tail, 1, 8, 2, 1)[0].tolist()  # the doc in 4 chunks, the tail too
+    [[1, 2, 5, 6, 7, -1]]
     """
     k = 2 * cp
     start = np.asarray(cu_seqlens[:-1], dtype=np.int64)
