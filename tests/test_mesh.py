@@ -104,7 +104,8 @@ def test_a_dp_rank_is_built_once_for_all_its_peers(corpus, monkeypatch):
 
     monkeypatch.setattr(DataConstructor, "_build", counting)
     consume_mesh(mesh_plan(corpus, cp=2, tp=2, pp=2), steps=3)
-    assert sorted(set(built)) == [(s, d) for s in range(5) for d in range(2)]
+    # steps 0-2 consumed (3-4 may be built ahead, or not yet, when the loader closes)
+    assert {(s, d) for s in range(3) for d in range(2)} <= set(built)
     assert len(built) == len(set(built))  # 8 peers per DP rank, one build each
 
 
