@@ -40,6 +40,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m benchmarks.throughput
 	$(BIN)/python -m benchmarks.balance_e2e
 	$(BIN)/python -m benchmarks.planner_scale
+	$(BIN)/python -m benchmarks.mesh
 	tools/loopback $(BIN)/python -m benchmarks.ray_overhead
 	tools/loopback $(BIN)/python -m benchmarks.memory
 	tools/loopback $(BIN)/python -m benchmarks.throughput_vs

@@ -7,6 +7,8 @@ Run it (Ray kept on loopback, as on any shared machine)::
     unshare -n sh -c 'ip link set lo up && \
         torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 60 --checkpoint-dir ckpt \
             --resume ckpt'
+    unshare -n sh -c 'ip link set lo up && \
+        torchrun --nproc_per_node 4 examples/train_tiny_gpt.py --steps 10 --cp 2'
 
 What happens:
 
@@ -19,6 +21,14 @@ What happens:
 - Attention is causal inside each document only: the mask is built from the
   batch's ``cu_seqlens`` (:func:`document_causal_mask`), and positions restart
   at every document (the batch's ``position_ids``).
+- ``--cp N`` trains with context parallelism: ``torchrun --nproc_per_node
+  dp*N``, the plan's ``world.cp = N`` (``--cp-layout zigzag|per_document``),
+  each process connecting with its global rank and receiving its CP slice.
+  Attention all-gathers K and V within the CP group (:class:`GatherSeq`, whose
+  backward sums the gradients and keeps this rank's part) and masks with the
+  slice's ``segment_ids`` and ``global_positions`` (:func:`cp_causal_mask`).
+  The loss is the mean over every real token of the step (all ranks), so its
+  printed value and its gradients equal those of the same plan at ``--cp 1``.
 - Every ``--checkpoint-every`` steps and at the end, rank 0 writes
   ``CKPT/step-NNNNNNNN/`` with ``trainer.pt`` (model, optimizer, step) and the
   job's state (``overlord.checkpoint.save``). ``--resume`` restores the model
@@ -120,6 +130,62 @@ def document_causal_mask(cu_seqlens: torch.Tensor, rows: int, seq_len: int) -> t
     return (same & causal).unsqueeze(1)
 
 
+def cp_causal_mask(
+    segment_ids: torch.Tensor, global_positions: torch.Tensor, cp_rank: int, cp_size: int
+) -> torch.Tensor:
+    """Mask (rows, 1, W, cp * W) of a CP slice's queries over its CP group's gathered keys.
+
+    ``segment_ids`` and ``global_positions`` are the whole group's, gathered
+    (rows, cp * W), rank after rank. A query attends to the keys of its own
+    segment (in its row) whose unsliced position is not after its own: the
+    unsliced batch's document-causal mask. Padding added for CP (position -1)
+    attends to itself only, so that no row of the softmax is empty.
+    """
+    width = global_positions.shape[1] // cp_size
+    total = global_positions.shape[1]
+    lo = cp_rank * width
+    q_seg, q_pos = segment_ids[:, lo : lo + width], global_positions[:, lo : lo + width]
+    same = q_seg[:, :, None] == segment_ids[:, None, :]
+    causal = global_positions[:, None, :] <= q_pos[:, :, None]
+    real = (q_pos[:, :, None] >= 0) & (global_positions[:, None, :] >= 0)
+    itself = torch.zeros(width, total, dtype=torch.bool, device=segment_ids.device)
+    itself[torch.arange(width), lo + torch.arange(width)] = True
+    return ((same & causal & real) | itself).unsqueeze(1)
+
+
+class GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence (dim 2) within a CP group; backward: sum, keep own part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int, rank: int) -> torch.Tensor:
+        """(rows, heads, W, d) on each rank -> (rows, heads, cp * W, d), rank after rank."""
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.rank, ctx.width = group, rank, x.shape[2]
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        """Every rank's queries contributed to these keys: sum, then this rank's part."""
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        lo = ctx.rank * ctx.width
+        return grad[:, :, lo : lo + ctx.width], None, None, None
+
+
+class CP:
+    """The CP group of this process: the ranks that share its DP rank's rows."""
+
+    def __init__(self, group: Any, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather ``x`` (rows, W) along the sequence, without gradients."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
@@ -133,11 +199,17 @@ class Block(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One block over ``x`` (rows, seq, d_model) with attention mask ``mask``."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cp: CP | None = None) -> torch.Tensor:
+        """One block over ``x`` (rows, seq, d_model) with attention mask ``mask``.
+
+        With ``cp``, ``x`` is this rank's slice, and the keys and values are the group's.
+        """
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (rows, heads, seq, head_dim)
+        if cp is not None:
+            k = GatherSeq.apply(k, cp.group, cp.size, cp.rank)
+            v = GatherSeq.apply(v, cp.group, cp.size, cp.rank)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
@@ -156,13 +228,17 @@ class TinyGPT(nn.Module):
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits (rows, seq, vocab) of an overlord batch."""
+    def forward(self, batch: dict[str, torch.Tensor], cp: CP | None = None) -> torch.Tensor:
+        """Logits (rows, seq, vocab) of an overlord batch (with ``cp``: of this rank's slice)."""
         ids = batch["input_ids"]
-        mask = document_causal_mask(batch["cu_seqlens"], *ids.shape)
+        if cp is None:
+            mask = document_causal_mask(batch["cu_seqlens"], *ids.shape)
+        else:
+            segments, positions = (cp.gather(batch[k]) for k in ("segment_ids", "global_positions"))
+            mask = cp_causal_mask(segments, positions, cp.rank, cp.size)
         x = self.tok(ids) + self.pos(batch["position_ids"])
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, cp)
         return self.ln(x) @ self.tok.weight.T
 
 
@@ -231,14 +307,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--average", type=int, default=5, help="steps averaged for first/last loss")
+    p.add_argument(
+        "--cp", type=int, default=1, help="context-parallel size (processes per DP rank)"
+    )
+    p.add_argument(
+        "--cp-layout", choices=("per_document", "zigzag"), default="per_document",
+        help="how each DP rank's rows are cut among its CP ranks",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
-def start_job(args: argparse.Namespace, dp: int, state: dict[str, Any] | None) -> Any:
+def start_job(args: argparse.Namespace, world: overlord.World, state: dict[str, Any] | None) -> Any:
     """Rank 0: the job's roles as Ray actors, alive while the returned Loader is open."""
     plan = overlord.load_plan(args.plan or write_corpus(args.data_dir))
-    if plan.world.dp != dp:
-        plan = plan.with_dp(dp)  # the stream does not depend on dp: any size resumes
+    # the stream does not depend on the mesh: any dp and cp resume it
+    data = plan.model_dump(mode="json")
+    data["world"] = {"dp": world.dp, "cp": world.cp}
+    data["batch"]["cp_layout"] = args.cp_layout if world.cp > 1 else None
+    plan = overlord.validate_plan(data, base_dir=plan.base_dir)
     job = args.job or f"tiny-gpt-{uuid.uuid4().hex[:8]}"
     return overlord.Loader(plan, runtime="ray", job=job, state=state)
 
@@ -249,8 +335,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    topology = overlord.World.detect()  # from torchrun's WORLD_SIZE: all data parallel here
-    dp, dp_rank = topology.dp, topology.dp_rank(rank)
+    topology = overlord.World.detect(cp=args.cp)  # WORLD_SIZE = dp * cp
+    dp, at = topology.dp, topology.coords(rank)
+    cp = None
+    if args.cp > 1:  # every rank makes every group, in the same order
+        groups = [dist.new_group(topology.ranks_of(d)) for d in range(dp)]
+        cp = CP(groups[at.dp], args.cp, at.cp)
     torch.manual_seed(args.seed)
     say = print if rank == 0 else (lambda *a, **k: None)
 
@@ -261,14 +351,16 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         import ray  # only for the address that the other ranks connect to
 
-        loader = start_job(args, dp, data_state)
+        loader = start_job(args, topology, data_state)
         address = os.environ.get("RAY_ADDRESS") or ray.get_runtime_context().gcs_address
         info = [{"job": loader.job, "address": address, "seq": loader.plan.batch.max_seq_len}]
     dist.broadcast_object_list(info, src=0)
     job, address, seq_len = info[0]["job"], info[0]["address"], info[0]["seq"]
     if rank != 0:
         wait_for_job(job, address=address)
-    ds = OverlordIterableDataset.from_job(job, dp_rank, address=address, stop_step=args.steps)
+    ds = OverlordIterableDataset.from_job(
+        job, address=address, stop_step=args.steps, global_rank=rank
+    )
 
     model = TinyGPT(seq_len, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -282,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         say(f"resumed from step {saved['step']}: model, optimizer and data ({resume})")
     ddp = DistributedDataParallel(model)
     say(
-        f"job {job}: {dp} ranks, {sum(p.numel() for p in model.parameters())} parameters, "
+        f"job {job}: dp {dp} x cp {args.cp} ({args.cp_layout if cp else 'no CP'}), "
+        f"{sum(p.numel() for p in model.parameters())} parameters, "
         f"steps {ds.step}..{args.steps - 1}",
         flush=True,
     )
@@ -292,18 +385,23 @@ def main(argv: list[str] | None = None) -> None:
     t_train = time.perf_counter()
     for batch in DataLoader(ds, batch_size=None, num_workers=0):
         step = ds.step - 1  # the step of the batch just received
-        logits = ddp(batch)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        logits = ddp(batch, cp)
+        labels = batch["labels"].flatten()
+        summed = F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=-100, reduction="sum")
+        # the mean over every real token of the step, on every rank: whatever the mesh cuts
+        count = torch.tensor([float((labels != -100).sum())], dtype=torch.float64)
+        dist.all_reduce(count)
+        loss = summed * (topology.size / count.item())  # DDP averages over the world's ranks
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        # for the log: the loss averaged over ranks, and a digest of every rank's tokens
+        # for the log: the step's loss, and a digest of every rank's tokens
         digest = zlib.crc32(batch["input_ids"].numpy().tobytes())
-        stats = torch.tensor([loss.item(), float(digest)], dtype=torch.float64)
+        stats = torch.tensor([summed.item(), float(digest)], dtype=torch.float64)
         dist.all_reduce(stats)
-        losses.append(stats[0].item() / dp)
-        say(f"step {step} loss {losses[-1]:.4f} data {int(stats[1].item()):09x}", flush=True)
+        losses.append(stats[0].item() / count.item())
+        say(f"step {step} loss {losses[-1]:.6f} data {int(stats[1].item()):09x}", flush=True)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             if rank == 0:
                 path = save_checkpoint(args.checkpoint_dir, step + 1, model, opt, ds)

@@ -24,29 +24,42 @@ class Batch:
     ``input_ids``, ``labels``, ``position_ids`` and ``segment_ids`` are int32
     arrays of shape ``(rows, max_seq_len)``; ``cu_seqlens`` (int32) holds the
     document boundaries over the flattened rows (see :mod:`overlord.plan.packing`).
+
+    A rank of a device mesh (``Loader.rank_client``) receives its part of its DP
+    rank's batch: with CP, its slice (``cp_rank`` of ``cp_size``, cut by
+    ``cp_layout``, with ``global_positions``: each local token's index in the
+    flattened unsliced batch, -1 for padding added for CP; see
+    :mod:`overlord.roles.cp_slice`); with PP, ``input_ids`` only on the first
+    stage and ``labels`` only on the last (``None`` elsewhere).
     """
 
     step: int
     rank: int
-    input_ids: np.ndarray
-    labels: np.ndarray
+    input_ids: np.ndarray | None
+    labels: np.ndarray | None
     position_ids: np.ndarray
     segment_ids: np.ndarray
     cu_seqlens: np.ndarray
     samples: list[Sample]
     cost: float  # the rank's cost under the plan's cost model
+    global_positions: np.ndarray | None = None
+    cp_layout: str | None = None  # zigzag | per_document, None without CP
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of real documents (padding excluded)."""
+        """Tokens of real documents (padding excluded) in the DP rank's whole batch."""
         return int(sum(s.tokens for s in self.samples))
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The tensors, by name."""
-        return {
+        """The tensors this rank holds, by name (a field that is ``None`` is left out)."""
+        named = {
             "input_ids": self.input_ids,
             "labels": self.labels,
             "position_ids": self.position_ids,
             "segment_ids": self.segment_ids,
             "cu_seqlens": self.cu_seqlens,
+            "global_positions": self.global_positions,
         }
+        return {k: v for k, v in named.items() if v is not None}

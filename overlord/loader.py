@@ -178,15 +178,50 @@ class Loader:
         self._notices = OneWay("clients", background=True)
 
     def client(self, rank: int, stop_step: int | None = None) -> Client:
-        """Iterator of batches for DP rank ``rank``, from the resumed step on."""
-        dp = self.plan.world.dp
+        """Iterator of batches for DP rank ``rank``, from the resumed step on.
+
+        Only where every DP rank is one trainer process (``cp = tp = pp = 1``);
+        in a mesh, use :meth:`rank_client`.
+        """
+        world = self.plan.world
+        dp = world.dp
         if not self._constructor_of:
             raise ValueError("this Loader was made with build_batches=False: it has no clients")
+        if world.peers > 1:
+            raise ValueError(
+                f"Loader.client takes a DP rank, which is one trainer process only when "
+                f"cp = tp = pp = 1; this plan's world has cp={world.cp}, tp={world.tp}, "
+                f"pp={world.pp}: use Loader.rank_client(global_rank)"
+            )
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
         constructor = self._constructor_of[rank]
         return Client(
             rank, constructor, self.planner, self.start_step, stop_step, None, self._notices
+        )
+
+    def rank_client(self, global_rank: int, stop_step: int | None = None) -> Client:
+        """Iterator of the batches of one trainer process of the mesh, by its global rank.
+
+        Its DP rank's batch, cut for its CP rank, with the fields of its
+        pipeline stage (see :class:`~overlord.Batch`); TP peers receive the same
+        batch object. The DP rank's step counts as consumed once every rank
+        client of it has received it.
+        """
+        if not self._constructor_of:
+            raise ValueError("this Loader was made with build_batches=False: it has no clients")
+        dp = self.plan.world.coords(global_rank).dp  # ValueError outside the world
+        start = self.planner.call(PlannerRole.attach, global_rank).result()
+        constructor = self._constructor_of[dp]
+        notices = self._notices
+        return Client(
+            dp,
+            constructor,
+            self.planner,
+            start,
+            stop_step,
+            notices=notices,
+            global_rank=global_rank,
         )
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:

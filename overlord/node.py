@@ -71,6 +71,7 @@ class _Channel:
         samples = [[s.source, s.id, s.tokens, s.row] for s in batch.samples]
         meta = _bytes(json.dumps({"samples": samples, "cost": batch.cost}))
         after = _bytes(json.dumps(state, separators=(",", ":")))
+        assert batch.input_ids is not None and batch.labels is not None  # a whole DP batch
         rows, seq = batch.input_ids.shape
         cu = torch.from_numpy(np.ascontiguousarray(batch.cu_seqlens, dtype=np.int32))
         grid = np.stack([batch.input_ids, batch.labels, batch.position_ids, batch.segment_ids])

@@ -58,7 +58,9 @@ def run_plan(
     ckpt_bytes = 0
     with Loader(plan, runtime=runtime, state=state) as loader:
         first = loader.start_step
-        clients = [loader.client(r, stop_step=steps) for r in range(plan.world.dp)]
+        # one reader per DP rank (in a mesh, its first process: CP rank 0, TP 0, stage 0)
+        first_of = [plan.world.global_rank(dp=r) for r in range(plan.world.dp)]
+        clients = [loader.rank_client(g, stop_step=steps) for g in first_of]
         tokens = 0
         bar = _progress(steps, first, "overlord run") if progress else None
         for step in range(first, steps):

@@ -102,29 +102,60 @@ def serve(
 
 
 def connect(
-    job: str, rank: int, address: str | None = None, stop_step: int | None = None
+    job: str,
+    rank: int | None = None,
+    address: str | None = None,
+    stop_step: int | None = None,
+    *,
+    global_rank: int | None = None,
 ) -> Client:
-    """The batches of DP rank ``rank`` from the running job ``job``.
+    """The batches of DP rank ``rank``, or of mesh rank ``global_rank``, from the job ``job``.
 
-    Reads ``RAY_ADDRESS`` when ``address`` is None; a job started by
-    ``overlord serve`` on a local instance is found with ``address="auto"``.
+    ``rank`` (a DP rank) is a trainer process only where ``cp = tp = pp = 1``;
+    in a mesh pass ``global_rank`` (see ``Loader.rank_client``). Reads
+    ``RAY_ADDRESS`` when ``address`` is None; a job started by ``overlord
+    serve`` on a local instance is found with ``address="auto"``.
     """
+    from overlord.plan.spec import validate_plan
     from overlord.runtime.ray_runtime import init_ray, lookup
 
+    if (rank is None) == (global_rank is None):
+        raise ValueError("connect takes a DP rank or a global_rank=, one of the two")
     init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
     planner: Handle[PlannerRole] = lookup(job, "planner")
     layout = planner.call(PlannerRole.layout).result()
+    world = validate_plan(layout["plan"]).world
     dp = layout["dp"]
-    if not 0 <= rank < dp:
-        raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
+    if global_rank is not None:
+        if not 0 <= global_rank < world.size:
+            raise LoaderError(
+                f"global rank {global_rank} is outside job '{job}': its world has "
+                f"{world.size} processes (dp={world.dp}, cp={world.cp}, tp={world.tp}, "
+                f"pp={world.pp})"
+            )
+        dp_rank = world.coords(global_rank).dp
+    else:
+        assert rank is not None
+        if world.peers > 1:
+            raise LoaderError(
+                f"job '{job}' runs a mesh (cp={world.cp}, tp={world.tp}, pp={world.pp}): a DP "
+                "rank is several trainer processes; connect with global_rank= (the process's "
+                "RANK)"
+            )
+        if not 0 <= rank < dp:
+            raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
+        dp_rank = rank
     owned = None
     if layout["constructors"] == ConstructorSite.TRAINER.value:
-        owned = local_constructor(layout, planner, rank)
-        constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{rank}")
+        owned = local_constructor(layout, planner, dp_rank)
+        constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{dp_rank}")
     else:
-        constructor = lookup(job, f"constructor-{rank // layout['ranks_per_constructor']}")
-    start = planner.call(PlannerRole.position, rank).result()
-    return Client(rank, constructor, planner, start, stop_step, owned)
+        constructor = lookup(job, f"constructor-{dp_rank // layout['ranks_per_constructor']}")
+    if global_rank is None:
+        start = planner.call(PlannerRole.position, dp_rank).result()
+    else:
+        start = planner.call(PlannerRole.attach, global_rank).result()
+    return Client(dp_rank, constructor, planner, start, stop_step, owned, global_rank=global_rank)
 
 
 def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:

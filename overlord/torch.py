@@ -52,6 +52,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from overlord.batch import Batch
+from overlord.broadcast import broadcast_batch as broadcast_batch  # for mesh groups over nodes
 from overlord.checkpoint import check_state
 from overlord.errors import CheckpointError, LoaderError
 from overlord.plan.packing import IGNORE_INDEX
@@ -320,11 +321,20 @@ def _under_torchrun(plan: Plan) -> bool:
 class _JobSource:
     """A rank of a job served elsewhere (``overlord serve``, or a trainer's own Loader)."""
 
-    def __init__(self, job: str, rank: int, address: str | None, stop_step: int | None):
+    def __init__(
+        self,
+        job: str,
+        rank: int | None,
+        address: str | None,
+        stop_step: int | None,
+        global_rank: int | None = None,
+    ):
         from overlord.serve import connect
 
         self.job = job
-        self._client = connect(job, rank, address=address, stop_step=stop_step)
+        self._client = connect(
+            job, rank, address=address, stop_step=stop_step, global_rank=global_rank
+        )
 
     def client(self) -> Client:
         return self._client
@@ -411,18 +421,23 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
     def from_job(
         cls,
         job: str,
-        rank: int,
+        rank: int | None = None,
         address: str | None = None,
         stop_step: int | None = None,
         pin_memory: bool = False,
         device: torch.device | str | None = None,
+        *,
+        global_rank: int | None = None,
     ) -> OverlordIterableDataset:
         """Batches of DP rank ``rank`` of the running job ``job`` (:func:`overlord.connect`).
 
+        In a device mesh (``cp``, ``tp`` or ``pp`` above 1) pass ``global_rank``
+        (the process's ``RANK``) instead: its CP slice and pipeline stage's fields.
         The job holds the stream's state: it resumes when it is started from a
         checkpoint, and :meth:`load_state_dict` only checks that it did.
         """
-        return cls(_JobSource(job, rank, address, stop_step), pin_memory, device)
+        source = _JobSource(job, rank, address, stop_step, global_rank)
+        return cls(source, pin_memory, device)
 
     @property
     def step(self) -> int:

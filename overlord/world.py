@@ -1,24 +1,51 @@
-"""Training topology as a value: data, context, tensor and pipeline parallel sizes."""
+"""Training topology as a value: the device mesh DP x CP x TP x PP and its rank order."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from enum import Enum
+from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+AXES = ("dp", "cp", "tp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"  # Megatron's: tp varies fastest, pp slowest
+
+
+class CPLayout(str, Enum):
+    """How a DP rank's rows are cut among its CP ranks (see :mod:`overlord.roles.cp_slice`)."""
+
+    ZIGZAG = "zigzag"
+    PER_DOCUMENT = "per_document"
+
+
+class Coords(NamedTuple):
+    """Where one trainer process sits in the mesh."""
+
+    dp: int
+    cp: int
+    tp: int
+    pp: int
 
 
 class World(BaseModel):
-    """The parallel layout of the trainer.
+    """The parallel layout of the trainer: a mesh of ``dp * cp * tp * pp`` processes.
 
-    Only ``dp`` changes what the loader does: each DP rank receives its own
-    share of every step. The other axes are carried so that a rank can find its
-    DP rank and so that constructors can slice (CP) or share (TP, PP) batches.
+    ``dp`` decides what the loader plans: each DP rank receives its own share of
+    every step. The CP ranks of a DP rank each get a slice of its batch; its TP
+    ranks get the same batch as each other; its pipeline stages get the fields
+    they use. ``order`` lists the axes from the fastest-varying to the slowest,
+    as Megatron does: with the default ``tp-cp-dp-pp`` the global rank is
+    ``tp + TP * (cp + CP * (dp + DP * pp))``.
 
     >>> World(dp=4, tp=2).size
     8
     >>> World(dp=4, tp=2).dp_rank(5)
     2
+    >>> w = World(dp=2, cp=2, tp=2, pp=2)
+    >>> w.coords(13), w.global_rank(dp=1, cp=1, tp=1, pp=1)
+    (Coords(dp=1, cp=0, tp=1, pp=1), 15)
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -27,28 +54,97 @@ class World(BaseModel):
     cp: int = Field(1, ge=1, description="context-parallel size")
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    order: str = Field(
+        DEFAULT_ORDER, description="the axes, fastest-varying first, joined by '-' (Megatron's)"
+    )
+
+    @field_validator("order")
+    @classmethod
+    def _order(cls, v: str) -> str:
+        if sorted(v.split("-")) != sorted(AXES):
+            raise ValueError(
+                f"must name each of dp, cp, tp, pp once, joined by '-' (e.g. {DEFAULT_ORDER}), "
+                f"found '{v}'"
+            )
+        return v
 
     @property
     def size(self) -> int:
         """Number of trainer processes: dp * cp * tp * pp."""
         return self.dp * self.cp * self.tp * self.pp
 
+    @property
+    def peers(self) -> int:
+        """Processes that share one DP rank's batch: cp * tp * pp."""
+        return self.cp * self.tp * self.pp
+
+    def _axes(self) -> list[str]:
+        return self.order.split("-")
+
+    def coords(self, global_rank: int) -> Coords:
+        """The ``(dp, cp, tp, pp)`` coordinates of a global rank."""
+        self._check(global_rank)
+        at: dict[str, int] = {}
+        rest = global_rank
+        for axis in self._axes():
+            size = getattr(self, axis)
+            at[axis], rest = rest % size, rest // size
+        return Coords(**at)
+
+    def global_rank(self, dp: int = 0, cp: int = 0, tp: int = 0, pp: int = 0) -> int:
+        """The global rank at the given coordinates (the inverse of :meth:`coords`)."""
+        at = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+        bad = [f"{a}={at[a]} (size {getattr(self, a)})" for a in AXES
+               if not 0 <= at[a] < getattr(self, a)]  # fmt: skip
+        if bad:
+            raise ValueError(f"coordinates outside the world: {', '.join(bad)}")
+        rank, stride = 0, 1
+        for axis in self._axes():
+            rank += at[axis] * stride
+            stride *= getattr(self, axis)
+        return rank
+
     def dp_rank(self, global_rank: int) -> int:
-        """DP rank of a global rank, in Megatron's default order (tp fastest, then cp, dp, pp)."""
+        """DP rank of a global rank, in the world's order."""
+        return self.coords(global_rank).dp
+
+    def ranks_of(self, dp: int) -> list[int]:
+        """Every global rank of DP rank ``dp`` (its CP, TP and PP peers), ascending."""
+        return sorted(
+            self.global_rank(dp=dp, cp=c, tp=t, pp=p)
+            for c in range(self.cp)
+            for t in range(self.tp)
+            for p in range(self.pp)
+        )
+
+    def _check(self, global_rank: int) -> None:
         if not 0 <= global_rank < self.size:
-            raise ValueError(f"rank {global_rank} is outside a world of {self.size} processes")
-        return (global_rank // (self.tp * self.cp)) % self.dp
+            raise ValueError(
+                f"rank {global_rank} is outside a world of {self.size} processes "
+                f"(dp={self.dp}, cp={self.cp}, tp={self.tp}, pp={self.pp})"
+            )
 
     @classmethod
     def detect(
-        cls, cp: int = 1, tp: int = 1, pp: int = 1, env: Mapping[str, str] | None = None
+        cls,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        env: Mapping[str, str] | None = None,
+        plan: Any = None,
     ) -> World:
         """Read the world size that ``torchrun`` (or SLURM) put in the environment.
 
-        The model-parallel sizes are not in the environment: pass them. The data
-        parallel size is what remains of ``WORLD_SIZE``.
+        The model-parallel sizes are not in the environment: pass them, or pass
+        the plan (a :class:`~overlord.Plan` or its ``World``), whose ``cp``,
+        ``tp``, ``pp`` and ``order`` are then used. The data-parallel size is
+        what remains of ``WORLD_SIZE``; ``RANK`` must fall inside the world.
         """
         env = os.environ if env is None else env
+        axes: World | None = getattr(plan, "world", plan)
+        if axes is not None:
+            cp, tp, pp = axes.cp, axes.tp, axes.pp
+        order = axes.order if axes is not None else DEFAULT_ORDER
         size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
         per_replica = cp * tp * pp
         if size % per_replica:
@@ -56,7 +152,9 @@ class World(BaseModel):
                 f"WORLD_SIZE={size} is not a multiple of cp*tp*pp={per_replica}: "
                 "check the parallel sizes passed to World.detect()"
             )
-        return cls(dp=size // per_replica, cp=cp, tp=tp, pp=pp)
+        world = cls(dp=size // per_replica, cp=cp, tp=tp, pp=pp, order=order)
+        world._check(cls.rank_from_env(env))
+        return world
 
     @staticmethod
     def rank_from_env(env: Mapping[str, str] | None = None) -> int:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from overlord import CheckpointError, Loader, load_plan
+from overlord import CheckpointError, Loader, load_plan, validate_plan
 from overlord.run import dump_line
 
 pytestmark = pytest.mark.integration
@@ -131,6 +131,31 @@ def test_dp_size_never_changes_which_samples_form_a_step(corpus, reference):
     for dp in (1, 2, 8):
         lines, _, _ = run(corpus, dp=dp)
         assert per_step_samples(lines) == want, f"dp={dp}"
+
+
+@pytest.mark.parametrize(
+    "world",
+    [
+        {"dp": 2, "cp": 2, "tp": 2},
+        {"dp": 4, "cp": 4, "pp": 2, "cp_layout": "zigzag"},
+        {"dp": 1, "tp": 2, "pp": 3, "order": "dp-tp-cp-pp"},
+    ],
+)
+def test_the_mesh_never_changes_which_samples_form_a_step(corpus, reference, world):
+    """Every global rank consumes; the DP ranks' samples per step are the reference's."""
+    plan = load_plan(corpus)
+    data = plan.model_dump(mode="json")
+    world = dict(world)
+    data["batch"]["cp_layout"] = world.pop("cp_layout", None)
+    data["world"] = world
+    plan = validate_plan(data, base_dir=plan.base_dir)
+    w, lines = plan.world, []
+    with Loader(plan) as loader:
+        clients = [loader.rank_client(g) for g in range(w.size)]
+        for _ in range(STEPS):
+            got = [next(c) for c in clients]
+            lines += [dump_line(got[w.global_rank(dp=d)]) for d in range(w.dp)]
+    assert per_step_samples(lines) == per_step_samples(reference[0])
 
 
 def test_loader_count_and_threads_never_change_the_stream(corpus, reference, tmp_path):

@@ -26,3 +26,39 @@ def test_dp_rank_follows_megatron_order():
     assert [w.dp_rank(r) for r in range(w.size)] == [0, 0, 1, 1, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="outside a world of 8"):
         w.dp_rank(8)
+
+
+def test_coords_follow_the_default_megatron_formula():
+    w = World(dp=3, cp=2, tp=2, pp=2)
+    for g in range(w.size):
+        dp, cp, tp, pp = w.coords(g)
+        assert g == tp + w.tp * (cp + w.cp * (dp + w.dp * pp))
+        assert w.global_rank(dp=dp, cp=cp, tp=tp, pp=pp) == g
+    assert sorted(w.coords(g) for g in range(w.size)) == sorted(
+        (d, c, t, p) for d in range(3) for c in range(2) for t in range(2) for p in range(2)
+    )
+
+
+def test_order_lists_the_axes_fastest_first():
+    w = World(dp=2, cp=2, tp=2, order="dp-tp-cp-pp")
+    assert [w.coords(g).dp for g in range(4)] == [0, 1, 0, 1]
+    assert w.coords(2) == (0, 0, 1, 0)
+    assert w.global_rank(dp=1, cp=1, tp=1) == 1 + 2 * (1 + 2 * 1)
+    assert w.ranks_of(1) == [1, 3, 5, 7]
+
+
+def test_bad_order_and_coordinates_are_refused():
+    with pytest.raises(ValueError, match="must name each of dp, cp, tp, pp once"):
+        World(order="tp-dp-pp")
+    with pytest.raises(ValueError, match="tp=2 \\(size 2\\)"):
+        World(dp=2, tp=2).global_rank(tp=2)
+    with pytest.raises(ValueError, match="outside a world of 4 processes"):
+        World(dp=2, cp=2).coords(4)
+
+
+def test_detect_takes_the_plan_axes_and_checks_rank():
+    plan_world = World(dp=1, cp=2, tp=2, order="cp-tp-dp-pp")
+    w = World.detect(env={"WORLD_SIZE": "12", "RANK": "11"}, plan=plan_world)
+    assert w == World(dp=3, cp=2, tp=2, order="cp-tp-dp-pp")
+    with pytest.raises(ValueError, match="rank 12 is outside a world of 12"):
+        World.detect(env={"WORLD_SIZE": "12", "RANK": "12"}, plan=plan_world)

@@ -23,7 +23,8 @@ from pydantic import (
 )
 
 from overlord.errors import PlanError
-from overlord.world import World
+from overlord.plan.mesh import mesh_problems
+from overlord.world import CPLayout, World
 
 
 class Format(str, Enum):
@@ -137,6 +138,11 @@ class BatchSpec(_Model):
         64, ge=1, description="items a source may skip over to fill a row; bounds the carry-over"
     )
     prefetch_steps: int = Field(2, ge=1, description="steps planned and built ahead")
+    cp_layout: CPLayout | None = Field(
+        None,
+        description="how a DP rank's rows are cut among its CP ranks: zigzag | per_document "
+        "(default per_document when world.cp > 1; overlord.roles.cp_slice)",
+    )
 
 
 class ModelShape(_Model):
@@ -333,6 +339,7 @@ class Plan(_Model):
         for s in data["sources"]:
             s.pop("loaders")
             s.pop("shadows")
+        data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -460,6 +467,8 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
                     f"unknown source '{name}'; sources: {sorted(seen)}",
                 )
             )
+
+    problems += mesh_problems(data)
 
     kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))
     if kind == TokenizerKind.HF.value and not path:

@@ -109,6 +109,14 @@ class PlannerRole(Protocol):
         """``rank`` received ``step``."""
         ...
 
+    def attach(self, global_rank: int) -> int:
+        """Count a mesh rank among its DP rank's readers; the next step it should consume."""
+        ...
+
+    def mark_rank_consumed(self, global_rank: int, step: int, train_s: float | None = None) -> None:
+        """Mesh rank ``global_rank`` received ``step``."""
+        ...
+
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """The state before ``step``."""
         ...
@@ -163,6 +171,10 @@ class ConstructorRole(Protocol):
 
     def batch(self, step: int, rank: int) -> Batch:
         """The packed batch of ``rank`` for ``step``."""
+        ...
+
+    def rank_batch(self, step: int, global_rank: int) -> Batch:
+        """What mesh rank ``global_rank`` receives of its DP rank's batch for ``step``."""
         ...
 
     def pid(self) -> int:

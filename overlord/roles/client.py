@@ -1,4 +1,4 @@
-"""Client: what a training script holds, an iterator of one DP rank's batches."""
+"""Client: what a training script holds, an iterator of one DP rank's (or mesh rank's) batches."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from overlord.runtime.base import Handle, OneWay
 class Client(Iterator[Batch]):
     """Batches of one DP rank, step after step, from ``start_step`` (until ``stop_step``).
 
+    With ``global_rank``, the batches of that rank of the device mesh (its CP
+    slice, its pipeline stage's fields) of DP rank ``rank``.
+
     Consumption notices go to the planner one way (the trainer does not wait
     for them); an error of one is raised by the next ``next()``, or by
     :meth:`close`, naming the call.
@@ -29,14 +32,16 @@ class Client(Iterator[Batch]):
         stop_step: int | None = None,
         owned: ConstructorRole | None = None,
         notices: OneWay | None = None,
+        global_rank: int | None = None,
     ):
-        self.rank = rank
+        self.rank, self.global_rank = rank, global_rank
         self._constructor, self._planner = constructor, planner
         self._owned = owned  # a constructor in this process that this client closes
         # sent from a thread of their own (shared by a Loader's clients, which keeps their
         # order): the trainer's thread never waits for the planner
+        who = f"rank {rank}" if global_rank is None else f"global rank {global_rank}"
         self._shared = notices is not None
-        self._notices = notices or OneWay(f"client of rank {rank}", background=True)
+        self._notices = notices or OneWay(f"client of {who}", background=True)
         self.step = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
@@ -51,8 +56,7 @@ class Client(Iterator[Batch]):
         train_s = None if self._returned is None else now - self._returned
         while True:
             try:
-                ref = self._constructor.call(ConstructorRole.batch, self.step, self.rank)
-                batch = ref.result()
+                batch = self._fetch()
             except RanksApart:
                 if not self._notices.pending():
                     raise
@@ -67,10 +71,23 @@ class Client(Iterator[Batch]):
                 f"of rank {batch.rank}"
             )
         # no need to wait: calls from one process reach the planner in order
-        self._notices.send(self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s)
+        if self.global_rank is None:
+            self._notices.send(
+                self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s
+            )
+        else:
+            self._notices.send(
+                self._planner, PlannerRole.mark_rank_consumed, self.global_rank, self.step, train_s
+            )
         self.step += 1
         self._returned = time.perf_counter()
         return batch
+
+    def _fetch(self) -> Batch:
+        if self.global_rank is None:
+            return self._constructor.call(ConstructorRole.batch, self.step, self.rank).result()
+        call = self._constructor.call(ConstructorRole.rank_batch, self.step, self.global_rank)
+        return call.result()
 
     def flush(self) -> None:
         """Wait until this rank's consumption notices reached the planner (raising errors)."""

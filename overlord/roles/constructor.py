@@ -3,11 +3,12 @@
 One constructor serves one DP rank, or several (the ranks of a node). With
 ``prefetch`` it plans (through the planner) and builds each rank's batches on
 a thread of its own, ahead of the trainer, so that the trainer's request is
-answered from memory; built batches of the current step are kept until the
-next one is asked for, so that TP/PP peers of a rank receive the very same
-batch. A build ahead that the planner refuses because other ranks lag (in one
-process that consumes every rank) is not an error: the step is built when
-the trainer asks for it.
+answered from memory; a step's batch, cut for the rank's CP ranks once, is
+kept until every peer of the rank that asks has asked for a later step, so
+that its CP/TP/PP peers (overlord.roles.peers) share one fetch and TP peers
+receive the very same batch. A build ahead that the planner refuses because
+other ranks lag (in one process that consumes every rank) is not an error:
+the step is built when the trainer asks for it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ import numpy as np
 
 from overlord.batch import Batch, Sample
 from overlord.errors import LoaderError, RanksApart
+from overlord.plan.mesh import resolved_layout
 from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.cp_slice import cp_slices
 from overlord.roles.loader_pool import PoolView, by_slot
+from overlord.roles.peers import stage_of, stage_view
 from overlord.runtime.base import Handle
 from overlord.runtime.threads import Builder
 from overlord.sources.catalog import SourceFiles
+from overlord.world import CPLayout
 
 
 class DataConstructor:
@@ -48,39 +53,72 @@ class DataConstructor:
         self.planner, self.ranks = planner, list(ranks)
         self.prefetch = prefetch
         self._lock = threading.Lock()
-        self._built: dict[tuple[int, int], Future[Batch | None]] = {}
+        self._built: dict[tuple[int, int], Future[list[Batch] | None]] = {}
+        self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
+        self._asked: dict[int, int] = {}  # global rank -> the last step it asked for
+        layout = resolved_layout(plan.world.cp, plan.batch.cp_layout)
+        self.layout = layout if layout is not None else CPLayout.PER_DOCUMENT
         self._pool = Builder("overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = PoolView(self.names, loaders, planner)
 
     def batch(self, step: int, rank: int) -> Batch:
-        """The packed batch of ``rank`` for ``step`` (built ahead when prefetching)."""
+        """The packed batch of DP rank ``rank`` for ``step`` (built ahead when prefetching)."""
+        return self._slices(step, rank, rank)[0]
+
+    def rank_batch(self, step: int, global_rank: int) -> Batch:
+        """What mesh rank ``global_rank`` receives of its DP rank's batch for ``step``.
+
+        Its CP slice, with the fields of its pipeline stage; every TP peer of a
+        ``(dp, cp, pp)`` coordinate receives the same object (overlord.roles.peers).
+        """
+        at = self.plan.world.coords(global_rank)
+        stage = stage_of(at.pp, self.plan.world.pp)
+        sliced = self._slices(step, at.dp, global_rank)[at.cp]
+        with self._lock:
+            key = (step, at.dp, at.cp, stage)
+            view = self._views.get(key)
+            if view is None:
+                view = self._views[key] = stage_view(sliced, stage)
+        return view
+
+    def _slices(self, step: int, rank: int, asker: int) -> list[Batch]:
+        """Every CP rank's batch of DP rank ``rank`` for ``step``, asked for by ``asker``."""
         if rank not in self.ranks:
             raise LoaderError(f"this DataConstructor serves ranks {self.ranks}, not rank {rank}")
         if self._pool is None:
-            return self._build(step, rank)
+            return self._build_slices(step, rank)
         with self._lock:
             fut = self._built.get((step, rank))
             if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
                 # none yet; refused when built ahead; or failed (a retry builds it again)
-                fut = self._built[(step, rank)] = self._pool.submit(self._build, step, rank)
+                fut = self._built[(step, rank)] = self._pool.submit(self._build_slices, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
                 if (ahead, rank) not in self._built:
                     self._built[(ahead, rank)] = self._pool.submit(self._ahead, ahead, rank)
-            # keep this step for the rank's TP/PP peers; older steps are done with
-            for key in [k for k in self._built if k[1] == rank and k[0] < step]:
+            # keep a step until every peer of the rank that asks has moved past it
+            self._asked[asker] = max(step, self._asked.get(asker, step))
+            peers = self.plan.world.ranks_of(rank) if self.plan.world.peers > 1 else [asker]
+            low = min(self._asked[g] for g in peers if g in self._asked)
+            for key in [k for k in self._built if k[1] == rank and k[0] < low]:
                 del self._built[key]
+            for view in [k for k in self._views if k[1] == rank and k[0] < low]:
+                del self._views[view]
         got = fut.result()
         if got is None:  # refused when it was built ahead: build it now, still off this thread
-            return self._pool.submit(self._build, step, rank).result()
+            return self._pool.submit(self._build_slices, step, rank).result()
         return got
 
-    def _ahead(self, step: int, rank: int) -> Batch | None:
+    def _ahead(self, step: int, rank: int) -> list[Batch] | None:
         """Build ``step`` ahead of the trainer; None if the planner cannot plan it yet."""
         try:
-            return self._build(step, rank)
+            return self._build_slices(step, rank)
         except RanksApart:
             return None
+
+    def _build_slices(self, step: int, rank: int) -> list[Batch]:
+        """The DP rank's batch, cut for its CP ranks (one batch without CP)."""
+        return cp_slices(self._build(step, rank), self.plan.world.cp, self.layout, self.pad_id)
 
     def _rank_plan(self, step: int, rank: int) -> dict[str, Any]:
         """The planner answers None while other ranks are too far behind: wait for them."""
@@ -131,7 +169,9 @@ class DataConstructor:
                 rp["row"].tolist(),
             )
         ]
-        return Batch(step=step, rank=rank, samples=samples, cost=rp["cost"], **arrays)
+        a = arrays
+        return Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
+                     a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""

@@ -24,12 +24,15 @@ from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
 from overlord.plan.balance import assign, lower_bound, rank_costs
 from overlord.plan.cost import CostModel
+from overlord.plan.cp import cp_cost
+from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.roles.api import LoaderRole, PlannerRole
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
+from overlord.roles.peers import PeerConsumption
 from overlord.runtime.base import Handle, Runtime
 from overlord.sources.catalog import SourceFiles
 
@@ -41,7 +44,7 @@ TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
 
 
-class Planner:
+class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles.peers)
     """Plans steps on demand and tracks what each DP rank consumed.
 
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
@@ -206,7 +209,9 @@ class Planner:
         cols = {c: np.asarray(got[c], dtype=np.int64)[inverse] for c in _COLUMNS}
         cols["key"] = cols["key"].reshape(-1, 3)
 
-        cost = self.cost.cost(tokens, cols["patches"])
+        # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
+        cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
+        cost = cp_cost(self.cost, tokens, cols["patches"], cp, layout)
         dp, rpr = p.world.dp, p.rows_per_rank
         row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order

@@ -1,0 +1,59 @@
+"""overlord.torch.broadcast_batch: a mesh peer on another node gets the batch byte for byte."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from overlord.batch import Batch, Sample  # noqa: E402
+from overlord.plan.packing import pack  # noqa: E402
+from overlord.roles.cp_slice import cp_slices  # noqa: E402
+from overlord.roles.peers import stage_view  # noqa: E402
+from overlord.torch import broadcast_batch  # noqa: E402
+from overlord.world import CPLayout  # noqa: E402
+
+
+def batches() -> list[Batch]:
+    a = pack(np.arange(1, 10), np.array([5, 2, 2]), np.array([0, 0, 1]), 2, 8, 257)
+    samples = [Sample("web", "a.jsonl:3", 5, 0), Sample("web", "a.jsonl:9#1", 2, 0)]
+    whole = Batch(3, 1, samples=samples, cost=2.5, **a)
+    sliced = cp_slices(whole, 2, CPLayout.PER_DOCUMENT, 257)[1]
+    return [whole, sliced, stage_view(sliced, "middle"), stage_view(sliced, "last")]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    got = [broadcast_batch(b if rank == 0 else None, src=0) for b in batches()]
+    if rank == 1:
+        np.save(out, np.array([_same(g, w) for g, w in zip(got, batches())]))
+    dist.destroy_process_group()
+
+
+def _same(got: Batch, want: Batch) -> bool:
+    arrays_equal = got.arrays().keys() == want.arrays().keys() and all(
+        np.array_equal(v, want.arrays()[k]) and v.dtype == want.arrays()[k].dtype
+        for k, v in got.arrays().items()
+    )
+    rest = replace(got, **dict.fromkeys(want.arrays(), None)) == replace(
+        want, **dict.fromkeys(want.arrays(), None)
+    )
+    return arrays_equal and rest
+
+
+@pytest.mark.integration
+def test_every_rank_receives_the_source_batch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "same.npy")
+    mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="fork")
+    assert np.load(out).tolist() == [True, True, True, True]
