@@ -138,6 +138,15 @@ class HeldItems:
             return None
         return pieces[j]
 
+    def tokens_of(self, at: Position, i: int) -> np.ndarray | None:
+        """The tokens of item ``i`` of shard ``at``; None if it is not held."""
+        piece = self.piece_of(at, i)
+        if piece is None or not piece.remaining[i - piece.base]:
+            return None
+        items, k = piece.items, i - piece.base
+        start = int(items.start[k])
+        return items.tokens[start : start + int(items.length[k])]
+
     def release(self, at: Position, index: np.ndarray, read: np.ndarray) -> None:
         """Release items ``index`` (sorted) of shard ``at``; ``read``: those published yet."""
         if not read.all():  # not read yet: dropped when it is

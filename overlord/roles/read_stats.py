@@ -9,6 +9,7 @@ whatever the epochs. Not thread-safe: the loader's lock guards every call.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from overlord.sources.shard import ShardItems, Window
@@ -82,3 +83,12 @@ class ReadStats:
             "tokens_per_byte": self.tokens_per_byte,
             "skipped_examples": list(self._examples),
         }
+
+
+def rss() -> int:
+    """Resident memory of this process (the loader's, when it has a process of its own)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

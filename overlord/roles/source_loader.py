@@ -20,7 +20,10 @@ at most one window read ahead. A caller that waits for an item not published
 yet (the planner in ``metadata``, a constructor in ``take``) lets one piece at
 a time past the budget: the planner can never wait on a loader whose budget
 is full of items it has planned but not released (see
-:func:`overlord.plan.budget.token_budget`).
+:func:`overlord.plan.budget.token_budget`). A new loader starts with an
+eighth of its budget, doubled each time the planner takes its metadata: at
+start-up the pieces the first step needs are not slowed by every loader
+filling its whole read-ahead at once.
 
 Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
@@ -56,7 +59,7 @@ from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block
-from overlord.roles.read_stats import ReadStats
+from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, Window, cut_items, shard_file, shard_windows
@@ -64,6 +67,7 @@ from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
+RAMP = 8  # a new loader reads 1/RAMP of its budget ahead before the planner first asks
 
 
 @dataclass
@@ -117,6 +121,7 @@ class SourceLoader:
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan, count)
+        self._ramp = max(1, self._budget // RAMP)  # the budget so far: doubles as it serves
         self._asked = 0  # callers waiting for an item not published yet: lifts the budget
         self._held = HeldItems(start)  # what it holds, and what was consumed
         self._serving = not shadow  # queues metadata for the planner
@@ -151,22 +156,9 @@ class SourceLoader:
 
     # ---- reading -------------------------------------------------------------------------
 
-    def _positions(self) -> Iterator[Position]:
-        """The shards this loader reads, in source order; ends if no later epoch has one."""
-        epoch, pos = self._start
-        last_list = self.files.lists[-1][0]
-        while True:
-            n = len(self.files.at(epoch))
-            for p in range(pos, n):
-                if p % self.count == self.index:
-                    yield epoch, p
-            if epoch >= last_list and self.index >= n:
-                return  # more loaders than shards: this one owns none from here on
-            epoch, pos = epoch + 1, 0
-
     def _read_windows(self) -> None:
         """The window thread: this loader's shards, a window at a time, one window ahead."""
-        positions = self._positions()
+        positions = self.files.owned(self._start, self.index, self.count)
         nxt = next(positions, None)
         try:
             while True:
@@ -231,10 +223,14 @@ class SourceLoader:
                 self._lock.notify_all()
 
     def _next_task(self) -> _Task | None:
-        """Start the next task if the budget and the threads allow it (lock held)."""
-        if self._cut is None or not self._cut[1]:
-            if self._cut is not None:
-                self._cut = None
+        """Start the next task if the budget and the threads allow it (lock held).
+
+        A window read ahead is taken (letting the window thread read the next
+        one) only when its first piece may start.
+        """
+        if self._cut is not None and not self._cut[1]:
+            self._cut = None
+        if self._cut is None:
             if not self._windows:
                 return None
             got = self._windows[0]
@@ -242,28 +238,25 @@ class SourceLoader:
                 if self._pending:
                     return None  # publish what came before it first
                 raise got
-            self._windows.popleft()
-            self._lock.notify_all()
             if isinstance(got, _Task):  # a shard's end
+                self._windows.popleft()
+                self._lock.notify_all()
                 self._pending.append(got)
                 return got
-            self._cut = (got, got.pieces())
+            pieces = got.pieces()
+            if pieces and not self._may_start(got, *pieces[0]):
+                return None
+            self._windows.popleft()
+            self._lock.notify_all()
+            self._cut = (got, pieces)
             task = _Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
             self._pending.append(task)
             return task
         window, pieces = self._cut
         lo, hi = pieces[0]
-        estimate = int(window.text_bytes(lo, hi) * self._read.tokens_per_byte)
-        pieces_in_flight = sum(t.piece is not None for t in self._pending)
-        if pieces_in_flight >= self._threads:
+        estimate = self._may_start(window, lo, hi)
+        if not estimate:
             return None
-        held = self._held.tokens
-        if held + self._in_flight + estimate > self._budget and not (
-            (self._asked and not pieces_in_flight) or (not held and not self._in_flight)
-        ):
-            self._waits_on = "budget"
-            return None
-        self._waits_on = None
         pieces.pop(0)
         piece = in_daemon_thread(self._tokenize, window, lo, hi)
         piece.add_done_callback(self._wake)
@@ -272,6 +265,21 @@ class SourceLoader:
         self._in_flight += estimate
         self._pending.append(task)
         return task
+
+    def _may_start(self, window: Window, lo: int, hi: int) -> int:
+        """The estimated tokens of a piece if the budget and the threads let it start, else 0."""
+        estimate = max(1, int(window.text_bytes(lo, hi) * self._read.tokens_per_byte))
+        pieces_in_flight = sum(t.piece is not None for t in self._pending)
+        if pieces_in_flight >= self._threads:
+            return 0
+        held = self._held.tokens
+        if held + self._in_flight + estimate > min(self._budget, self._ramp) and not (
+            (self._asked and not pieces_in_flight) or (not held and not self._in_flight)
+        ):
+            self._waits_on = "budget"
+            return 0
+        self._waits_on = None
+        return estimate
 
     def _wake(self, _: Future[Any]) -> None:
         with self._lock:
@@ -370,6 +378,7 @@ class SourceLoader:
             if self._queue:
                 out = list(self._queue)
                 self._queue.clear()
+                self._ramp = min(self._budget, 2 * self._ramp)
                 self._lock.notify_all()
                 return out
             if self._closed and self._error is None:
@@ -390,17 +399,15 @@ class SourceLoader:
             for j, (e, p, i) in enumerate(np.asarray(keys, dtype=np.int64).tolist()):
                 if (e, p, i) >= self._last:
                     self._wait_until_read((e, p, i))
-                piece = self._held.piece_of((e, p), i)
-                if piece is None or not piece.remaining[i - piece.base]:
+                got = self._held.tokens_of((e, p), i)
+                if got is None:
                     raise LoaderError(
                         f"SourceLoader {self.source}[{self.index}] does not hold item "
                         f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
                         "consumed) or never read"
                     )
-                items, k = piece.items, i - piece.base
-                s, n = int(items.start[k]), int(items.length[k])
-                parts.append(items.tokens[s : s + n])
-                lengths[j] = n
+                parts.append(got)
+                lengths[j] = len(got)
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return {"tokens": tokens, "lengths": lengths}
 
@@ -563,7 +570,7 @@ class SourceLoader:
                 "pid": os.getpid(),
                 "done_reading": self._next is None
                 or (self._limit is not None and self._next >= self._limit),
-                "rss_bytes": _rss(),
+                "rss_bytes": rss(),
                 "budget_tokens": self._budget,
                 "epochs": self._last[0] + 1,
             }
@@ -583,15 +590,6 @@ class SourceLoader:
             [t.piece for t in list(self._pending) if t.piece is not None],
             timeout=min(CLOSE_WAIT_S, self.plan.loading.timeout_s),
         )
-
-
-def _rss() -> int:
-    """Resident memory of this process (the loader's, when it has a process of its own)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 if TYPE_CHECKING:  # the class answers every call of its role

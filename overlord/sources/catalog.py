@@ -22,7 +22,7 @@ checkpoint records it:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,21 @@ class SourceFiles:
                 break
             out = files
         return out
+
+    def owned(self, start: tuple[int, int], index: int, count: int) -> Iterator[tuple[int, int]]:
+        """The shards ``(epoch, pos)`` from ``start`` that loader ``index`` of ``count`` reads.
+
+        Those with ``pos % count == index``; it ends if no later epoch has one.
+        """
+        epoch, pos = start
+        while True:
+            n = len(self.at(epoch))
+            for p in range(pos, n):
+                if p % count == index:
+                    yield epoch, p
+            if epoch >= self.lists[-1][0] and index >= n:
+                return  # more loaders than shards: this one owns none from here on
+            epoch, pos = epoch + 1, 0
 
     def joined(self, files: list[File], epoch: int) -> SourceFiles:
         """These lists up to ``epoch``, and ``files`` from the next epoch on (if they differ)."""
