@@ -20,9 +20,9 @@ at most one window read ahead. A caller that waits for an item not published
 yet (the planner in ``metadata``, a constructor in ``take``) lets one piece at
 a time past the budget: the planner can never wait on a loader whose budget
 is full of items it has planned but not released (see
-:func:`overlord.plan.budget.token_budget`). A new loader starts with an
-eighth of its budget, doubled each time the planner takes its metadata: at
-start-up the pieces the first step needs are not slowed by every loader
+:func:`overlord.plan.budget.token_budget`). A new loader reads ahead
+1/32 of its budget, or twice the tokens the planner took from it if more: at
+start-up the pieces the first steps need are not slowed by every loader
 filling its whole read-ahead at once.
 
 Payloads live until the planner *releases* them, when every rank has consumed
@@ -67,7 +67,7 @@ from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
-RAMP = 8  # a new loader reads 1/RAMP of its budget ahead before the planner first asks
+RAMP = 32  # a new loader reads 1/RAMP of its budget ahead before the planner asks for more
 
 
 @dataclass
@@ -121,7 +121,7 @@ class SourceLoader:
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan, count)
-        self._ramp = max(1, self._budget // RAMP)  # the budget so far: doubles as it serves
+        self._served = 0  # tokens of the metadata the planner took: the ramp grows with it
         self._asked = 0  # callers waiting for an item not published yet: lifts the budget
         self._held = HeldItems(start)  # what it holds, and what was consumed
         self._serving = not shadow  # queues metadata for the planner
@@ -273,7 +273,8 @@ class SourceLoader:
         if pieces_in_flight >= self._threads:
             return 0
         held = self._held.tokens
-        if held + self._in_flight + estimate > min(self._budget, self._ramp) and not (
+        ramp = max(self._budget // RAMP, 2 * self._served)  # twice what the planner took
+        if held + self._in_flight + estimate > min(self._budget, ramp) and not (
             (self._asked and not pieces_in_flight) or (not held and not self._in_flight)
         ):
             self._waits_on = "budget"
@@ -378,7 +379,7 @@ class SourceLoader:
             if self._queue:
                 out = list(self._queue)
                 self._queue.clear()
-                self._ramp = min(self._budget, 2 * self._ramp)
+                self._served += sum(int(b["tokens"].sum()) for b in out)
                 self._lock.notify_all()
                 return out
             if self._closed and self._error is None:
