@@ -93,7 +93,25 @@ class Loader:
     in this process) or ``ray`` (every role a Ray actor of job ``job``, on the
     cluster at ``address`` or a local instance). With ``build_batches=False``
     the loaders keep no payloads and only :meth:`dry_run` is available.
+
+    Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, ``world.dp`` > 1, the
+    embedded runtime) every process's ``Loader`` is a
+    :class:`~overlord.node.NodeLoader`: the node's rank 0 runs the one Loader
+    that reads each source, and each process's :meth:`client` gives its own
+    DP rank's batches (``node=False`` makes a Loader of this process alone).
     """
+
+    def __new__(cls, plan: Plan | str | Path, *args: Any, **kwargs: Any) -> Loader:
+        """A :class:`~overlord.node.NodeLoader` under torchrun on one node; else a Loader."""
+        runtime = kwargs.get("runtime", args[0] if args else "inline")
+        node = kwargs.get("node", args[5] if len(args) > 5 else None)
+        if cls is Loader and runtime == "inline" and node is not False:
+            from overlord.node import NodeLoader, under_torchrun
+
+            loaded = plan if isinstance(plan, Plan) else load_plan(plan)
+            if node or under_torchrun(loaded):
+                return super().__new__(NodeLoader)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -103,6 +121,7 @@ class Loader:
         build_batches: bool = True,
         job: str | None = None,
         address: str | None = None,
+        node: bool | None = None,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:

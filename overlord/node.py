@@ -22,8 +22,9 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
     import torch.distributed as dist
     dist.init_process_group("gloo")          # or nccl: overlord adds a gloo group
-    for batch in overlord.node.NodeClient(plan):   # this process's DP rank
-        ...
+    with overlord.Loader(plan) as loader:    # a NodeLoader here
+        for batch in loader.client(dist.get_rank()):   # this process's DP rank
+            ...
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,8 +42,10 @@ import torch
 import torch.distributed as dist
 
 from overlord.batch import Batch, Sample
+from overlord.checkpoint import check_state
 from overlord.errors import LoaderError
-from overlord.plan.spec import Plan
+from overlord.loader import Loader
+from overlord.plan.spec import Plan, load_plan
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
 _HEADER = 8
@@ -169,12 +173,11 @@ class NodeClient(Iterator[Batch]):
     # ---- rank 0: the node's Loader ---------------------------------------------------------
 
     def _serve(self, plan: Plan, state: dict[str, Any] | None) -> None:
-        from overlord.loader import Loader
-
         others = range(1, plan.world.dp)
         ending, message = _END, ""  # every way out tells the other ranks, who wait for it
         try:
-            with Loader(plan, state=state) as loader:
+            with Loader(plan, state=state, node=False) as loader:
+                self.loader = loader
                 clients = [loader.client(r, stop_step=self.stop_step) for r in range(plan.world.dp)]
                 start = loader.state_dict()
                 for r in others:
@@ -276,3 +279,70 @@ class NodeClient(Iterator[Batch]):
             while self._thread.is_alive() and not self._ready.empty():
                 self._ready.get_nowait()
         self._thread.join(self._timeout)
+
+
+def under_torchrun(plan: Plan) -> bool:
+    """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.dp > 1
+
+
+class NodeLoader(Loader):
+    """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
+
+    :meth:`client` is this process's DP rank's :class:`NodeClient`; rank 0 runs
+    the node's one embedded Loader for every rank. :meth:`stats` are rank 0's.
+    What steers the node's loaders (re-partitioning, threads, slots) is rank
+    0's alone and not offered here.
+    """
+
+    def __init__(
+        self,
+        plan: Plan | str | Path,
+        runtime: str = "inline",
+        state: dict[str, Any] | None = None,
+        build_batches: bool = True,
+        job: str | None = None,
+        address: str | None = None,
+        node: bool | None = None,
+    ):
+        self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        if state is not None:
+            check_state(state, self.plan)
+        if self.plan.world.peers > 1:
+            raise LoaderError("node mode serves DP ranks (cp = tp = pp = 1); serve a mesh on Ray")
+        self.start_step = int((state or {}).get("step", 0))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self._state = state
+        self._node: NodeClient | None = None
+
+    def client(self, rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
+        """The batches of this process's DP rank (``rank`` must be it)."""
+        if rank != self.rank:
+            raise ValueError(
+                f"under torchrun this process is DP rank {self.rank}: it iterates its own "
+                f"batches (client({self.rank})), the node's Loader serves rank {rank}'s"
+            )
+        if self._node is None:
+            self._node = NodeClient(self.plan, self._state, stop_step)
+        return self._node
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's state as of this rank's position."""
+        return self.client(self.rank).state_dict()
+
+    def stats(self) -> dict[str, Any]:
+        """The node's Loader's statistics (rank 0 only)."""
+        loader = getattr(self._node, "loader", None)
+        if loader is None:
+            raise LoaderError("the node's Loader runs on rank 0: read its stats there")
+        return loader.stats()
+
+    def _not_here(self, *_: Any, **__: Any) -> Any:
+        raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
+
+    rank_client = dry_run = slots = repartition = set_threads = _not_here
+
+    def close(self) -> None:
+        """Stop this rank's stream (call it on every rank, as training ends together)."""
+        if self._node is not None:
+            self._node.close()

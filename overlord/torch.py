@@ -314,8 +314,7 @@ def _under_torchrun(plan: Plan) -> bool:
     """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
     import os
 
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    return size > 1 and plan.world.dp > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.dp > 1
 
 
 class _JobSource:

@@ -4,7 +4,8 @@ Run by tests/test_node.py as ``python -m torch.distributed.run --standalone
 --nproc_per_node N tests/node_worker.py PLAN OUT STEPS [STATE]``; writes the
 rank's dump lines and its final state to OUT. With ``OVERLORD_TEST_DATASET=1``
 it reads through ``OverlordIterableDataset.from_plan`` in a torch DataLoader
-instead, and writes a digest of each batch's ``input_ids``. Ray is blocked:
+instead, and writes a digest of each batch's ``input_ids``; with
+``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``. Ray is blocked:
 node mode must not need it.
 """
 
@@ -54,17 +55,29 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    client = NodeClient(load_plan(plan_path), state=state, stop_step=steps)
+    loader = None
+    if os.environ.get("OVERLORD_TEST_LOADER"):  # overlord.Loader, as a user would write it
+        from overlord import Loader
+
+        loader = Loader(plan_path, state=state)
+        result["kind"] = type(loader).__name__
+        client = loader.client(rank, stop_step=steps)
+    else:
+        client = NodeClient(load_plan(plan_path), state=state, stop_step=steps)
     try:
         result["start"] = client.state_dict()
         for batch in client:
             result["lines"].append(dump_line(batch))
         result["state"] = client.state_dict()
+        if loader is not None:
+            result["loader_state"] = loader.state_dict()
+            if rank == 0:
+                result["records"] = sum(s["records"] for s in loader.stats()["loaders"])
     except LoaderError as e:
         result["error"] = str(e)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
-    client.close()
+    (loader or client).close()
     dist.barrier()
     dist.destroy_process_group()
 

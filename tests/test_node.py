@@ -24,12 +24,18 @@ RANKS = 4
 
 
 def torchrun(
-    plan: Path, out: Path, steps: int, state: Path | None = None, dataset: bool = False
+    plan: Path,
+    out: Path,
+    steps: int,
+    state: Path | None = None,
+    dataset: bool = False,
+    loader: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the worker on ``RANKS`` CPU processes; each rank's result."""
     args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     env = {**os.environ, **({"OVERLORD_TEST_DATASET": "1"} if dataset else {})}
+    env |= {"OVERLORD_TEST_LOADER": "1"} if loader else {}
     done = subprocess.run(
         [*cmd, f"--nproc_per_node={RANKS}", str(WORKER), *args],
         capture_output=True,
@@ -63,6 +69,18 @@ def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(plan_path, tm
     # every rank holds the same state at the same position: a synchronous checkpoint
     assert all(r["state"] == got[0]["state"] for r in got) and got[0]["state"]["step"] == 8
     assert all(r["start"]["step"] == 0 for r in got)
+
+
+def test_overlord_loader_under_torchrun_is_the_nodes_loader(plan_path, tmp_path):
+    """``overlord.Loader(plan)`` in every torchrun process: rank 0 reads, each rank its batches."""
+    want = run_job(load_plan(plan_path), steps=8)
+    got = torchrun(plan_path, tmp_path / "run", 8, loader=True)
+    assert all(r["error"] is None and r["kind"] == "NodeLoader" for r in got)
+    for rank, result in enumerate(got):
+        assert result["lines"] == want.lines[rank::RANKS]
+        assert result["loader_state"] == result["state"] and result["state"]["step"] == 8
+    # the sources were read once, by rank 0's loaders: as many records as one process reads
+    assert got[0]["records"] == sum(s["records"] for s in want.stats["loaders"])
 
 
 def test_a_checkpoint_taken_under_torchrun_resumes_there(plan_path, tmp_path):
