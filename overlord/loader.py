@@ -7,6 +7,7 @@ loaders) and the constructors, and hands out clients.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -105,11 +106,12 @@ class Loader:
         """A :class:`~overlord.node.NodeLoader` under torchrun on one node; else a Loader."""
         runtime = kwargs.get("runtime", args[0] if args else "inline")
         node = kwargs.get("node", args[5] if len(args) > 5 else None)
-        if cls is Loader and runtime == "inline" and node is not False:
-            from overlord.node import NodeLoader, under_torchrun
-
+        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if cls is Loader and runtime == "inline" and (node or (node is None and torchrun)):
             loaded = plan if isinstance(plan, Plan) else load_plan(plan)
-            if node or under_torchrun(loaded):
+            if node or loaded.world.dp > 1:
+                from overlord.node import NodeLoader  # torch: only under torchrun
+
                 return super().__new__(NodeLoader)
         return super().__new__(cls)
 

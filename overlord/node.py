@@ -281,11 +281,6 @@ class NodeClient(Iterator[Batch]):
         self._thread.join(self._timeout)
 
 
-def under_torchrun(plan: Plan) -> bool:
-    """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.dp > 1
-
-
 class NodeLoader(Loader):
     """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
 

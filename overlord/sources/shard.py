@@ -32,6 +32,7 @@ records are taken out.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,13 +97,14 @@ class Window:
     records: int = 0  # records its blocks hold: good, empty and bad
     empty: int = 0  # blank texts: not samples
 
+    @functools.cached_property
     def _offsets(self) -> np.ndarray:
         n, at = len(self.texts), self.texts.offset
         return np.frombuffer(self.texts.buffers()[1], np.int64)[at : at + n + 1]
 
     def text_bytes(self, lo: int, hi: int) -> int:
         """Bytes of text of records ``[lo, hi)``."""
-        offs = self._offsets()
+        offs = self._offsets
         return int(offs[hi] - offs[lo])
 
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
@@ -114,7 +116,7 @@ class Window:
         n = len(self.texts)
         if n == 0:
             return []
-        offs = self._offsets() - self._offsets()[0]
+        offs = self._offsets - self._offsets[0]
         size, at, targets = min(FIRST_PIECE_BYTES, piece_bytes), 0, []
         while at + size < offs[-1]:
             at += size
