@@ -30,6 +30,7 @@ from overlord.plan.spec import BalanceMethod
 
 __all__ = [
     "assign",
+    "improve",
     "kk_partition",
     "kk_rows",
     "lower_bound",
@@ -232,7 +233,7 @@ def kk_rows(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -
     return row if ok else None
 
 
-def _improve(
+def improve(
     row: np.ndarray, tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int
 ) -> np.ndarray:
     """Local search on the most loaded rank: moves, then swaps, that lower it and fit the rows.
@@ -333,11 +334,14 @@ def assign(
     rows_per_rank: int,
     capacity: int,
     method: BalanceMethod,
+    good_enough: float = 0.0,
 ) -> np.ndarray:
     """Global row (rank = row // rows_per_rank) of each item of a step.
 
     ``ref_row`` is the DP-independent reference packing of the step (``dp *
-    rows_per_rank`` rows); it is the fallback and the ``none`` baseline.
+    rows_per_rank`` rows); it is the fallback and the ``none`` baseline. The
+    search stops at a makespan of ``good_enough`` (a group of a hierarchical
+    step: :mod:`overlord.plan.hierarchy`) or at the pigeonhole bound.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     cost = np.asarray(cost, dtype=np.float64)
@@ -346,10 +350,11 @@ def assign(
         return ref_row
     fallback = whole_rows(cost, ref_row, dp, rows_per_rank)
     bound = pigeonhole_bound(tokens, cost, dp, rows_per_rank * capacity) * (1 + 1e-9)
+    bound = max(bound, good_enough)
     span = rank_costs(cost, fallback, dp, rows_per_rank).max()
     if span <= bound:
         return fallback  # already optimal (e.g. full-length chunks set the bound)
-    best = _improve(fallback, tokens, cost, dp, rows_per_rank, capacity)
+    best = improve(fallback, tokens, cost, dp, rows_per_rank, capacity)
     span = rank_costs(cost, best, dp, rows_per_rank).max()
     if span <= bound:
         return best
@@ -363,7 +368,7 @@ def assign(
     for row in candidates:
         if row is None:
             continue
-        row = _improve(row, tokens, cost, dp, rows_per_rank, capacity)
+        row = improve(row, tokens, cost, dp, rows_per_rank, capacity)
         mine = rank_costs(cost, row, dp, rows_per_rank).max()
         if mine < span:
             best, span = row, mine

@@ -22,15 +22,17 @@ import numpy as np
 from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
-from overlord.plan.balance import assign, lower_bound, rank_costs
+from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.cost import CostModel
+from overlord.plan.hierarchy import assign_step, group_count, step_bound
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.roles.api import LoaderRole, PlannerRole
+from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
-from overlord.runtime.base import Handle, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 
 log = logging.getLogger("overlord.planner")
@@ -65,6 +67,14 @@ class Planner:
         self.names = plan.source_names
         self.schedule = Schedule(plan)
         self.cost = CostModel.from_spec(plan.balance.cost)
+        # ranks are balanced in groups planned in parallel, on assigners (overlord.plan.hierarchy)
+        self.groups = group_count(plan.world.dp, plan.balance.group_ranks)
+        count = plan.placement.assigners
+        if count is None:
+            count = min(self.groups, DEFAULT_ASSIGNERS) if runtime.isolated else 0
+        self.assigners = Assigners(
+            runtime, count, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
+        )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
@@ -207,8 +217,12 @@ class Planner:
         cols["key"] = cols["key"].reshape(-1, 3)
 
         cost = self.cost.cost(tokens, cols["patches"])
-        dp, rpr = p.world.dp, p.rows_per_rank
-        row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
+        dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
+        row = assign_step(
+            *(tokens, cost, ref_row, dp, rpr, cap, p.balance.method, self.groups),
+            lambda: step_bound(tokens, cost, dp, rpr * cap, self.cost.alpha, self.cost.beta),
+            self.assigners.run,
+        )
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
