@@ -124,7 +124,9 @@ class _FreeRows:
     """
 
     def __init__(self, rows: int, capacity: int):
-        self._rows: dict[int, list[int]] = {capacity: list(range(rows))} if rows else {}
+        # rows never used yet are those from _fresh on: they leave in order, without a heap
+        self._capacity, self._fresh, self._end = capacity, 0, rows
+        self._rows: dict[int, list[int]] = {}
         self._rooms: list[int] = [capacity] if rows else []
 
     def most(self) -> int:
@@ -136,16 +138,22 @@ class _FreeRows:
         rooms = self._rooms
         k = bisect.bisect_left(rooms, t)
         f = rooms[k]
-        here = self._rows[f]
-        r = heapq.heappop(here)
-        if not here:
+        here = self._rows.get(f)
+        if here:  # rows used before come first: a fresh row has a higher index than any
+            r = heapq.heappop(here)
+            if not here:
+                del self._rows[f]
+        else:
+            r = self._fresh
+            self._fresh += 1
+        if f not in self._rows and (f != self._capacity or self._fresh == self._end):
             del rooms[k]
-            del self._rows[f]
         left = f - t
         there = self._rows.get(left)
         if there:
             heapq.heappush(there, r)
         else:
             self._rows[left] = [r]
-            bisect.insort(rooms, left)
+            if left != self._capacity or self._fresh == self._end:
+                bisect.insort(rooms, left)
         return r

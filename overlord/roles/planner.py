@@ -41,6 +41,8 @@ HISTORY_STEPS = 100_000  # per-step statistics kept for reports
 TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 # what the planner needs of each chosen item, gathered from the cursors
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
+# what a rank's plan holds of the step's columns
+_RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
 
 
 class Planner:
@@ -227,7 +229,7 @@ class Planner:
         self.plans[step] = {
             "source": src[by_row],
             "tokens": tokens[by_row],
-            "row": row[by_row],
+            "row": row[by_row] % rpr,  # within its rank
             "cost": cost[by_row],
             **{c: cols[c][by_row] for c in ("loader", "key", "file_index", "chunk")},
             "rec_row": cols["row"][by_row],
@@ -285,8 +287,7 @@ class Planner:
             self._plan_next()
         cols = self.plans[step]
         lo, hi = int(cols["bounds"][rank]), int(cols["bounds"][rank + 1])
-        mine = {c: v[lo:hi] for c, v in cols.items() if c not in ("bounds", "cost")}
-        mine["row"] = mine["row"] - rank * self.plan.rows_per_rank
+        mine = {c: cols[c][lo:hi] for c in _RANK_COLUMNS}  # slices: nothing built ahead
         return {"step": step, "rank": rank, "rows": self.plan.rows_per_rank,
                 "cost": float(cols["cost"][lo:hi].sum()), **mine}  # fmt: skip
 
