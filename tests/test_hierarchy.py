@@ -20,7 +20,7 @@ from overlord.plan.balance import assign, rank_costs, whole_rows
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import assign_step, group_count, split_rows, step_bound, swap_rows
 from overlord.plan.select import MixState, select_step
-from overlord.plan.spec import BalanceMethod
+from overlord.plan.spec import BalanceMethod, validate_plan
 from overlord.roles.assigner import Assigners
 from overlord.run import dump_line
 from overlord.runtime.base import DEFAULT_OPTIONS
@@ -140,11 +140,11 @@ def plan8(tmp_path_factory):
 
 
 def _dump(path, group_ranks: int, assigners: int | None = None) -> list[str]:
-    data = load_plan(path).model_dump(mode="json")
+    base = load_plan(path)
+    data = base.model_dump(mode="json")
     data["balance"]["group_ranks"] = group_ranks
     data["placement"]["assigners"] = assigners
-    plan = type(load_plan(path)).model_validate(data)
-    plan._base_dir = load_plan(path).base_dir
+    plan = validate_plan(data, base_dir=base.base_dir)
     lines = []
     with Loader(plan) as loader:
         clients = [loader.client(r) for r in range(plan.world.dp)]
