@@ -30,7 +30,6 @@ from overlord.plan.spec import BalanceMethod
 
 __all__ = [
     "assign",
-    "improve",
     "kk_partition",
     "kk_rows",
     "lower_bound",
@@ -233,7 +232,7 @@ def kk_rows(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -
     return row if ok else None
 
 
-def improve(
+def _improve(
     row: np.ndarray, tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int
 ) -> np.ndarray:
     """Local search on the most loaded rank: moves, then swaps, that lower it and fit the rows.
@@ -354,7 +353,7 @@ def assign(
     span = rank_costs(cost, fallback, dp, rows_per_rank).max()
     if span <= bound:
         return fallback  # already optimal (e.g. full-length chunks set the bound)
-    best = improve(fallback, tokens, cost, dp, rows_per_rank, capacity)
+    best = _improve(fallback, tokens, cost, dp, rows_per_rank, capacity)
     span = rank_costs(cost, best, dp, rows_per_rank).max()
     if span <= bound:
         return best
@@ -368,7 +367,7 @@ def assign(
     for row in candidates:
         if row is None:
             continue
-        row = improve(row, tokens, cost, dp, rows_per_rank, capacity)
+        row = _improve(row, tokens, cost, dp, rows_per_rank, capacity)
         mine = rank_costs(cost, row, dp, rows_per_rank).max()
         if mine < span:
             best, span = row, mine
