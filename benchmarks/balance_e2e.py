@@ -308,7 +308,12 @@ def print_tables(results: list[dict]) -> None:
 
 
 def print_reading(results: list[dict]) -> None:
-    print("\n## Against the paper (mean 1.71x at 4K, 2.63x at 8K, 3.09x at 16K)\n")
+    print(
+        "\n## Next to the paper's figures (mean 1.71x at 4K, 2.63x at 8K, 3.09x at 16K)\n\n"
+        "Not the same comparison: the paper measured training runs on GPUs against a colocated "
+        "PyTorch DataLoader whose packing it does not state; this is a cost-model simulation "
+        "against the baselines above.\n"
+    )
     for cap, paper in PAPER.items():
         rs = [r for r in results if r["cap"] == cap]
         if not rs:
@@ -316,16 +321,14 @@ def print_reading(results: list[dict]) -> None:
         ceil = max(r["ceiling"] for r in rs)
         eq = [speedup(r, "kk", "d_eqdocs") for r in rs]
         tok = [speedup(r, "kk", base) for r in rs for base in ("a_chunk", "a_pack", "b_none")]
-        verdict = "allows" if ceil >= paper else "does NOT allow"
         print(
             f"- {cap // 1024}K: attention is {100 * rs[0]['attn']:.1f}% of the step's FLOPs "
             f"({100 * rs[0]['attn_full']:.1f}% for a row of one full-length document). Against "
             f"loaders that give each rank equal tokens ((a), (b)) kk gains "
-            f"{min(tok):.3f}x-{max(tok):.3f}x; no balancer can gain more than {ceil:.3f}x there, "
-            f"so the physics {verdict} the paper's {paper:.2f}x against such a loader. Against "
-            f"the equal-item-count loader (d) kk gains {min(eq):.2f}x-{max(eq):.2f}x over DP "
-            f"{min(r['dp'] for r in rs)}-{max(r['dp'] for r in rs)} "
-            f"({'reaches' if max(eq) >= paper else 'below'} {paper:.2f}x)."
+            f"{min(tok):.3f}x-{max(tok):.3f}x; no balancer can gain more than {ceil:.3f}x there. "
+            f"Against the equal-item-count loader (d) kk gains {min(eq):.2f}x-{max(eq):.2f}x "
+            f"over DP {min(r['dp'] for r in rs)}-{max(r['dp'] for r in rs)} "
+            f"(the paper: {paper:.2f}x, against its own baseline)."
         )
     print(f"\nTarget: within {100 * (TARGET_LB - 1):.0f}% of the lower bound (LB; LB_cap):")
     for r in results:

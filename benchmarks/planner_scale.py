@@ -1,78 +1,57 @@
-"""Planner scale: time and metadata bytes of one planned step at DP 1,024 to 16,384.
+"""Planner scale: one planned step of overlord's planner at DP 512 to 16,384.
 
 What is timed is overlord's real planner, :class:`overlord.roles.planner.Planner`
-(the role that Ray runs as an actor), with its real ``LoaderPool`` and one
-``SourceCursor`` per source, built as a job builds it: ``Planner(plan, files,
-runtime, PoolConfig(...))`` and ``planner.start()``, which spawns the loaders
-through the runtime. Only the source loaders are stand-ins: the benchmark's
-runtime (the inline one) hands the pool a :class:`FakeLoader` wherever it
-spawns a ``SourceLoader``. A FakeLoader serves metadata blocks shaped exactly
-like a SourceLoader's (per shard: epoch, shard position, file index; per item:
-index int64, tokens int32, record row int64, chunk int32, image patches int32),
-drawn from ``synthetic.SOURCES`` (web, code, papers, books; long-tailed
-lengths, split at ``max_seq_len``), one shard of about 1M tokens per block;
-each source has one stand-in file, read once per epoch, so block ``k`` is shard
-0 of epoch ``k``. The blocks are made before the step is timed (in a real job
-loaders make them in other processes).
+(the role that Ray runs as an actor), with its real ``LoaderPool``, one
+``SourceCursor`` per source and its hierarchical assignment
+(:mod:`overlord.plan.hierarchy`), built as a job builds it: ``Planner(plan,
+files, runtime, PoolConfig(...))`` and ``planner.start()``. Only the source
+loaders are stand-ins: the benchmark's runtime (the inline one) hands the pool
+a :class:`FakeLoader` wherever it spawns a ``SourceLoader``. A FakeLoader
+serves metadata blocks shaped exactly like a SourceLoader's (per shard: epoch,
+shard position, file index; per item: index int64, tokens int32, record row
+int64, chunk int32, image patches int32), drawn from ``synthetic.SOURCES``
+(web, code, papers, books; long-tailed lengths, split at ``max_seq_len``), one
+shard of about 1M tokens per block, made before the step is timed (in a job,
+loaders make them in other processes). The cost model is the 7B one.
 
-A step is driven as ranks drive it: ``rank_plan(step, 0)`` plans the step (and
-cuts rank 0's plan: *full* is the time of that call), then ``rank_plan(step,
-r)`` for every rank (*rank plans*: the planner keeps the step's columns sorted
-by rank and row and slices one rank's plan per call), then ``mark_consumed(r,
-step)`` for every rank (*consume*: the last one releases the step's items to
-the loaders). Within *full*, the parts are timed by wrapping, for this
-planner only, what it calls:
+A step is driven as ranks drive it: ``rank_plan(step, 0)`` plans the step and
+cuts rank 0's plan (*plan*), then ``rank_plan(step, r)`` for every other rank
+(*rank plans*: slices of the step's columns, cut per call), then
+``mark_consumed(r, step)`` for every rank (the last releases the step). The
+planner balances its groups in its own thread here (the embedded runtime's
+way: no assigners), and each group's balancing is timed, so that:
 
-- ``ingest``: the cursors' ``fetch`` calls, which bring loader blocks (the loader
-  call; turning the blocks into the cursor's lists counts in select);
-- ``select``: ``select_step`` (token-share mixing and the reference packing), less ingest;
-- ``cost``: the cost model; ``assign``: balancing (``kk``, ``lpt`` or ``none``);
-- ``take``: the cursors' ``take``, removing the step's items from them;
-- ``rest``: gathering the step's columns, sorting them by rank and row, the history
-  entry and the snapshot.
+- **full** = plan + rank plans: everything the planner does for a step in one
+  process (selection, the cost model, assignment, every rank's plan);
+- **critical path** = plan - every group + the slowest group: the time to rank
+  0's plan when the groups run in parallel, on assigner actors (Ray);
+- ``select`` is mixing and the reference packing (selection proper, less the
+  loader blocks' ingest), ``assign`` the whole assignment (split, groups, row
+  swaps), ``groups`` its groups one after the other, ``slowest`` the slowest.
 
-``select`` and ``assign`` are the names ``overlord.roles.planner`` calls: they
-are wrapped in that module's namespace while a benchmark planner runs (there
-is no timing hook); the cursors and the cost model are wrapped on this
-planner's instance. ``select + cost + assign`` is the planning proper. Bytes:
-*in* is what the loaders send the planner for the step's items (pickled
-blocks, protocol 5, per item times items per step); *out* is what the planner
-sends the constructors: every rank's ``rank_plan`` pickled.
+Balance: the most loaded rank over the capacity-aware bound (the tighter of
+``pigeonhole_bound`` and ``capacity_bound``, :func:`overlord.plan.hierarchy.step_bound`),
+for kk and for a per-rank loader (``none``, the reference rows cut in blocks),
+and kk over the plain bound ``max(total / dp, largest item)``.
 
-Grid: DP 1,024, 4,096, 16,384 and 16M, 64M tokens per step; ``max_seq_len`` is
-the tokens per rank, at most 8,192 (16M: 8,192 x 2 rows at DP 1,024, 4,096 x
-1 at DP 4,096, 1,024 x 1 at DP 16,384; 64M: 8,192 x 8, 8,192 x 2, 4,096 x 1).
-``lpt`` is left out of the grid: one step at 64M and DP 4,096 takes about 30 s
-(its search for the least loaded rank with room pops full ranks again and
-again); it is in the target table.
+Bytes per step (measured as Ray would carry them, pickled; overlord itself
+decodes none): *in*, the loader blocks of the step's items; *out*, every rank's
+plan; *assigners*, each group's job and its result, there and back.
 
-Target: full planning under 50 ms (5% of a 1-s step) at DP 4,096 with 16M
-tokens. That is 4,096 tokens per rank, so the target table runs it with rows
-of 4,096 x 1, 2,048 x 2 and 1,024 x 4 per rank, each method, and these
-bounds and PROTOTYPES (marked *, not in overlord yet):
+Grid: DP 512, 4,096, 16,384; 16M and 64M tokens per step; 1, 2, 4, 8 rows per
+rank (``max_seq_len`` = tokens per rank / rows). Targets: full step under 50 ms
+at DP 4,096 with 16M tokens, every rows-per-rank; under 200 ms at DP 16,384
+with 64M. Then the planner's memory and its journal at DP 16,384 with 64M.
 
-- ``LB_pig``: the pigeonhole lower bound (``overlord.plan.balance.pigeonhole_bound``)
-  that sees that dp + 1 full-length chunks put two on one rank; ``assign``
-  keeps the whole rows without running its solver when they meet it. 'early
-  exit' is what that check costs on its own.
-- ``split assign (G)``: one global selection; the reference rows are balanced
-  whole over G groups of dp/G ranks, and each group is assigned on its own
-  (critical path = the slowest group, as if each ran in its own process).
-- ``independent groups (G)``: G real planners, each with dp/G ranks, 1/G of
-  the tokens and its own share of every source's loaders: selection too runs
-  per group. Critical path = the slowest group's full step.
-
-The process is pinned to one CPU; the load average is printed next to the
+The process is pinned to one CPU; the load average is printed with the
 timings (other work on the machine inflates them). Medians over the steps.
 
 Run from the repository root::
 
-    .venv/bin/python -m benchmarks.planner_scale            # about three minutes
-    .venv/bin/python -m benchmarks.planner_scale --quick    # about 30 s (16M only)
+    .venv/bin/python -m benchmarks.planner_scale            # the whole grid, ~3 minutes
+    .venv/bin/python -m benchmarks.planner_scale --quick    # the two target points, ~30 s
 
-Besides the tables it writes the plot ``benchmarks/planner_scale.png`` (``--plot`` to
-choose another path, ``--plot ''`` for none): per-step time against DP for the grid, the
-target point's rows per rank and methods, and metadata bytes per step against DP.
+and it writes the plot ``benchmarks/planner_scale.png`` (``--plot ''`` for none).
 """
 
 from __future__ import annotations
@@ -84,18 +63,19 @@ import pickle
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import overlord.plan.hierarchy as hierarchy
 import overlord.roles.planner as planner_mod
 from benchmarks._lib.synthetic import SOURCES, SourceShape, doc_lengths, model_7b
 from benchmarks._lib.timing import pin_one_cpu
-from overlord.plan import balance as bal
-from overlord.plan.bounds import capacity_bound
-from overlord.plan.spec import BalanceMethod, Plan, validate_plan
+from overlord.plan.balance import lower_bound
+from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.api import LoaderRole
 from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
@@ -105,13 +85,11 @@ from overlord.runtime.inline import InlineRuntime
 from overlord.sources.catalog import File, SourceFiles
 
 MIB = 1 << 20
-DPS = (1024, 4096, 16384)
+DPS = (512, 4096, 16384)
 TOKENS = (16 * MIB, 64 * MIB)
-TARGET = (4096, 16 * MIB)
-TARGET_SEQ_LENS = (4096, 2048, 1024)
-TARGET_MS = 50.0
+ROWS_PER_RANK = (1, 2, 4, 8)
+TARGETS = {(4096, 16 * MIB): 50.0, (16384, 64 * MIB): 200.0}  # ms, full step
 BLOCK_TOKENS = 1 << 20  # tokens of one loader block (one shard)
-GROUPS = (16, 64)
 # what a SourceLoader's metadata block holds, and what the planner's cursor reads of it
 BLOCK_SCALARS = ("epoch", "shard_pos", "file_index")
 BLOCK_COLUMNS = {
@@ -282,9 +260,11 @@ class StandInRuntime(InlineRuntime):
 
 
 class Bench:
-    """A real Planner over stand-in loaders, for one (dp, tokens, max_seq_len, method)."""
+    """A real Planner over stand-in loaders, for one (dp, tokens, max_seq_len) with kk."""
 
-    def __init__(self, folder: str, dp: int, tokens: int, cap: int, method: str, seed: int):
+    def __init__(
+        self, folder: str, dp: int, tokens: int, cap: int, seed: int, journal: str | None = None
+    ):
         self.tokens, self.dp = tokens, dp
         data = {
             "sources": [
@@ -294,11 +274,11 @@ class Bench:
             "mixture": {"schedule": [{"step": 0, "weights": {s.name: s.weight for s in SOURCES}}]},
             "world": {"dp": dp},
             "balance": {
-                "method": method,
+                "method": "kk",
                 "cost": {"model": {"params": 7e9, "layers": 32, "hidden": 4096}},
             },
         }
-        plan = validate_plan(data, base_dir=folder)
+        self.plan = validate_plan(data, base_dir=folder)
         files = {}
         for s in SOURCES:  # one stand-in file per source; the FakeLoaders never read it
             url = os.path.join(folder, f"{s.name}.jsonl")
@@ -306,7 +286,7 @@ class Bench:
             files[s.name] = SourceFiles(s.name, [(0, (File(f"{s.name}.jsonl", url, size),))])
         self.runtime = StandInRuntime(seed)
         config = PoolConfig(shadows={s.name: 0 for s in SOURCES})
-        self.planner = Planner(plan, files, self.runtime, config)
+        self.planner = Planner(self.plan, files, self.runtime, config, journal=journal)
         self.planner.start()
         self.loaders = [self.runtime.loaders[s.name] for s in SOURCES]
 
@@ -314,30 +294,25 @@ class Bench:
         for s, f in zip(SOURCES, self.loaders):
             f.prepare(2.0 * s.weight * self.tokens + BLOCK_TOKENS)
 
-    def step(self) -> dict[str, Any]:
-        """Plan one step and hand it out to every rank, as ranks ask for it; what it took.
-
-        ``seconds``: ``rank_plan(step, 0)``, which plans the step; ``slice_s``:
-        ``rank_plan(step, r)`` for every rank; ``consume_s``: ``mark_consumed``
-        for every rank. Also every rank's plan, and the step's history entry.
-        """
+    def step(self, keep_plans: bool = False) -> dict[str, Any]:
+        """Plan one step and hand it out to every rank, as ranks ask for it; what it took."""
         self.prepare()
         p = self.planner
         step = p.next_step
         t0 = time.perf_counter()
-        p.rank_plan(step, 0)
+        first = p.rank_plan(step, 0)
         t1 = time.perf_counter()
-        plans = [p.rank_plan(step, r) for r in range(self.dp)]
+        plans = [first] + [p.rank_plan(step, r) for r in range(1, self.dp)]
         t2 = time.perf_counter()
         for r in range(self.dp):
             p.mark_consumed(r, step)
         t3 = time.perf_counter()
         assert step not in p.plans, "every rank consumed the step: its columns are released"
         return {
-            "seconds": t1 - t0,
+            "plan_s": t1 - t0,
             "slice_s": t2 - t1,
             "consume_s": t3 - t2,
-            "plans": plans,
+            "plans": plans if keep_plans else None,
             "history": p.history[-1],
         }
 
@@ -346,6 +321,7 @@ class Bench:
         return sum(f.sent_bytes for f in self.loaders) / max(1, items)
 
     def close(self) -> None:
+        self.planner.close()
         self.runtime.shutdown()
 
 
@@ -353,24 +329,38 @@ class Bench:
 
 
 class Parts:
-    """Seconds per part of one planner's steps, and ``assign``'s last call (inputs, result)."""
+    """Seconds per part of one planner's step; each group's time; the step's items and jobs."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self.last_assign: tuple[tuple[Any, ...], Any] | None = None
+        self.groups: list[float] = []
+        self.jobs: list[tuple[Any, Any]] = []
+        self.step_items: tuple[Any, ...] | None = None
 
-    def add(self, part: str, seconds: float) -> None:
-        self.seconds[part] = self.seconds.get(part, 0.0) + seconds
+    def reset(self) -> None:
+        self.seconds, self.groups, self.jobs = {}, [], []
 
-    def timed(self, fn: Callable[..., Any], part: str, keep: bool = False) -> Callable[..., Any]:
-        """``fn``, its time added to ``part`` (and its call kept, with ``keep``)."""
+    def timed(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        """``fn``, its time added to ``part``."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.add(part, time.perf_counter() - t0)
-            if keep:
-                self.last_assign = (args, out)
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+            if part == "assign":
+                self.step_items = args[:3]  # tokens, cost, reference rows
+            return out
+
+        return call
+
+    def group(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``assign_group``, each call timed, its job and result kept (to count bytes later)."""
+
+        def call(job: dict[str, Any]) -> Any:
+            t0 = time.perf_counter()
+            out = fn(job)
+            self.groups.append(time.perf_counter() - t0)
+            self.jobs.append((job, out))
             return out
 
         return call
@@ -378,20 +368,23 @@ class Parts:
     @contextlib.contextmanager
     def installed(self, planner: Planner) -> Iterator[Parts]:
         """Time ``planner``'s parts: its cursors' fetches and takes, its cost model, and the
-        planner module's ``select_step`` and ``assign`` (all restored on exit)."""
+        planner module's ``select_step`` and ``assign_step`` and every group (restored on exit)."""
         cursors, cost = planner.cursors, planner.cost
         fetches = [c.fetch for c in cursors]
         for c in cursors:  # instance attributes: the cursors' own peek runs unwrapped
             c.fetch = self.timed(c.fetch, "ingest")
             c.take = self.timed(c.take, "take")  # type: ignore[method-assign]
         planner.cost = TimedCost(cost, self)  # type: ignore[assignment]
-        names = {"select_step": "select", "assign": "assign"}
+        names = {"select_step": "select", "assign_step": "assign"}
         saved = {name: getattr(planner_mod, name) for name in names}
         for name, part in names.items():
-            setattr(planner_mod, name, self.timed(saved[name], part, keep=part == "assign"))
+            setattr(planner_mod, name, self.timed(saved[name], part))
+        group = hierarchy.assign_group
+        hierarchy.assign_group = self.group(group)  # run_here looks it up at each call
         try:
             yield self
         finally:
+            hierarchy.assign_group = group
             for name, fn in saved.items():
                 setattr(planner_mod, name, fn)
             for c, fetch in zip(cursors, fetches):
@@ -412,447 +405,287 @@ class TimedCost:
 
 
 def measure(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
-    """Plan ``warmup + steps`` steps; medians of each part, bytes, balance, assign's inputs."""
+    """Plan ``warmup + steps`` steps; medians of each part, bytes and balance."""
     parts = Parts()
     rows: list[dict[str, float]] = []
-    out_bytes, items, quality, calls = [], [], [], []
+    out_bytes, job_bytes, items, quality = [], [], [], []
+    cm = model_7b()
+    p = bench.plan
     with parts.installed(bench.planner):
         for i in range(warmup + steps):
-            parts.seconds = {}
-            got = bench.step()
+            parts.reset()
+            got = bench.step(keep_plans=i == warmup)
             if i < warmup:
                 continue
-            seconds, plans, hist = got["seconds"], got["plans"], got["history"]
             s = dict(parts.seconds)
             s["select"] = s.get("select", 0.0) - s.get("ingest", 0.0)
-            s["full"] = seconds
-            s["plan"] = s["select"] + s.get("cost", 0.0) + s.get("assign", 0.0)
-            s["rest"] = seconds - sum(s.get(k, 0.0) for k in ("plan", "ingest", "take"))
+            s["plan"] = got["plan_s"]
+            s["groups"] = sum(parts.groups)
+            s["slowest"] = max(parts.groups, default=0.0)
+            s["critical"] = got["plan_s"] - s["groups"] + s["slowest"]
             s["slice"], s["consume"] = got["slice_s"], got["consume_s"]
+            s["full"] = got["plan_s"] + got["slice_s"]
+            s["rest"] = got["plan_s"] - sum(
+                s.get(k, 0.0) for k in ("select", "ingest", "cost", "assign", "take")
+            )
             rows.append(s)
-            out_bytes.append(sum(len(pickle.dumps(rp, protocol=5)) for rp in plans))
-            fields = {
-                k: v.dtype.itemsize * (v.shape[1] if v.ndim > 1 else 1)
-                for k, v in plans[0].items()
-                if isinstance(v, np.ndarray)
-            }
-            items.append(sum(len(rp["tokens"]) for rp in plans))
-            quality.append((hist["max_cost"] / hist["lower_bound"], hist["baseline_max_cost"]))
-            calls.append(parts.last_assign)
-    bench.close()
+            if got["plans"] is not None:  # bytes: once, outside the timed calls
+                out_bytes.append(sum(len(pickle.dumps(rp, protocol=5)) for rp in got["plans"]))
+                fields = {
+                    k: v.dtype.itemsize * (v.shape[1] if v.ndim > 1 else 1)
+                    for k, v in got["plans"][0].items()
+                    if isinstance(v, np.ndarray)
+                }
+                job_bytes.append(
+                    sum(len(pickle.dumps(x, protocol=5)) for pair in parts.jobs for x in pair)
+                )
+            hist = got["history"]
+            tok, cost, _ = parts.step_items or ((), (), ())
+            bound = hierarchy.step_bound(
+                tok, cost, p.world.dp, p.rows_per_rank * p.batch.max_seq_len, cm.alpha, cm.beta
+            )
+            items.append(len(tok))
+            quality.append(
+                (
+                    hist["max_cost"] / bound,
+                    hist["baseline_max_cost"] / bound,
+                    hist["max_cost"] / lower_bound(cost, p.world.dp),
+                )
+            )
     med = {k: 1e3 * float(np.median([r.get(k, 0.0) for r in rows])) for k in rows[0]}
-    med["full_p95"] = 1e3 * float(np.percentile([r["full"] for r in rows], 95))
+    # the least of the steps: what the code costs when nothing else ran on its CPU meanwhile
+    best = {k: 1e3 * float(min(r[k] for r in rows)) for k in ("full", "critical")}
+    q = np.array(quality)
     n_items = float(np.mean(items))
     return {
         "ms": med,
+        "best": best,
         "items": n_items,
+        "groups": bench.planner.groups,
         "in_bytes": bench.bytes_per_item_in() * n_items,
         "out_bytes": float(np.mean(out_bytes)),
-        "ratio": float(np.mean([q for q, _ in quality])),
-        "calls": calls,
+        "job_bytes": float(np.mean(job_bytes)),
+        "kk_bound": float(q[:, 0].max()),
+        "none_bound": float(q[:, 1].mean()),
+        "kk_lb": float(q[:, 2].mean()),
         "out_fields": fields,
         "in_fields": bench.loaders[0].fields,
     }
 
 
-# ---- prototypes ------------------------------------------------------------------------------
-
-
-def split_assign(call: tuple[tuple[Any, ...], Any], groups: int) -> dict[str, float]:
-    """PROTOTYPE: reference rows balanced whole over groups, then each group assigned alone."""
-    (tokens, cost, ref_row, dp, rpr, cap, method), _ = call
-    rows = dp * rpr
-    per = rows // groups
-    t0 = time.perf_counter()
-    # the reference rows balanced whole over the groups, ``per`` rows each (a group is a rank)
-    new_ref = bal.whole_rows(cost, ref_row, groups, per)
-    group = new_ref // per
-    order = np.argsort(group, kind="stable")
-    bounds = np.searchsorted(group[order], np.arange(groups + 1))
-    split_s = time.perf_counter() - t0
-    row = np.empty(len(tokens), dtype=np.int64)
-    times = []
-    for g in range(groups):
-        idx = order[bounds[g] : bounds[g + 1]]
-        t0 = time.perf_counter()
-        got = bal.assign(
-            tokens[idx], cost[idx], new_ref[idx] - g * per, dp // groups, rpr, cap, method
-        )
-        times.append(time.perf_counter() - t0)
-        row[idx] = got + g * per
-    span = bal.rank_costs(cost, row, dp, rpr).max()
+def memory_and_journal(folder: str, dp: int, tokens: int, cap: int, seed: int) -> dict[str, Any]:
+    """The planner's memory while it plans a step, and its journal's bytes per step."""
+    journal = tempfile.mkdtemp(prefix="overlord-planner-scale-journal-")
+    bench = Bench(folder, dp, tokens, cap, seed, journal=os.path.join(journal, "j"))
+    p = bench.planner
+    bench.step()  # warm-up
+    before = (p.journal.stats() if p.journal else {})["bytes"]
+    bench.prepare()
+    step = p.next_step
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    p.rank_plan(step, 0)
+    held, peak = (x - base for x in tracemalloc.get_traced_memory())
+    tracemalloc.stop()
+    columns = sum(v.nbytes for v in p.plans[step].values())
+    for r in range(dp):
+        p.mark_consumed(r, step)
+    steps = 3
+    for _ in range(steps - 1):
+        bench.step()
+    after = (p.journal.stats() if p.journal else {})["bytes"]
+    per_kind = {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in after}
+    bench.close()
     return {
-        "critical_ms": 1e3 * (split_s + max(times)),
-        "sum_ms": 1e3 * (split_s + sum(times)),
-        "ratio": float(span / bal.lower_bound(cost, dp)),
+        "held": held,
+        "peak": peak,
+        "columns": columns,
+        "prefetch": bench.plan.batch.prefetch_steps,
+        "journal": per_kind,
+        "snapshot_every": bench.plan.recovery.snapshot_every,
     }
-
-
-def independent_groups(
-    folder: str, dp: int, tokens: int, cap: int, method: str, groups: int, steps: int, seed: int
-) -> dict[str, float]:
-    """PROTOTYPE: ``groups`` real planners of dp/groups ranks each; slowest and summed times."""
-    benches = [
-        Bench(folder, dp // groups, tokens // groups, cap, method, seed * 7919 + g)
-        for g in range(groups)
-    ]
-    crit, total, ratio = [], [], []
-    for i in range(steps + 1):
-        got = [b.step() for b in benches]
-        if i == 0:
-            continue  # warm-up
-        times = [g["seconds"] for g in got]
-        crit.append(max(times))
-        total.append(sum(times))
-        # the step's lower bound over all groups: the mean, or a group's largest item
-        hist = [g["history"] for g in got]
-        mean = sum(h["mean_cost"] for h in hist) / groups
-        largest = max(
-            (h["lower_bound"] for h in hist if h["lower_bound"] > h["mean_cost"]), default=0.0
-        )
-        ratio.append(max(h["max_cost"] for h in hist) / max(mean, largest))
-    for b in benches:
-        b.close()
-    return {
-        "critical_ms": 1e3 * float(np.median(crit)),
-        "sum_ms": 1e3 * float(np.median(total)),
-        "ratio": float(np.mean(ratio)),
-    }
-
-
-def kk_partition_bytes(dp: int) -> float:
-    """Memory of ``kk_partition``'s k-tuples: head items x dp x (float64 sum + int64 node)."""
-    head = max(bal.KK_MIN_ITEMS, bal.KK_ITEMS_PER_RANK * dp)
-    return head * dp * 16.0
 
 
 # ---- tables ---------------------------------------------------------------------------------
-
-
-def seq_len_for(tokens: int, dp: int) -> int:
-    return min(8192, tokens // dp)
 
 
 def fmt_mb(b: float) -> str:
     return f"{b / 1e6:.2f}"
 
 
+def row_line(tokens: int, dp: int, cap: int, rpr: int, r: dict[str, Any]) -> str:
+    ms = r["ms"]
+    rest = ms["rest"] + ms.get("ingest", 0.0) + ms.get("take", 0.0)
+    return (
+        f"| {tokens // MIB}M | {dp:,} | {cap} x {rpr} | {r['items']:,.0f} | {r['groups']} "
+        f"| {ms['select']:.1f} | {ms.get('cost', 0.0):.1f} | {ms.get('assign', 0.0):.1f} "
+        f"| {ms['groups']:.1f} / {ms['slowest']:.1f} | {rest:.1f} "
+        f"| {ms['plan']:.1f} | {ms['slice']:.1f} | **{ms['full']:.1f}** ({r['best']['full']:.1f}) "
+        f"| **{ms['critical']:.1f}** ({r['best']['critical']:.1f}) "
+        f"| {ms['consume']:.1f} | {r['kk_bound']:.4f} | {r['none_bound']:.4f} | {r['kk_lb']:.4f} "
+        f"| {fmt_mb(r['in_bytes'])} | {fmt_mb(r['out_bytes'])} | {fmt_mb(r['job_bytes'])} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 measured steps, 16M tokens only")
-    ap.add_argument("--steps", type=int, help="measured steps per setting (default 5)")
+    ap.add_argument("--quick", action="store_true", help="only the two target points")
+    ap.add_argument("--steps", type=int, help="measured steps per setting (default 3, quick 5)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--plot", default="benchmarks/planner_scale.png", help="PNG path ('' for none)")
     args = ap.parse_args(argv)
-    steps = args.steps or (2 if args.quick else 5)
-    tokens_grid = TOKENS[:1] if args.quick else TOKENS
+    steps = args.steps or (5 if args.quick else 3)
+    points = [
+        (dp, tokens) for tokens in TOKENS for dp in DPS if not args.quick or (dp, tokens) in TARGETS
+    ]
     pinned = pin_one_cpu()
     folder = tempfile.mkdtemp(prefix="overlord-planner-scale-")
     for s in SOURCES:  # the plan needs its files to exist; the stand-in loaders never read them
         with open(os.path.join(folder, f"{s.name}.jsonl"), "w") as f:
             f.write('{"text": "x"}\n')
     t_start = time.perf_counter()
-
     grid = []
-    for g_tokens in tokens_grid:
-        for g_dp in DPS:
-            cap = seq_len_for(g_tokens, g_dp)
-            for method in ("kk", "none"):
-                r = measure(Bench(folder, g_dp, g_tokens, cap, method, args.seed), steps, 1)
-                grid.append((g_tokens, g_dp, cap, method, r))
-    load_grid = os.getloadavg()
-
-    target = []
-    dp, tokens = TARGET
-    for cap in TARGET_SEQ_LENS:
-        for method in ("kk", "lpt", "none"):
-            r = measure(Bench(folder, dp, tokens, cap, method, args.seed), steps, 1)
-            target.append((cap, method, r))
-    protos = []
-    for cap in TARGET_SEQ_LENS:
-        call = next(r for c, m, r in target if c == cap and m == "kk")["calls"][-1]
-        (tok, cost, ref_row, _dp, rpr, _c, _m), _ = call
-        lb = bal.lower_bound(cost, dp)
-        cm = model_7b()
-        lb_cap = capacity_bound(tok, cost, cm.alpha, cm.beta, dp, rpr * cap)
-        t0 = time.perf_counter()
-        # assign's early exit with this bound: the rows balanced whole, compared with it
-        whole = bal.whole_rows(cost, ref_row, dp, rpr)
-        whole_span = bal.rank_costs(cost, whole, dp, rpr).max()
-        lb_pig = bal.pigeonhole_bound(tok, cost, dp, rpr * cap)
-        exit_ms = 1e3 * (time.perf_counter() - t0)
-        kk_span = call[1]
-        entry: dict[str, Any] = {
-            "cap": cap,
-            "rpr": rpr,
-            "whole_lb": whole_span / lb,
-            "whole_lbcap": whole_span / lb_cap,
-            "whole_pig": whole_span / lb_pig,
-            "kk_pig": bal.rank_costs(cost, kk_span, dp, rpr).max() / lb_pig,
-            "exit_ms": exit_ms,
-            "split": {},
-            "groups": {},
-        }
-        for g in GROUPS:
-            kk_call = ((tok, cost, ref_row, dp, rpr, cap, BalanceMethod.KK), None)
-            entry["split"][g] = split_assign(kk_call, g)
-            entry["groups"][g] = independent_groups(
-                folder, dp, tokens, cap, "kk", g, max(2, steps // 2), args.seed
-            )
-        protos.append(entry)
+    for dp, tokens in points:
+        for rpr in ROWS_PER_RANK:
+            cap = tokens // (dp * rpr)
+            bench = Bench(folder, dp, tokens, cap, args.seed)
+            grid.append((tokens, dp, cap, rpr, measure(bench, steps, 1)))
+            bench.close()
+            print(row_line(tokens, dp, cap, rpr, grid[-1][4]), file=sys.stderr, flush=True)
     load = os.getloadavg()
+    mem = memory_and_journal(folder, 16384, 64 * MIB, 4096, args.seed)
 
-    print(f"# Planner scale: one step of overlord's real Planner, {pinned}\n")
+    print(f"# Planner scale: one step of overlord's planner, {pinned}\n")
     print(
-        f"{steps} measured steps per setting after one warm-up; medians, ms. Load average "
-        f"{load_grid[0]:.2f} {load_grid[1]:.2f} {load_grid[2]:.2f} after the grid, "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
-        f"{time.perf_counter() - t_start:.0f} s in all. max_seq_len = tokens per rank, "
-        "at most 8,192.\n"
-    )
-    print("## Grid\n")
-    print(
-        "full: rank_plan(step, 0), which plans the step; rest: its columns sorted by rank and "
-        "row, history and snapshot. rank_plan x DP: every rank's plan sliced from those columns "
-        "(one call per rank); mark_consumed x DP: every rank's notice (the last releases the "
-        "step's items). out: every rank plan pickled.\n"
+        f"{steps} measured steps per setting after one warm-up; medians (least of the steps in "
+        f"brackets), ms. Load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} after the grid; "
+        f"{time.perf_counter() - t_start:.0f} s in all. Groups of at most "
+        f"{Plan.model_fields['balance'].default.group_ranks} ranks (balance.group_ranks).\n"
     )
     print(
-        "| tokens/step | DP | max_seq_len x rows/rank | method | items/step | select+cost+assign "
-        "| (select / assign) | ingest | take | rest | full | full p95 | rank_plan x DP "
-        "| mark_consumed x DP | makespan/LB | in MB/step | out MB/step |"
+        "| tokens/step | DP | max_seq_len x rows/rank | items | groups | select | cost "
+        "| assign | groups: all / slowest | rest | plan | rank plans | full (least) "
+        "| critical path (least) "
+        "| consume | kk / bound (worst step) | none / bound | kk / LB | in MB | out MB "
+        "| assigners MB |"
     )
-    print("|" + "---:|" * 3 + "---|" + "---:|" * 13)
-    for g_tokens, g_dp, cap, method, r in grid:
-        print(row_line(f"{g_tokens // MIB}M", g_dp, cap, g_tokens // (g_dp * cap), method, r))
+    print("|" + "---:|" * 21)
+    for tokens, dp, cap, rpr, r in grid:
+        print(row_line(tokens, dp, cap, rpr, r))
 
-    print(f"\n## Target point: DP {TARGET[0]}, {TARGET[1] // MIB}M tokens per step\n")
-    print(
-        "| tokens/step | DP | max_seq_len x rows/rank | method | items/step | select+cost+assign "
-        "| (select / assign) | ingest | take | rest | full | full p95 | rank_plan x DP "
-        "| mark_consumed x DP | makespan/LB | in MB/step | out MB/step |"
-    )
-    print("|" + "---:|" * 3 + "---|" + "---:|" * 13)
-    for cap, method, r in target:
-        print(row_line(f"{tokens // MIB}M", dp, cap, tokens // (dp * cap), method, r))
+    print("\n## Targets: the full step\n")
+    for (dp, tokens), target in TARGETS.items():
+        for g_tokens, g_dp, cap, rpr, r in grid:
+            if (g_dp, g_tokens) != (dp, tokens):
+                continue
+            ms, best = r["ms"], r["best"]
+            verdict = "meets" if ms["full"] < target else "MISSES"
+            crit = "meets" if ms["critical"] < target else "MISSES"
+            print(
+                f"- DP {dp:,}, {tokens // MIB}M, {cap} x {rpr}: full {ms['full']:.1f} ms, least "
+                f"{best['full']:.1f} ({verdict} {target:.0f} ms), of which rank plans "
+                f"{ms['slice']:.1f}; critical path {ms['critical']:.1f} ms, least "
+                f"{best['critical']:.1f} ({crit}); kk {100 * (r['kk_bound'] - 1):.2f}% above "
+                "the bound"
+            )
 
-    print("\n## Bounds and prototypes at the target point (prototypes * not in overlord yet)\n")
-    print(
-        "LB_pig is the pigeonhole bound (overlord.plan.balance.pigeonhole_bound); "
-        "'early exit' is what assign spends on it before its solver: rows balanced whole, "
-        "then the bound (assign returns the whole rows when they meet it). rank_plan x DP: "
-        "kk's, from the table above. 'slowest (sum)': the critical path with one process per "
-        "group, and the one-core total.\n"
-    )
-    print(
-        "| max_seq_len x rows/rank | whole rows/LB | whole rows/LB_cap | whole rows/LB_pig "
-        "| kk/LB_pig | early exit ms | rank_plan x DP ms "
-        + "".join(
-            f"| split assign* G={g}: slowest (sum) ms, makespan/LB "
-            f"| independent groups* G={g}: slowest (sum) ms, makespan/LB "
-            for g in GROUPS
-        )
-        + "|"
-    )
-    print("|" + "---:|" * (7 + 2 * len(GROUPS)))
-    for e in protos:
-        kk = next(r for c, m, r in target if c == e["cap"] and m == "kk")["ms"]
-        cells = "".join(
-            f"| {e['split'][g]['critical_ms']:.1f} ({e['split'][g]['sum_ms']:.0f}), "
-            f"{e['split'][g]['ratio']:.4f} "
-            f"| {e['groups'][g]['critical_ms']:.1f} ({e['groups'][g]['sum_ms']:.0f}), "
-            f"{e['groups'][g]['ratio']:.4f} "
-            for g in GROUPS
-        )
-        print(
-            f"| {e['cap']} x {e['rpr']} | {e['whole_lb']:.4f} | {e['whole_lbcap']:.4f} "
-            f"| {e['whole_pig']:.4f} | {e['kk_pig']:.4f} | {e['exit_ms']:.1f} "
-            f"| {kk['slice']:.1f} {cells}|"
-        )
-
-    print("\n## Metadata bytes\n")
+    print("\n## Metadata bytes per step\n")
     sample = grid[0][4]
-    per_in = sample["in_bytes"] / sample["items"]
     fin, fout = sample["in_fields"], sample["out_fields"]
-    # what a rank plan costs beyond its items' arrays (pickled dict, array headers)
-    overhead = (sample["out_bytes"] - sample["items"] * sum(fout.values())) / grid[0][1]
     print(
-        f"- In (loaders to planner): {per_in:.1f} B per item as pickled blocks of about "
-        f"{BLOCK_TOKENS // MIB}M tokens: per item "
+        f"- In (loaders to planner): {sample['in_bytes'] / sample['items']:.1f} B per item, "
+        "as pickled blocks of about 1M tokens: "
         + " + ".join(f"{k} {v}" for k, v in fin.items())
-        + f" = {sum(fin.values())} B, plus a few hundred bytes per block."
+        + f" = {sum(fin.values())} B, plus a few hundred bytes per block. It grows with the "
+        "items of a step (tokens per step / item length), not with DP."
     )
+    per_rank = []
+    for _, dp, _, _, r in grid:
+        per_rank.append((r["out_bytes"] - r["items"] * sum(fout.values())) / dp)
     print(
         "- Out (planner to constructors): per item "
         + " + ".join(f"{k} {v}" for k, v in fout.items())
-        + f" = {sum(fout.values())} B, plus {overhead:.0f} B per rank (the pickled dict and "
-        f"array headers): {overhead * 16384 / 1e6:.1f} MB per step at DP 16,384 before any item, "
-        "and one rank_plan call per rank per step, each slicing the step's columns."
+        + f" = {sum(fout.values())} B, plus {np.median(per_rank):.0f} B per rank (the pickled "
+        "dict and array headers): items x 80 B + DP x that."
     )
-    for d in DPS:
-        print(
-            f"- kk_partition at DP {d}: its k-tuples hold {kk_partition_bytes(d) / 1e9:.2f} GB "
-            "(4 * dp items x dp x 16 B); it runs whenever whole rows miss the bound."
-        )
+    print(
+        "- Assigners (there and back, on Ray): a group's tokens, costs and reference rows "
+        "(24 B per item) out, its rows (8 B per item) back, plus a few hundred bytes per group."
+    )
 
-    print(f"\n## Target: full planning under {TARGET_MS:.0f} ms at DP 4,096 with 16M tokens\n")
-    for cap, method, r in target:
-        ms = r["ms"]
-        print(
-            f"- {cap} x {tokens // (dp * cap)} rows, {method}: select+cost+assign "
-            f"{ms['plan']:.1f} ms ({'meets' if ms['plan'] < TARGET_MS else 'MISSES'}), full "
-            f"{ms['full']:.1f} ms ({'meets' if ms['full'] < TARGET_MS else 'MISSES'}); then "
-            f"{ms['slice']:.1f} ms of rank_plan calls and {ms['consume']:.1f} ms of "
-            "mark_consumed for the step's ranks"
-        )
-    for e in protos:
-        none = next(r for c, m, r in target if c == e["cap"] and m == "none")["ms"]
-        parts = [
-            f"independent groups G={g}: {e['groups'][g]['critical_ms']:.1f} ms critical path "
-            f"({'meets' if e['groups'][g]['critical_ms'] < TARGET_MS else 'MISSES'})"
-            for g in GROUPS
-        ]
-        if e["whole_pig"] <= 1 + 1e-9:
-            parts.insert(
-                0,
-                "one process: whole rows meet LB_pig, so kk and lpt take assign's early exit "
-                f"({e['exit_ms']:.1f} ms; measured above)",
-            )
-        else:
-            parts.insert(
-                0,
-                f"one process: whole rows are {100 * (e['whole_pig'] - 1):.2f}% above LB_pig, "
-                f"so the solver must run; select alone is {none['select']:.1f} ms",
-            )
-        print(f"- {e['cap']} x {e['rpr']} rows, PROTOTYPES: " + "; ".join(parts))
+    print("\n## The planner's memory and journal at DP 16,384, 64M tokens, 4096 x 1\n")
+    print(
+        f"- Planning one step: {mem['peak'] / 1e6:.1f} MB at the peak (Python allocations, "
+        f"tracemalloc), {mem['held'] / 1e6:.1f} MB still held after it; the step's columns "
+        f"{mem['columns'] / 1e6:.1f} MB, kept until every rank consumed it (up to "
+        f"prefetch_steps + 1 = {mem['prefetch'] + 1} steps ahead)."
+    )
+    print(
+        "- Journal bytes per step: "
+        + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(mem["journal"].items()))
+        + f" (a full snapshot every {mem['snapshot_every']} steps; the deltas do not grow "
+        "with DP)."
+    )
     if args.plot:
-        plot(grid, target, args.plot)
+        plot(grid, args.plot)
         print(f"\nPlot: {args.plot}")
     return 0
 
 
-def plot(grid: list[tuple[int, int, int, str, dict[str, Any]]], target: list, path: str) -> None:
-    """Step time against DP (grid), the target point's settings, metadata bytes against DP."""
+def plot(grid: list[tuple[int, int, int, int, dict[str, Any]]], path: str) -> None:
+    """Full step and critical path against DP, per tokens and rows per rank; bytes against DP."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2), gridspec_kw={"width_ratios": [5, 4, 4]})
-    tokens_grid = sorted({g[0] for g in grid})
-    methods = [m for m in ("kk", "none") if any(g[3] == m for g in grid)]
-    colors = {
-        (t, m): plt.get_cmap("tab10")(2 * i + j)
-        for i, t in enumerate(tokens_grid)
-        for j, m in enumerate(methods)
-    }
-
-    ax = axes[0]
-    for t in tokens_grid:
-        for m in methods:
-            pts = sorted((g for g in grid if g[0] == t and g[3] == m), key=lambda g: g[1])
-            dps = [g[1] for g in pts]
-            c = colors[(t, m)]
-            ax.plot(
-                dps,
-                [g[4]["ms"]["full"] for g in pts],
-                "o-",
-                color=c,
-                label=f"{t // MIB}M tokens/step, {m}: full step",
-            )
-            ax.plot(
-                dps,
-                [g[4]["ms"]["plan"] for g in pts],
-                "x:",
-                color=c,
-                alpha=0.7,
-                label=f"{t // MIB}M, {m}: select+cost+assign",
-            )
-        for g in sorted((g for g in grid if g[0] == t and g[3] == methods[0]), key=lambda g: g[1]):
-            top = max(x[4]["ms"]["full"] for x in grid if x[0] == t and x[1] == g[1])
-            ax.annotate(
-                f"{g[2]} x {t // (g[1] * g[2])}",
-                (g[1], top),
-                textcoords="offset points",
-                xytext=(0, 7),
-                ha="center",
-                fontsize=7,
-                color=colors[(t, methods[0])],
-            )
-    ax.axhline(
-        TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms (5% of a 1 s step)"
-    )
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2))
     dps_all = sorted({g[1] for g in grid})
-    log_dp_axes(ax, dps_all)
-    ax.set_ylabel("planner time per step, ms (median)")
-    ax.set_title("Grid (labels: max_seq_len x rows/rank)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.margins(x=0.08, y=0.12)
-    plain_log_ticks(ax)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-
-    ax = axes[1]
-    caps = list(dict.fromkeys(c for c, _, _ in target))
-    tmethods = list(dict.fromkeys(m for _, m, _ in target))
-    width = 0.8 / len(tmethods)
-    for j, m in enumerate(tmethods):
-        rs = [next(r for c, mm, r in target if c == cap and mm == m) for cap in caps]
-        x = np.arange(len(caps)) + (j - (len(tmethods) - 1) / 2) * width
-        c = plt.get_cmap("tab10")(j)
-        ax.bar(
-            x,
-            [r["ms"]["full"] for r in rs],
-            width,
-            color=c,
-            alpha=0.85,
-            label=f"{m}: full step",
-        )
-        ax.scatter(
-            x,
-            [r["ms"]["plan"] for r in rs],
-            marker="_",
-            s=120,
-            color="k",
-            zorder=3,
-            label="select+cost+assign" if j == 0 else None,
-        )
-    ax.axhline(TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms")
-    dp, tokens = TARGET
-    ax.set_xticks(range(len(caps)), [f"{c} x {tokens // (dp * c)}" for c in caps])
-    ax.set_yscale("log")
-    ax.set_xlabel("max_seq_len x rows/rank")
-    ax.set_ylabel("planner time per step, ms (median)")
-    ax.set_title(f"Target point: DP {dp:,}, {tokens // MIB}M tokens/step", fontsize=10)
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    plain_log_ticks(ax)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-
+    for ax, key, title in (
+        (axes[0], "full", "Full step, one process (select + assign + every rank plan)"),
+        (axes[1], "critical", "Critical path (groups in parallel), to rank 0's plan"),
+    ):
+        for i, tokens in enumerate(sorted({g[0] for g in grid})):
+            for j, rpr in enumerate(ROWS_PER_RANK):
+                pts = sorted(
+                    (g for g in grid if g[0] == tokens and g[3] == rpr), key=lambda g: g[1]
+                )
+                if not pts:
+                    continue
+                ax.plot(
+                    [g[1] for g in pts],
+                    [g[4]["ms"][key] for g in pts],
+                    "o-" if i == 0 else "s--",
+                    color=plt.get_cmap("tab10")(j),
+                    label=f"{tokens // MIB}M, {rpr} rows/rank",
+                )
+        for (dp, tokens), target in TARGETS.items():
+            ax.plot([dp], [target], "r*", ms=12)
+            ax.annotate(f"target {target:.0f} ms ({tokens // MIB}M)", (dp, target), fontsize=7)
+        log_dp_axes(ax, dps_all)
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        plain_log_ticks(ax)
+        ax.legend(fontsize=7, ncol=2)
     ax = axes[2]
-    for t in tokens_grid:
-        m = methods[0]
-        pts = sorted((g for g in grid if g[0] == t and g[3] == m), key=lambda g: g[1])
-        dps = [g[1] for g in pts]
-        c = colors[(t, m)]
-        ax.plot(
-            dps,
-            [g[4]["in_bytes"] / 1e6 for g in pts],
-            "s--",
-            color=c,
-            label=f"{t // MIB}M: in (loaders to planner)",
-        )
-        ax.plot(
-            dps,
-            [g[4]["out_bytes"] / 1e6 for g in pts],
-            "o-",
-            color=c,
-            label=f"{t // MIB}M: out (rank plans)",
-        )
+    for i, tokens in enumerate(sorted({g[0] for g in grid})):
+        pts = sorted((g for g in grid if g[0] == tokens and g[3] == 1), key=lambda g: g[1])
+        for key, style, name in (("in_bytes", "s--", "in"), ("out_bytes", "o-", "out")):
+            ax.plot(
+                [g[1] for g in pts],
+                [g[4][key] / 1e6 for g in pts],
+                style,
+                color=plt.get_cmap("tab10")(i),
+                label=f"{tokens // MIB}M, 1 row/rank: {name}",
+            )
     log_dp_axes(ax, dps_all)
     ax.set_ylabel("MB per step (pickled)")
-    ax.set_title(f"Metadata bytes per step ({methods[0]})", fontsize=10)
+    ax.set_title("Metadata bytes per step", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     plain_log_ticks(ax)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    ax.legend(fontsize=7)
     fig.suptitle("overlord planner scale: one step of the real Planner on one CPU (medians)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -875,18 +708,6 @@ def plain_log_ticks(ax: Any) -> None:
     ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_ylim(lo, hi)
-
-
-def row_line(tokens: str, dp: int, cap: int, rpr: int, method: str, r: dict[str, Any]) -> str:
-    ms = r["ms"]
-    return (
-        f"| {tokens} | {dp} | {cap} x {rpr} | {method} | {r['items']:.0f} | {ms['plan']:.1f} "
-        f"| ({ms['select']:.1f} / {ms.get('assign', 0.0):.1f}) | {ms.get('ingest', 0.0):.1f} "
-        f"| {ms.get('take', 0.0):.1f} | {ms['rest']:.1f} | {ms['full']:.1f} "
-        f"| {ms['full_p95']:.1f} | {ms['slice']:.1f} | {ms['consume']:.1f} | {r['ratio']:.4f} "
-        f"| {fmt_mb(r['in_bytes'])} "
-        f"| {fmt_mb(r['out_bytes'])} |"
-    )
 
 
 if __name__ == "__main__":

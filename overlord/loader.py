@@ -12,9 +12,10 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overlord.checkpoint import check_state
+from overlord.errors import LoaderError
 from overlord.plan.spec import ConstructorSite, LoaderPlacement, Plan, load_plan, validate_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.client import Client
@@ -27,6 +28,9 @@ from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.runtime.inline import InlineHandle, InlineRuntime
 from overlord.sources.catalog import SourceFiles, job_files
 from overlord.sources.tokenizers import make_tokenizer
+
+if TYPE_CHECKING:
+    from overlord.node import NodeClient
 
 
 def make_runtime(name: str, job: str, address: str | None = None) -> Runtime:
@@ -110,8 +114,6 @@ class Loader:
         if cls is Loader and runtime == "inline" and (node or (node is None and torchrun)):
             loaded = plan if isinstance(plan, Plan) else load_plan(plan)
             if node or loaded.world.dp > 1:
-                from overlord.node import NodeLoader  # torch: only under torchrun
-
                 return super().__new__(NodeLoader)
         return super().__new__(cls)
 
@@ -288,6 +290,75 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class NodeLoader(Loader):
+    """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
+
+    :meth:`client` is this process's DP rank's :class:`NodeClient`; rank 0 runs
+    the node's one embedded Loader for every rank. :meth:`stats` are rank 0's.
+    What steers the node's loaders (re-partitioning, threads, slots) is rank
+    0's alone and not offered here.
+    """
+
+    def __init__(
+        self,
+        plan: Plan | str | Path,
+        runtime: str = "inline",
+        state: dict[str, Any] | None = None,
+        build_batches: bool = True,
+        job: str | None = None,
+        address: str | None = None,
+        node: bool | None = None,
+    ):
+        self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        if state is not None:
+            check_state(state, self.plan)
+        if self.plan.world.peers > 1:
+            raise LoaderError("node mode serves DP ranks (cp = tp = pp = 1); serve a mesh on Ray")
+        self.start_step = int((state or {}).get("step", 0))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self._state = state
+        self._node: NodeClient | None = None  # started on first use
+
+    def client(self, rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
+        """The batches of this process's DP rank (``rank`` must be it)."""
+        if rank != self.rank:
+            raise ValueError(
+                f"under torchrun this process is DP rank {self.rank}: it iterates its own "
+                f"batches (client({self.rank})), the node's Loader serves rank {rank}'s"
+            )
+        if self._node is None:
+            from overlord.node import NodeClient  # torch: only under torchrun
+
+            self._node = NodeClient(self.plan, self._state, stop_step, serve=node_serve)
+        return self._node
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's state as of this rank's position."""
+        return self.client(self.rank).state_dict()
+
+    def stats(self) -> dict[str, Any]:
+        """The node's Loader's statistics (rank 0 only)."""
+        loader = getattr(self._node, "loader", None)
+        if loader is None:
+            raise LoaderError("the node's Loader runs on rank 0: read its stats there")
+        return loader.stats()
+
+    def _not_here(self, *_: Any, **__: Any) -> Any:
+        raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
+
+    rank_client = dry_run = slots = repartition = set_threads = _not_here
+
+    def close(self) -> None:
+        """Stop this rank's stream (call it on every rank, as training ends together)."""
+        if self._node is not None:
+            self._node.close()
+
+
+def node_serve(plan: Plan, state: dict[str, Any] | None) -> Loader:
+    """Rank 0's Loader of a node: this process's alone (not a NodeLoader again)."""
+    return Loader(plan, state=state, node=False)
 
 
 def _patterns(path: str | list[str]) -> list[str]:

@@ -33,8 +33,7 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,10 +41,8 @@ import torch
 import torch.distributed as dist
 
 from overlord.batch import Batch, Sample
-from overlord.checkpoint import check_state
 from overlord.errors import LoaderError
-from overlord.loader import Loader
-from overlord.plan.spec import Plan, load_plan
+from overlord.plan.spec import Plan
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
 _HEADER = 8
@@ -129,7 +126,9 @@ class NodeClient(Iterator[Batch]):
     ``rank`` is this process's DP rank (default: its ``torch.distributed``
     rank); the plan's ``world.dp`` must be the number of processes, all on
     this node. ``state`` resumes the stream (the same state on every rank, as
-    a synchronous checkpoint saves it); ``stop_step`` ends it.
+    a synchronous checkpoint saves it); ``stop_step`` ends it. ``serve(plan,
+    state)`` makes rank 0's embedded Loader (``overlord.Loader`` and
+    ``OverlordIterableDataset.from_plan`` pass one; use those).
     """
 
     def __init__(
@@ -138,9 +137,11 @@ class NodeClient(Iterator[Batch]):
         state: dict[str, Any] | None = None,
         stop_step: int | None = None,
         group: Any = None,
+        serve: Callable[[Plan, dict[str, Any] | None], Any] | None = None,
     ):
         if not dist.is_available():
             raise LoaderError("overlord's node mode needs torch.distributed")
+        self._make_loader = serve
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # from torchrun's environment
         self.rank, size = dist.get_rank(), dist.get_world_size()
@@ -176,7 +177,9 @@ class NodeClient(Iterator[Batch]):
         others = range(1, plan.world.dp)
         ending, message = _END, ""  # every way out tells the other ranks, who wait for it
         try:
-            with Loader(plan, state=state, node=False) as loader:
+            if self._make_loader is None:
+                raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
+            with self._make_loader(plan, state) as loader:
                 self.loader = loader
                 clients = [loader.client(r, stop_step=self.stop_step) for r in range(plan.world.dp)]
                 start = loader.state_dict()
@@ -279,65 +282,3 @@ class NodeClient(Iterator[Batch]):
             while self._thread.is_alive() and not self._ready.empty():
                 self._ready.get_nowait()
         self._thread.join(self._timeout)
-
-
-class NodeLoader(Loader):
-    """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
-
-    :meth:`client` is this process's DP rank's :class:`NodeClient`; rank 0 runs
-    the node's one embedded Loader for every rank. :meth:`stats` are rank 0's.
-    What steers the node's loaders (re-partitioning, threads, slots) is rank
-    0's alone and not offered here.
-    """
-
-    def __init__(
-        self,
-        plan: Plan | str | Path,
-        runtime: str = "inline",
-        state: dict[str, Any] | None = None,
-        build_batches: bool = True,
-        job: str | None = None,
-        address: str | None = None,
-        node: bool | None = None,
-    ):
-        self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
-        if state is not None:
-            check_state(state, self.plan)
-        if self.plan.world.peers > 1:
-            raise LoaderError("node mode serves DP ranks (cp = tp = pp = 1); serve a mesh on Ray")
-        self.start_step = int((state or {}).get("step", 0))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self._state = state
-        self._node: NodeClient | None = None
-
-    def client(self, rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
-        """The batches of this process's DP rank (``rank`` must be it)."""
-        if rank != self.rank:
-            raise ValueError(
-                f"under torchrun this process is DP rank {self.rank}: it iterates its own "
-                f"batches (client({self.rank})), the node's Loader serves rank {rank}'s"
-            )
-        if self._node is None:
-            self._node = NodeClient(self.plan, self._state, stop_step)
-        return self._node
-
-    def state_dict(self) -> dict[str, Any]:
-        """The stream's state as of this rank's position."""
-        return self.client(self.rank).state_dict()
-
-    def stats(self) -> dict[str, Any]:
-        """The node's Loader's statistics (rank 0 only)."""
-        loader = getattr(self._node, "loader", None)
-        if loader is None:
-            raise LoaderError("the node's Loader runs on rank 0: read its stats there")
-        return loader.stats()
-
-    def _not_here(self, *_: Any, **__: Any) -> Any:
-        raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
-
-    rank_client = dry_run = slots = repartition = set_threads = _not_here
-
-    def close(self) -> None:
-        """Stop this rank's stream (call it on every rank, as training ends together)."""
-        if self._node is not None:
-            self._node.close()

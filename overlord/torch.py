@@ -279,9 +279,10 @@ class _NodeSource:
 
     def client(self) -> Iterator[Batch]:
         if self._client is None:
+            from overlord.loader import node_serve
             from overlord.node import NodeClient
 
-            self._client = NodeClient(self.plan, self._pending, self.stop_step)
+            self._client = NodeClient(self.plan, self._pending, self.stop_step, serve=node_serve)
             self._pending = None
         return self._client
 

@@ -63,7 +63,10 @@ def main() -> None:
         result["kind"] = type(loader).__name__
         client = loader.client(rank, stop_step=steps)
     else:
-        client = NodeClient(load_plan(plan_path), state=state, stop_step=steps)
+        from overlord.loader import node_serve
+
+        plan = load_plan(plan_path)
+        client = NodeClient(plan, state=state, stop_step=steps, serve=node_serve)
     try:
         result["start"] = client.state_dict()
         for batch in client:

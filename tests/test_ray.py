@@ -288,3 +288,20 @@ def test_a_file_added_mid_run_is_not_read_by_a_loader_a_failover_starts(ray_sess
     ran = run_job(plan, {(10, 0): add_then_kill}, steps=30, runtime="ray")
     assert ran.lines == reference
     assert [e["event"] for e in ran.stats["events"]] == ["failover"]
+
+
+def test_groups_balanced_on_assigner_actors_give_the_embedded_stream(ray_session, plan_path):
+    import yaml
+
+    data = yaml.safe_load(plan_path.read_text())
+    data["balance"]["group_ranks"] = 2  # dp 4: two groups, one assigner actor each
+    plan_path.write_text(yaml.safe_dump(data))
+    plan = load_plan(plan_path)
+    out = io.StringIO()
+    with Loader(plan, runtime="ray", job="t-assign") as loader:
+        clients = [loader.client(r) for r in range(4)]
+        for _ in range(8):
+            out.write("".join(dump_line(next(c)) + "\n" for c in clients))
+        actors = loader.runtime.job_actors()  # type: ignore[attr-defined]
+    assert {"t-assign.assigner-0", "t-assign.assigner-1"} <= set(actors)
+    assert out.getvalue() == _dump(plan, 8, "inline")  # there, the planner balances the groups

@@ -99,3 +99,30 @@ def test_the_mixture_resumes_from_its_state():
         }
 
     check_save_restore(Part(make, advance, save), 10)
+
+
+def _best_fit_rows(tokens: list[int], rows: int, cap: int) -> list[int]:
+    """Best fit the plain way: a sorted list of (free room, row) over every row."""
+    free = [(cap, r) for r in range(rows)]
+    out = []
+    for t in tokens:
+        k = next(k for k, (f, _) in enumerate(free) if f >= t)
+        f, r = free.pop(k)
+        free.append((f - t, r))
+        free.sort()
+        out.append(r)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 40),
+    cap=st.sampled_from([1, 7, 64, 512]),
+    lookahead=st.integers(0, 16),
+)
+def test_reference_rows_are_the_best_fit_of_the_chosen_items(seed, rows, cap, lookahead):
+    rng = np.random.default_rng(seed)
+    wins = windows(rng, 3, cap)
+    sel = select_step(wins, rng.dirichlet(np.ones(3)), MixState.zeros(3), rows, cap, lookahead)
+    assert sel.ref_row == _best_fit_rows(sel.tokens, rows, cap)

@@ -333,11 +333,14 @@ def assign(
     rows_per_rank: int,
     capacity: int,
     method: BalanceMethod,
+    good_enough: float = 0.0,
 ) -> np.ndarray:
     """Global row (rank = row // rows_per_rank) of each item of a step.
 
     ``ref_row`` is the DP-independent reference packing of the step (``dp *
-    rows_per_rank`` rows); it is the fallback and the ``none`` baseline.
+    rows_per_rank`` rows); it is the fallback and the ``none`` baseline. The
+    search stops at a makespan of ``good_enough`` (a group of a hierarchical
+    step: :mod:`overlord.plan.hierarchy`) or at the pigeonhole bound.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     cost = np.asarray(cost, dtype=np.float64)
@@ -346,6 +349,7 @@ def assign(
         return ref_row
     fallback = whole_rows(cost, ref_row, dp, rows_per_rank)
     bound = pigeonhole_bound(tokens, cost, dp, rows_per_rank * capacity) * (1 + 1e-9)
+    bound = max(bound, good_enough)
     span = rank_costs(cost, fallback, dp, rows_per_rank).max()
     if span <= bound:
         return fallback  # already optimal (e.g. full-length chunks set the bound)

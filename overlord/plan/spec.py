@@ -174,6 +174,13 @@ class BalanceSpec(_Model):
 
     method: BalanceMethod = BalanceMethod.KK
     cost: CostSpec = CostSpec(alpha=1.0, beta=0.0)
+    group_ranks: int = Field(
+        256,
+        ge=1,
+        description="DP ranks balanced together: past this many, a step's rows are split "
+        "over groups of at most this many ranks, balanced in parallel (which samples form "
+        "a step never depends on it; which rank gets them does)",
+    )
 
 
 class ShuffleSpec(_Model):
@@ -273,6 +280,12 @@ class PlacementSpec(_Model):
         ge=1,
         description="processes that hold the job's SourceLoaders (default: one per loader); "
         "fewer saves a process's fixed memory per loader",
+    )
+    assigners: int | None = Field(
+        None,
+        ge=0,
+        description="actors that balance a step's groups of ranks in parallel (default: one "
+        "per group, at most 16, on Ray; none embedded); 0: the planner balances them itself",
     )
     constructors: ConstructorSite = Field(
         ConstructorSite.ACTOR,

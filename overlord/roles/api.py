@@ -166,6 +166,22 @@ class PlannerRole(Protocol):
         ...
 
 
+class AssignerRole(Protocol):
+    """An assigner: balances groups of a hierarchical step's ranks for the planner."""
+
+    def assign(self, jobs: list[dict[str, Any]]) -> list[np.ndarray]:
+        """The rows of each group's items, among the group's own rows."""
+        ...
+
+    def pid(self) -> int:
+        """The assigner's process."""
+        ...
+
+    def close(self) -> None:
+        """Nothing to free."""
+        ...
+
+
 class ConstructorRole(Protocol):
     """A DataConstructor: builds the batches of some DP ranks."""
 

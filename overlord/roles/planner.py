@@ -22,18 +22,20 @@ import numpy as np
 from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
-from overlord.plan.balance import assign, lower_bound, rank_costs
+from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_cost
+from overlord.plan.hierarchy import assign_step, group_count, step_bound
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.roles.api import LoaderRole, PlannerRole
+from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
 from overlord.roles.peers import PeerConsumption
-from overlord.runtime.base import Handle, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 
 log = logging.getLogger("overlord.planner")
@@ -42,6 +44,8 @@ HISTORY_STEPS = 100_000  # per-step statistics kept for reports
 TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 # what the planner needs of each chosen item, gathered from the cursors
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
+# what a rank's plan holds of the step's columns
+_RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
 
 
 class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles.peers)
@@ -68,6 +72,14 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         self.names = plan.source_names
         self.schedule = Schedule(plan)
         self.cost = CostModel.from_spec(plan.balance.cost)
+        # ranks are balanced in groups planned in parallel, on assigners (overlord.plan.hierarchy)
+        self.groups = group_count(plan.world.dp, plan.balance.group_ranks)
+        count = plan.placement.assigners
+        if count is None:
+            count = min(self.groups, DEFAULT_ASSIGNERS) if runtime.isolated else 0
+        self.assigners = Assigners(
+            runtime, count, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
+        )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
@@ -212,13 +224,20 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
         cost = cp_cost(self.cost, tokens, cols["patches"], cp, layout)
-        dp, rpr = p.world.dp, p.rows_per_rank
-        row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
+        dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
+        row = assign_step(
+            *(tokens, cost, ref_row, dp, rpr, cap, p.balance.method, self.groups),
+            # a CP group shares a document's cost: the bound's terms too (padding aside)
+            lambda: step_bound(
+                tokens, cost, dp, rpr * cap, *(self.cost.alpha / cp, self.cost.beta / cp)
+            ),
+            self.assigners.run,
+        )
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
             "tokens": tokens[by_row],
-            "row": row[by_row],
+            "row": row[by_row] % rpr,  # within its rank
             "cost": cost[by_row],
             **{c: cols[c][by_row] for c in ("loader", "key", "file_index", "chunk")},
             "rec_row": cols["row"][by_row],
@@ -276,8 +295,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             self._plan_next()
         cols = self.plans[step]
         lo, hi = int(cols["bounds"][rank]), int(cols["bounds"][rank + 1])
-        mine = {c: v[lo:hi] for c, v in cols.items() if c not in ("bounds", "cost")}
-        mine["row"] = mine["row"] - rank * self.plan.rows_per_rank
+        mine = {c: cols[c][lo:hi] for c in _RANK_COLUMNS}  # slices: nothing built ahead
         return {"step": step, "rank": rank, "rows": self.plan.rows_per_rank,
                 "cost": float(cols["cost"][lo:hi].sum()), **mine}  # fmt: skip
 
