@@ -484,7 +484,7 @@ class LoaderPool:
             # a loader in a process of its own reports its memory; embedded, a loader's
             # memory is what its budget lets it hold
             own = [s["rss_bytes"] for s in stats] if self.config.measure_rss else []
-            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine))
+            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine), name)
             threads = stats[0]["threads"] if stats else 1
             now[name] = (len(mine), threads)
             profiles.append(

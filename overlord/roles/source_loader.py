@@ -11,9 +11,10 @@ piece, with each item's position and token count, and one closing block
 
 Memory is bounded whatever the shards' sizes. The pieces held and those being
 tokenized stay within a token budget derived from the plan (the steps planned
-ahead plus the lookahead), divided among the loaders of the source's
-partition, so a source reads the same distance ahead with one loader or many,
-and more threads add throughput, not read-ahead. A piece's tokens are
+ahead plus the lookahead, times the source's peak share of the mixture),
+divided among the loaders of the source's partition, so a source reads the
+same distance ahead with one loader or many, and more threads add
+throughput, not read-ahead. A piece's tokens are
 estimated from its text bytes before it is tokenized (the source's measured
 tokens per byte). Besides the budget a loader holds the window being cut and
 at most one window read ahead. A caller that waits for an item not published
@@ -120,7 +121,7 @@ class SourceLoader:
         self.tokenizer = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir))
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
-        self._budget = token_budget(self.plan, count)
+        self._budget = token_budget(self.plan, count, source)
         self._served = 0  # tokens of the metadata the planner took: the ramp grows with it
         self._asked = 0  # callers waiting for an item not published yet: lifts the budget
         self._held = HeldItems(start)  # what it holds, and what was consumed
