@@ -241,6 +241,17 @@ class AutoscaleSpec(_Model):
     horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
 
 
+class MonitoringSpec(_Model):
+    """The Prometheus endpoint (``pip install 'overlord[metrics]'``)."""
+
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve metrics on 127.0.0.1:port (0: a free port; null: no endpoint)",
+    )
+
+
 class LoaderPlacement(str, Enum):
     """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
 
@@ -297,6 +308,7 @@ class Plan(_Model):
     placement: PlacementSpec = PlacementSpec()
     recovery: RecoverySpec = RecoverySpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -334,7 +346,10 @@ class Plan(_Model):
         """
         data = self.model_dump(
             mode="json",
-            exclude={"world", "balance", "loading", "placement", "recovery", "autoscale"},
+            exclude={
+                *("world", "balance", "loading", "placement", "recovery", "autoscale"),
+                "monitoring",
+            },
         )
         for s in data["sources"]:
             s.pop("loaders")
