@@ -1,4 +1,4 @@
-"""Monitoring: the Prometheus endpoint's counters equal what the trainers received; status; report."""
+"""Monitoring: the endpoint's counters equal what the trainers received; status; report."""
 
 from __future__ import annotations
 

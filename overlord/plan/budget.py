@@ -25,4 +25,5 @@ def token_budget(plan: Plan, loaders: int = 1) -> int:
     """
     b = plan.batch
     total = (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
+    total += plan.recovery.rewind_steps * b.tokens_per_step  # kept for trainers that rewind
     return -(-total // max(1, loaders))

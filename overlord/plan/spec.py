@@ -209,6 +209,13 @@ class RecoverySpec(_Model):
     snapshot_every: int = Field(
         100, ge=1, description="steps between full snapshots; one small delta per step between"
     )
+    rewind_steps: int = Field(
+        0,
+        ge=0,
+        description="consumed steps whose items stay held after the newest checkpoint handed "
+        "out, so that trainers restarting from it rewind the live job (overlord.connect(..., "
+        "state=)); each loader's read-ahead budget grows by as much",
+    )
     fsync: bool = Field(
         False,
         description="fsync every journal record (survives a machine crash, not only a "

@@ -165,6 +165,10 @@ class PlannerRole(Protocol):
         """History, positions, faults, scaling, journal."""
         ...
 
+    def reconnect(self, rank: int, state: dict[str, Any]) -> int:
+        """DP rank ``rank`` restarted from ``state``: rewind the job there; the step."""
+        ...
+
     def metrics_url(self) -> str | None:
         """The Prometheus endpoint's URL (None: not served)."""
         ...

@@ -35,6 +35,7 @@ from overlord.roles.api import LoaderRole, PlannerRole
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
 from overlord.roles.peers import PeerConsumption
+from overlord.roles.rewind import TrainerRewind
 from overlord.runtime.base import Handle, Runtime
 from overlord.sources.catalog import SourceFiles
 
@@ -46,7 +47,7 @@ TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
 
 
-class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles.peers)
+class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord.roles.rewind
     """Plans steps on demand and tracks what each DP rank consumed.
 
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
@@ -169,6 +170,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         """
         if step is None:
             step = self.done + 1
+        self.checkpointed(step)  # a state handed out: trainers may rewind the job to it
         if step not in self.snapshots:
             raise LoaderError(
                 f"no state for step {step}: states are kept from step {min(self.snapshots)} "
@@ -334,10 +336,12 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             return
         if self.journal is not None:
             self.journal.consumed(done)  # before the loaders forget the items
-        for s in sorted(s for s in self.plans if s <= done):
-            cols = self.plans.pop(s)
-            self.figures.consumed(cols["source"], cols["tokens"])
-            self._release(cols)
+        for s in range(before + 1, done + 1):
+            if s in self.plans:  # (a restarted planner may not have re-planned it yet)
+                self.figures.consumed(self.plans[s]["source"], self.plans[s]["tokens"])
+        keep = self.keep_from(done + 1)  # steps kept for trainers that rewind
+        for s in sorted(s for s in self.plans if s < keep):
+            self._release(self.plans.pop(s))
         self._prune()
         self.pool.retire()
         every = self.plan.autoscale.every
@@ -348,7 +352,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
                 log.warning("autoscaler skipped a decision at step %d: %s", done + 1, e)
 
     def _prune(self) -> None:
-        first = self._consumed_step()
+        first = self.keep_from(self._consumed_step())
         for s in [s for s in self.snapshots if s < first]:
             del self.snapshots[s]
 
