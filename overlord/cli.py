@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan."""
+"""``overlord``: demo, validate, run, plan, serve, status."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ def positive_int(text: str) -> int:
 
 def _with_dp(plan: Plan, dp: int | None) -> Plan:
     return plan if dp is None else plan.with_dp(dp)
+
+
+def _with_metrics_port(plan: Plan, port: int | None) -> Plan:
+    """``--metrics-port``: the plan's ``monitoring.port`` replaced."""
+    if port is None:
+        return plan
+    from overlord.plan.spec import validate_plan
+
+    data = plan.model_dump(mode="json")
+    data["monitoring"]["port"] = port
+    return validate_plan(data, base_dir=plan.base_dir)
 
 
 def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
@@ -109,7 +120,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    plan = _with_dp(load_plan(args.plan), args.dp)
+    plan = _with_metrics_port(_with_dp(load_plan(args.plan), args.dp), args.metrics_port)
     state = checkpoint.load(args.resume) if args.resume else None
     if state is not None and int(state["step"]) >= args.steps:
         print(
@@ -126,11 +137,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             state=state,
+            report=args.report,
         )
     finally:
         if dump is not None:
             dump.close()
     print_summary(summary)
+    if summary.get("report"):
+        print(f"report: {summary['report']}")
     return 0
 
 
@@ -160,12 +174,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from overlord.serve import serve
 
-    plan = _with_dp(load_plan(args.plan), args.dp)
+    plan = _with_metrics_port(_with_dp(load_plan(args.plan), args.dp), args.metrics_port)
 
     def ready(loader: Loader) -> None:
         import ray
 
         address = ray.get_runtime_context().gcs_address
+        url = loader.metrics_url
+        if url is not None:
+            print(f"overlord: metrics at {url}", flush=True)
         print(
             f"overlord: job '{args.name}' is ready on Ray at {address}: dp={plan.world.dp}, "
             f"{sum(len(v) for v in loader.slots().values())} source loader(s), "
@@ -178,6 +195,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     code = serve(plan, args.name, address=args.address, resume=args.resume, ready=ready)
     print(f"overlord: job '{args.name}' stopped", flush=True)
     return code
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from overlord.status import status
+
+    try:
+        return status(args.job, address=args.address, once=args.once, interval=args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -212,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps")
     r.add_argument("--resume", help="continue from the newest checkpoint in this folder")
     r.add_argument("--runtime", default="inline", choices=list(RUNTIMES))
+    r.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: free)"
+    )
+    r.add_argument("--report", help="write a Markdown report with PNG plots to this folder")
     r.set_defaults(func=_cmd_run)
 
     sv = sub.add_parser("serve", help="run a plan's roles as named Ray actors for trainers")
@@ -220,7 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", help="Ray cluster address (default: start a local instance)")
     sv.add_argument("--resume", help="start from the newest checkpoint in this folder")
     sv.add_argument("--dp", type=int, help="override world.dp")
+    sv.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: free)"
+    )
     sv.set_defaults(func=_cmd_serve)
+
+    st = sub.add_parser("status", help="a live table of a job served on Ray")
+    st.add_argument("job")
+    st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, or auto)")
+    st.add_argument("--once", action="store_true", help="print the table once and exit")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    st.set_defaults(func=_cmd_status)
 
     q = sub.add_parser("plan", help="per-step balance and mixture, without building batches")
     q.add_argument("plan")

@@ -277,6 +277,15 @@ class Journal:
         os.replace(tmp, path)  # a segment exists only once its snapshot is whole
         self._starts.append(step)
 
+    def restart(self, state: dict[str, Any], consumed: int, loaders: dict[str, Any]) -> None:
+        """The job went back to ``state`` (trainers rewound it): this segment alone from now on."""
+        step = int(state["step"])
+        self._replan.clear()
+        self.snapshot(state, consumed, loaders)
+        for s in [s for s in self._starts if s != step]:
+            (self.directory / f"seg-{s:010d}.log").unlink(missing_ok=True)
+        self._starts = [step]
+
     def delta(self, step: int, delta: dict[str, Any]) -> None:
         """What planning step ``step`` changed."""
         self._write({"t": "plan", "s": step, "d": delta})

@@ -261,6 +261,19 @@ class Loader:
         self._notices.flush()
         return self.planner.call(PlannerRole.stats).result()
 
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint (``monitoring.port``), e.g. ``http://127.0.0.1:9108/metrics``.
+
+        None when the plan serves none. On Ray the planner serves it.
+        """
+        return self.planner.call(PlannerRole.metrics_url).result()
+
+    def monitor(self) -> dict[str, Any]:
+        """What the endpoint and ``overlord status`` show, as plain data."""
+        self._notices.flush()
+        return self.planner.call(PlannerRole.monitor).result()
+
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
         return self.planner.call(PlannerRole.slots).result()

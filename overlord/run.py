@@ -49,11 +49,18 @@ def run_plan(
     checkpoint_every: int | None = None,
     state: dict[str, Any] | None = None,
     progress: bool = True,
+    report: str | None = None,
 ) -> dict[str, Any]:
     """Consume ``plan`` as a trainer with every DP rank would, up to global step ``steps``.
 
     Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
+    With ``report`` (a folder), also writes a Markdown report with plots there
+    (:mod:`overlord.run_report`).
     """
+    from overlord.run_report import RunTrace, write_run_report
+
+    trace = RunTrace() if report else None
+    sample_every = max(1, (steps - int((state or {}).get("step", 0))) // 100)
     t0 = time.perf_counter()
     ckpt_bytes = 0
     with Loader(plan, runtime=runtime, state=state) as loader:
@@ -64,11 +71,19 @@ def run_plan(
         tokens = 0
         bar = _progress(steps, first, "overlord run") if progress else None
         for step in range(first, steps):
+            costs, waits = [], []
             for c in clients:
+                t = time.perf_counter()
                 batch = next(c)
+                waits.append(time.perf_counter() - t)
+                costs.append(batch.cost)
                 tokens += batch.num_tokens
                 if dump is not None:
                     dump.write(dump_line(batch) + "\n")
+            if trace is not None:
+                trace.step(step, costs, waits)
+                if (step - first) % sample_every == 0 or step + 1 == steps:
+                    trace.loaders.append((step, loader.monitor()))
             done = step + 1
             if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0:
                 ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
@@ -80,7 +95,10 @@ def run_plan(
         if checkpoint_dir:
             ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
         stats = loader.stats()
-    return summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
+    summary = summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
+    if trace is not None and report:
+        summary["report"] = str(write_run_report(report, plan, summary, stats["history"], trace))
+    return summary
 
 
 def summarize(

@@ -108,6 +108,7 @@ def connect(
     stop_step: int | None = None,
     *,
     global_rank: int | None = None,
+    state: dict[str, Any] | None = None,
 ) -> Client:
     """The batches of DP rank ``rank``, or of mesh rank ``global_rank``, from the job ``job``.
 
@@ -115,6 +116,11 @@ def connect(
     in a mesh pass ``global_rank`` (see ``Loader.rank_client``). Reads
     ``RAY_ADDRESS`` when ``address`` is None; a job started by ``overlord
     serve`` on a local instance is found with ``address="auto"``.
+
+    ``state`` (a trainer's checkpoint, from ``Client.state_dict()``) rewinds
+    the live job to it: every rank must reconnect with the same state, and
+    the steps from it are served again, exactly as before (see
+    :mod:`overlord.roles.rewind`; ``recovery.rewind_steps`` bounds how far).
     """
     from overlord.plan.spec import validate_plan
     from overlord.runtime.ray_runtime import init_ray, lookup
@@ -151,8 +157,11 @@ def connect(
         constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{dp_rank}")
     else:
         constructor = lookup(job, f"constructor-{dp_rank // layout['ranks_per_constructor']}")
+    if state is not None:
+        start = planner.call(PlannerRole.reconnect, dp_rank, state).result()
     if global_rank is None:
-        start = planner.call(PlannerRole.position, dp_rank).result()
+        if state is None:
+            start = planner.call(PlannerRole.position, dp_rank).result()
     else:
         start = planner.call(PlannerRole.attach, global_rank).result()
     return Client(dp_rank, constructor, planner, start, stop_step, owned, global_rank=global_rank)

@@ -98,9 +98,9 @@ def test_a_dp_rank_is_built_once_for_all_its_peers(corpus, monkeypatch):
     built: list[tuple[int, int]] = []
     build = DataConstructor._build
 
-    def counting(self, step, rank):
+    def counting(self, step, rank, *rest):
         built.append((step, rank))
-        return build(self, step, rank)
+        return build(self, step, rank, *rest)
 
     monkeypatch.setattr(DataConstructor, "_build", counting)
     consume_mesh(mesh_plan(corpus, cp=2, tp=2, pp=2), steps=3)

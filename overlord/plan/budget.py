@@ -47,6 +47,7 @@ def token_budget(plan: Plan, loaders: int = 1, source: str | None = None) -> int
     """
     b = plan.batch
     total = (b.prefetch_steps + 3) * b.tokens_per_step + b.lookahead * b.max_seq_len
+    total += plan.recovery.rewind_steps * b.tokens_per_step  # kept for trainers that rewind
     if source is not None:
         total = max(2 * b.max_seq_len, int(total * peak_share(plan, source)) + 1)
     return -(-total // max(1, loaders))

@@ -216,6 +216,13 @@ class RecoverySpec(_Model):
     snapshot_every: int = Field(
         100, ge=1, description="steps between full snapshots; one small delta per step between"
     )
+    rewind_steps: int = Field(
+        0,
+        ge=0,
+        description="consumed steps whose items stay held after the newest checkpoint handed "
+        "out, so that trainers restarting from it rewind the live job (overlord.connect(..., "
+        "state=)); each loader's read-ahead budget grows by as much",
+    )
     fsync: bool = Field(
         False,
         description="fsync every journal record (survives a machine crash, not only a "
@@ -246,6 +253,17 @@ class AutoscaleSpec(_Model):
     headroom: float = Field(1.25, ge=1)
     cooldown_steps: int = Field(20, ge=0)
     horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
+
+
+class MonitoringSpec(_Model):
+    """The Prometheus endpoint (``pip install 'overlord[metrics]'``)."""
+
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve metrics on 127.0.0.1:port (0: a free port; null: no endpoint)",
+    )
 
 
 class LoaderPlacement(str, Enum):
@@ -310,6 +328,7 @@ class Plan(_Model):
     placement: PlacementSpec = PlacementSpec()
     recovery: RecoverySpec = RecoverySpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -347,7 +366,10 @@ class Plan(_Model):
         """
         data = self.model_dump(
             mode="json",
-            exclude={"world", "balance", "loading", "placement", "recovery", "autoscale"},
+            exclude={
+                *("world", "balance", "loading", "placement", "recovery", "autoscale"),
+                "monitoring",
+            },
         )
         for s in data["sources"]:
             s.pop("loaders")

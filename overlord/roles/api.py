@@ -105,15 +105,23 @@ class PlannerRole(Protocol):
         """One rank's plan of one step (None: ask again later)."""
         ...
 
-    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
-        """``rank`` received ``step``."""
+    def mark_consumed(
+        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+    ) -> None:
+        """``rank`` received ``step`` (after training ``train_s`` and waiting ``wait_s``)."""
         ...
 
     def attach(self, global_rank: int) -> int:
         """Count a mesh rank among its DP rank's readers; the next step it should consume."""
         ...
 
-    def mark_rank_consumed(self, global_rank: int, step: int, train_s: float | None = None) -> None:
+    def mark_rank_consumed(
+        self,
+        global_rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+    ) -> None:
         """Mesh rank ``global_rank`` received ``step``."""
         ...
 
@@ -155,6 +163,18 @@ class PlannerRole(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """History, positions, faults, scaling, journal."""
+        ...
+
+    def reconnect(self, rank: int, state: dict[str, Any]) -> int:
+        """DP rank ``rank`` restarted from ``state``: rewind the job there; the step."""
+        ...
+
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint's URL (None: not served)."""
+        ...
+
+    def monitor(self) -> dict[str, Any]:
+        """What monitoring shows: counters, histograms, per source and per rank figures."""
         ...
 
     def pid(self) -> int:

@@ -54,7 +54,7 @@ class Client(Iterator[Batch]):
         # the trainer's own time since the last batch: the autoscaler's measure of demand
         now = time.perf_counter()
         train_s = None if self._returned is None else now - self._returned
-        while True:
+        while True:  # the time spent here is the trainer's wait (monitoring)
             try:
                 batch = self._fetch()
             except RanksApart:
@@ -70,14 +70,17 @@ class Client(Iterator[Batch]):
                 f"rank {self.rank} asked for step {self.step} and received step {batch.step} "
                 f"of rank {batch.rank}"
             )
+        wait_s = time.perf_counter() - now
         # no need to wait: calls from one process reach the planner in order
         if self.global_rank is None:
             self._notices.send(
-                self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s
+                self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s, wait_s
             )
         else:
             self._notices.send(
-                self._planner, PlannerRole.mark_rank_consumed, self.global_rank, self.step, train_s
+                self._planner,
+                PlannerRole.mark_rank_consumed,
+                *(self.global_rank, self.step, train_s, wait_s),
             )
         self.step += 1
         self._returned = time.perf_counter()

@@ -56,6 +56,7 @@ class DataConstructor:
         self._built: dict[tuple[int, int], Future[list[Batch] | None]] = {}
         self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
         self._asked: dict[int, int] = {}  # global rank -> the last step it asked for
+        self._gen = 0  # bumped when a rank asks for an earlier step (trainers rewound the job)
         layout = resolved_layout(plan.world.cp, plan.batch.cp_layout)
         self.layout = layout if layout is not None else CPLayout.PER_DOCUMENT
         self._pool = Builder("overlord-constructor") if prefetch else None
@@ -89,13 +90,22 @@ class DataConstructor:
         if self._pool is None:
             return self._build_slices(step, rank)
         with self._lock:
+            if step < self._asked.get(asker, step):  # rewound: what was built ahead is stale
+                self._gen += 1
+                self._asked[asker] = step
+                for key in [k for k in self._built if k[1] == rank]:
+                    del self._built[key]
+                for view in [k for k in self._views if k[1] == rank]:
+                    del self._views[view]
             fut = self._built.get((step, rank))
             if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
                 # none yet; refused when built ahead; or failed (a retry builds it again)
                 fut = self._built[(step, rank)] = self._pool.submit(self._build_slices, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
                 if (ahead, rank) not in self._built:
-                    self._built[(ahead, rank)] = self._pool.submit(self._ahead, ahead, rank)
+                    self._built[(ahead, rank)] = self._pool.submit(
+                        self._ahead, ahead, rank, self._gen
+                    )
             # keep a step until every peer of the rank that asks has moved past it
             self._asked[asker] = max(step, self._asked.get(asker, step))
             peers = self.plan.world.ranks_of(rank) if self.plan.world.peers > 1 else [asker]
@@ -109,25 +119,31 @@ class DataConstructor:
             return self._pool.submit(self._build_slices, step, rank).result()
         return got
 
-    def _ahead(self, step: int, rank: int) -> list[Batch] | None:
+    def _ahead(self, step: int, rank: int, gen: int) -> list[Batch] | None:
         """Build ``step`` ahead of the trainer; None if the planner cannot plan it yet."""
         try:
-            return self._build_slices(step, rank)
+            return self._build_slices(step, rank, gen)
         except RanksApart:
             return None
 
-    def _build_slices(self, step: int, rank: int) -> list[Batch]:
+    def _build_slices(self, step: int, rank: int, gen: int | None = None) -> list[Batch]:
         """The DP rank's batch, cut for its CP ranks (one batch without CP)."""
-        return cp_slices(self._build(step, rank), self.plan.world.cp, self.layout, self.pad_id)
+        batch = self._build(step, rank, gen)
+        return cp_slices(batch, self.plan.world.cp, self.layout, self.pad_id)
 
-    def _rank_plan(self, step: int, rank: int) -> dict[str, Any]:
-        """The planner answers None while other ranks are too far behind: wait for them."""
+    def _rank_plan(self, step: int, rank: int, gen: int | None = None) -> dict[str, Any]:
+        """The planner answers None while other ranks are too far behind: wait for them.
+
+        A build ahead of generation ``gen`` stops waiting once the job rewound.
+        """
         deadline = time.monotonic() + self.plan.loading.timeout_s
         pause = 0.001
         while True:
             rp = self.planner.call(PlannerRole.rank_plan, step, rank).result()
             if rp is not None:
                 return dict(rp)
+            if gen is not None and gen != self._gen:
+                raise RanksApart(f"step {step} was built ahead of a rewind")
             if time.monotonic() > deadline:
                 raise LoaderError(
                     f"rank {rank} waited {self.plan.loading.timeout_s:.0f} s (loading.timeout_s) "
@@ -136,8 +152,8 @@ class DataConstructor:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def _build(self, step: int, rank: int) -> Batch:
-        rp = self._rank_plan(step, rank)
+    def _build(self, step: int, rank: int, gen: int | None = None) -> Batch:
+        rp = self._rank_plan(step, rank, gen)
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
         n = len(src)
         lengths = np.asarray(rp["tokens"], dtype=np.int64)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from overlord.batch import Batch
 
 if TYPE_CHECKING:
+    from overlord.metrics import Figures
     from overlord.plan.spec import Plan
 
 
@@ -57,8 +58,11 @@ class PeerConsumption:
 
     plan: Plan
     consumed: list[int]
+    figures: Figures
 
-    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+    def mark_consumed(
+        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+    ) -> None:
         """The planner's: DP rank ``rank`` received ``step``."""
         raise AssertionError("mixed into the Planner, which defines it")  # pragma: no cover
 
@@ -75,12 +79,23 @@ class PeerConsumption:
         at = self._peer_steps().setdefault(global_rank, self.consumed[dp])
         return at + 1
 
-    def mark_rank_consumed(self, global_rank: int, step: int, train_s: float | None = None) -> None:
-        """``global_rank`` received ``step``; its DP rank's step is consumed once all peers have."""
+    def mark_rank_consumed(
+        self,
+        global_rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+    ) -> None:
+        """``global_rank`` received ``step``; its DP rank's step is consumed once all peers have.
+
+        Every peer's wait is counted (under its DP rank), its step time once.
+        """
         world = self.plan.world
         dp = world.coords(global_rank).dp
         steps = self._peer_steps()
         steps[global_rank] = max(step, steps.get(global_rank, step))
         low = min(steps[g] for g in world.ranks_of(dp) if g in steps)
         if low > self.consumed[dp]:
-            self.mark_consumed(dp, low, train_s)
+            self.mark_consumed(dp, low, train_s, wait_s)
+        else:
+            self.figures.trainer(dp, step, None, wait_s)

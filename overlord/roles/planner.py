@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ import numpy as np
 from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
+from overlord.metrics import Figures, MetricsServer, planner_figures
 from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_cost
@@ -35,6 +37,7 @@ from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
 from overlord.roles.peers import PeerConsumption
+from overlord.roles.rewind import TrainerRewind
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 
@@ -48,7 +51,7 @@ _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
 _RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
 
 
-class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles.peers)
+class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord.roles.rewind
     """Plans steps on demand and tracks what each DP rank consumed.
 
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
@@ -82,6 +85,8 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
+        self.figures = Figures(self.names, plan.world.dp)  # what monitoring shows
+        self._metrics: MetricsServer | None = None
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
         self.pool = LoaderPool(
@@ -100,13 +105,23 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
                 self.pool.restore(recovered.loaders)
             self.pool.events.append(recovered.event())
             self.pool.rewind({n: self._consumed_cursor(n) for n in self.names})
+            try:  # a restarted planner serves its metrics again (start is not called again)
+                self._serve_metrics()
+            except LoaderError as e:
+                log.error("%s", e)
+
+    def _serve_metrics(self) -> None:
+        port = self.plan.monitoring.port
+        if port is not None and self._metrics is None:
+            self._metrics = MetricsServer(port, self.monitor)
 
     def start(self) -> None:
-        """Spawn the loaders (a restarted planner found its own in the journal).
+        """Spawn the loaders (a restarted planner found its own in the journal); serve metrics.
 
         Not in the constructor: a runtime restarts a planner whose constructor
         failed, forever; an error here is the caller's to see.
         """
+        self._serve_metrics()
         if self._started:
             return
         self.pool.start()
@@ -167,6 +182,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         """
         if step is None:
             step = self.done + 1
+        self.checkpointed(step)  # a state handed out: trainers may rewind the job to it
         if step not in self.snapshots:
             raise LoaderError(
                 f"no state for step {step}: states are kept from step {min(self.snapshots)} "
@@ -196,6 +212,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
     def _plan_next(self) -> None:
         p = self.plan
         step = self.next_step
+        t0 = time.perf_counter()
         weights = self.schedule.weights(step)
         sel = select_step(
             self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
@@ -245,6 +262,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         }
         per_rank = rank_costs(cost, row, dp, rpr)
         baseline = rank_costs(cost, ref_row, dp, rpr)
+        self.figures.planned(step, time.perf_counter() - t0, per_rank)
         self.history.append(
             {
                 "step": step,
@@ -309,12 +327,16 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             out.append(self.history[-1])
         return out
 
-    def mark_consumed(self, rank: int, step: int, train_s: float | None = None) -> None:
+    def mark_consumed(
+        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+    ) -> None:
         """Record that ``rank`` received step ``step``; release what every rank has consumed.
 
         ``train_s`` is the time the trainer spent on its last step before asking
-        for this one (not waiting for data): the autoscaler's demand.
+        for this one (not waiting for data): the autoscaler's demand. ``wait_s``
+        is how long it waited for this one (monitoring).
         """
+        self.figures.trainer(rank, step, train_s, wait_s)
         if train_s is not None and train_s >= 0:
             old = self._train_s
             self._train_s = train_s if old is None else old + TRAIN_EMA * (train_s - old)
@@ -332,7 +354,11 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             return
         if self.journal is not None:
             self.journal.consumed(done)  # before the loaders forget the items
-        for s in sorted(s for s in self.plans if s <= done):
+        for s in range(before + 1, done + 1):
+            if s in self.plans:  # (a restarted planner may not have re-planned it yet)
+                self.figures.consumed(self.plans[s]["source"], self.plans[s]["tokens"])
+        keep = self.keep_from(done + 1)  # steps kept for trainers that rewind
+        for s in sorted(s for s in self.plans if s < keep):
             self._release(self.plans.pop(s))
         self._prune()
         self.pool.retire()
@@ -344,7 +370,7 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
                 log.warning("autoscaler skipped a decision at step %d: %s", done + 1, e)
 
     def _prune(self) -> None:
-        first = self._consumed_step()
+        first = self.keep_from(self._consumed_step())
         for s in [s for s in self.snapshots if s < first]:
             del self.snapshots[s]
 
@@ -397,8 +423,23 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         """The process the planner runs in (chaos tests kill it)."""
         return os.getpid()
 
+    def metrics_url(self) -> str | None:
+        """Where the Prometheus endpoint is (None: ``monitoring.port`` is not set)."""
+        return None if self._metrics is None else self._metrics.url
+
+    def monitor(self) -> dict[str, Any]:
+        """What monitoring shows (:func:`overlord.metrics.planner_figures`)."""
+        return planner_figures(self)
+
+    def epoch_of(self, source: str) -> int:
+        """The epoch of ``source`` that the trainers consume."""
+        return int(self._consumed_cursor(source)["epoch"])
+
     def close(self) -> None:
-        """Close the journal (kept: only the job's owner removes it)."""
+        """Stop serving metrics; close the journal (kept: only the job's owner removes it)."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self.journal is not None:
             self.journal.close()
 

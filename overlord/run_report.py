@@ -1,0 +1,151 @@
+"""``overlord run --report DIR``: a Markdown report of a run, with PNG plots.
+
+Four plots: each source's share of the tokens against its target over the
+steps (the demo's :func:`overlord.report.plot_mixture`), balance
+(:func:`overlord.report.plot_balance`), each rank's predicted cost and
+measured wait per step, and each source's loaders (and reader threads) over
+the steps. The run loop fills a :class:`RunTrace` as it goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from overlord.plan.spec import Plan
+from overlord.report import Report, balance_rows, mixture_rows, plot_balance, plot_mixture
+
+
+@dataclass
+class RunTrace:
+    """What a run measured per step: each rank's cost and wait, and samples of the loaders."""
+
+    steps: list[int] = field(default_factory=list)
+    cost: list[list[float]] = field(default_factory=list)  # per step, per rank
+    wait_s: list[list[float]] = field(default_factory=list)  # per step, per rank
+    loaders: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (step, monitor)
+
+    def step(self, step: int, cost: list[float], wait_s: list[float]) -> None:
+        """Record one step's per-rank cost and wait."""
+        self.steps.append(step)
+        self.cost.append(cost)
+        self.wait_s.append(wait_s)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none assumed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ranks(plan: Plan, trace: RunTrace, path: Path) -> None:
+    """Predicted cost (top) and measured wait in ``next()`` (bottom) of each rank, per step."""
+    plt = _plt()
+    steps = np.array(trace.steps)
+    cost = np.array(trace.cost, dtype=np.float64).reshape(len(steps), -1)
+    wait = np.array(trace.wait_s, dtype=np.float64).reshape(len(steps), -1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, sharex=True)
+    for r in range(cost.shape[1]):
+        top.plot(steps, cost[:, r], linewidth=1, label=f"rank {r}")
+        bottom.plot(steps, 1e3 * wait[:, r], linewidth=1, label=f"rank {r}")
+    top.set_ylabel("predicted cost")
+    top.set_title(f"Per rank ({plan.world.dp} DP ranks): predicted cost and wait", fontsize=10)
+    bottom.set_ylabel("wait in next() (ms)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    if cost.shape[1] <= 16:
+        top.legend(loc="upper right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_loaders(plan: Plan, trace: RunTrace, path: Path) -> None:
+    """Loaders (solid) and reader threads (dotted) of each source over the steps."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
+    steps = [s for s, _ in trace.loaders]
+    for i, name in enumerate(plan.source_names):
+        n = [m["sources"][name]["loaders"] for _, m in trace.loaders]
+        t = [m["sources"][name]["threads"] for _, m in trace.loaders]
+        ax.step(steps, n, where="post", color=f"C{i}", linewidth=1.5, label=f"{name}: loaders")
+        ax.step(steps, t, where="post", color=f"C{i}", linewidth=1, linestyle=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loaders (solid), threads (dotted)")
+    ax.set_title("SourceLoaders per source over the run", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def render(plan: Plan, summary: dict[str, Any], r: Report, trace: RunTrace) -> str:
+    """The report's Markdown."""
+    a, b = summary["steps"]
+    wait = np.array(trace.wait_s, dtype=np.float64).reshape(len(trace.steps), -1)
+    cost = np.array(trace.cost, dtype=np.float64).reshape(len(trace.steps), -1)
+    lines = [
+        "# overlord run\n",
+        f"Steps {a}..{b - 1} x {plan.world.dp} DP ranks: {summary['tokens']:,} tokens in "
+        f"{summary['seconds']:.2f} s ({summary['tokens_per_s']:,.0f} tokens/s), rows "
+        f"{100 * summary['fill_mean']:.1f}% full.",
+        "\n## Mixture: realized share of tokens (target)\n",
+        "| steps | " + " | ".join(r.names) + " |",
+        "|---|" + "---|" * len(r.names),
+        *("| " + " | ".join(row) + " |" for row in mixture_rows(r)),
+        "",
+        "![mixture](mixture.png)",
+        "\n## Balance: most loaded rank's cost / lower bound\n",
+        "| assignment | mean | p95 | max |",
+        "|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in balance_rows(r)),
+        "",
+        "![balance](balance.png)",
+        "\n## Per rank: predicted cost and wait in next()\n",
+        "| rank | mean cost | mean wait (ms) | p95 wait (ms) | max wait (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for k in range(wait.shape[1]):
+        w = 1e3 * wait[:, k]
+        lines.append(
+            f"| {k} | {cost[:, k].mean():.4g} | {w.mean():.3f} | {np.percentile(w, 95):.3f} "
+            f"| {w.max():.3f} |"
+        )
+    lines += ["", "![ranks](ranks.png)", "\n## Loaders per source\n", "![loaders](loaders.png)"]
+    if summary["faults"]:
+        lines += ["\n## Faults\n", *(f"- {e}" for e in summary["faults"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_run_report(
+    out: str | Path,
+    plan: Plan,
+    summary: dict[str, Any],
+    history: list[dict[str, Any]],
+    trace: RunTrace,
+) -> Path:
+    """Write ``report.md`` and its four PNG plots to ``out``; the report's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    a, b = summary["steps"]
+    hist = [h for h in history if a <= h["step"] < b]
+    r = Report(out, plan, {}, summary, hist, None, 0.0)
+    if hist:
+        plot_mixture(r, out / "mixture.png")
+        plot_balance(r, out / "balance.png")
+    if trace.steps:
+        plot_ranks(plan, trace, out / "ranks.png")
+    if trace.loaders:
+        plot_loaders(plan, trace, out / "loaders.png")
+    path = out / "report.md"
+    path.write_text(render(plan, summary, r, trace))
+    return path
