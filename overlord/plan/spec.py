@@ -24,6 +24,7 @@ from pydantic import (
 
 from overlord.errors import PlanError
 from overlord.plan.mesh import mesh_problems
+from overlord.plan.vision import Modules, VisionSpec, vision_problems
 from overlord.world import CPLayout, World
 
 
@@ -32,6 +33,7 @@ class Format(str, Enum):
 
     JSONL = "jsonl"
     PARQUET = "parquet"
+    WEBDATASET = "webdataset"  # tar shards of samples: key.jpg|png|... beside key.txt|json
 
 
 class TokenizerKind(str, Enum):
@@ -82,6 +84,11 @@ class SourceSpec(_Model):
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
     format: Format
     text_field: str = "text"
+    image_field: str | None = Field(
+        None,
+        description="parquet: a binary column of encoded images; webdataset: the image "
+        "members' extension(s), ';' between them (default jpg;jpeg;png;webp)",
+    )
     loaders: int = Field(1, ge=1, description="SourceLoaders that share this source's shards")
     transform: str | None = Field(
         None,
@@ -167,6 +174,9 @@ class CostSpec(_Model):
     model: ModelShape | None = None
     patch_alpha: float = Field(0.0, ge=0, description="encoder cost per image patch")
     patch_beta: float = Field(0.0, ge=0, description="encoder cost per squared patch count")
+    encoder: ModelShape | None = Field(
+        None, description="the vision encoder: patch_alpha = 6 params, patch_beta = 6 layers hidden"
+    )
 
 
 class BalanceSpec(_Model):
@@ -174,6 +184,9 @@ class BalanceSpec(_Model):
 
     method: BalanceMethod = BalanceMethod.KK
     cost: CostSpec = CostSpec(alpha=1.0, beta=0.0)
+    modules: Modules = Field(
+        Modules.HYBRID, description="hybrid: encoder + LLM cost; llm: the LLM's alone"
+    )
 
 
 class ShuffleSpec(_Model):
@@ -297,6 +310,7 @@ class Plan(_Model):
     placement: PlacementSpec = PlacementSpec()
     recovery: RecoverySpec = RecoverySpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
+    vision: VisionSpec | None = None
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -339,6 +353,10 @@ class Plan(_Model):
         for s in data["sources"]:
             s.pop("loaders")
             s.pop("shadows")
+            if s["image_field"] is None:  # unset: a text plan's fingerprint stays as it was
+                s.pop("image_field")
+        if data["vision"] is None:
+            data.pop("vision")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -350,15 +368,18 @@ class Plan(_Model):
         checks them file by file (:mod:`overlord.sources.catalog`).
         """
         spec = next(s for s in self.sources if s.name == name)
-        data = {
+        unset = {"image_field"} if spec.image_field is None else set()  # text keeps its hash
+        data: dict[str, Any] = {
             "seed": self.seed,
-            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows"}),
+            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows", *unset}),
             "tokenizer": self.tokenizer.model_dump(mode="json"),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
             "on_error": self.on_error.value,
             "shuffle": self.shuffle.model_dump(mode="json"),
         }
+        if self.vision is not None and (spec.format is Format.WEBDATASET or spec.image_field):
+            data["vision"] = self.vision.model_dump(mode="json")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -469,6 +490,7 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
             )
 
     problems += mesh_problems(data)
+    problems += vision_problems(data)
 
     kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))
     if kind == TokenizerKind.HF.value and not path:

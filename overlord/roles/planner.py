@@ -24,7 +24,7 @@ from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
 from overlord.plan.balance import assign, lower_bound, rank_costs
 from overlord.plan.cost import CostModel
-from overlord.plan.cp import cp_cost
+from overlord.plan.hybrid import balance_cost, module_costs
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
@@ -42,6 +42,11 @@ HISTORY_STEPS = 100_000  # per-step statistics kept for reports
 TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 # what the planner needs of each chosen item, gathered from the cursors
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
+
+
+def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
+    """Per-rank cost terms a vision plan's history keeps (overlord.plan.hybrid)."""
+    return (("rank_cost_llm", llm), ("rank_cost_encoder", enc))
 
 
 class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles.peers)
@@ -211,9 +216,11 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
-        cost = cp_cost(self.cost, tokens, cols["patches"], cp, layout)
+        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout)
+        cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
         dp, rpr = p.world.dp, p.rows_per_rank
-        row = assign(tokens, cost, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
+        weigh = balance_cost(p.balance.modules, llm, enc)
+        row = assign(tokens, weigh, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
@@ -224,6 +231,8 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             "rec_row": cols["row"][by_row],
             "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rpr),
         }
+        if p.vision is not None:
+            self.plans[step].update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
         per_rank = rank_costs(cost, row, dp, rpr)
         baseline = rank_costs(cost, ref_row, dp, rpr)
         self.history.append(
@@ -236,6 +245,11 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
                 "baseline_max_cost": float(baseline.max()),
                 "lower_bound": lower_bound(cost, dp),
                 "fill": float(tokens.sum()) / p.batch.tokens_per_step,
+                **(
+                    {c: rank_costs(x, row, dp, rpr).tolist() for c, x in _parts(llm, enc)}
+                    if p.vision is not None
+                    else {}
+                ),
             }
         )
         self.next_step += 1
@@ -276,10 +290,11 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
             self._plan_next()
         cols = self.plans[step]
         lo, hi = int(cols["bounds"][rank]), int(cols["bounds"][rank + 1])
-        mine = {c: v[lo:hi] for c, v in cols.items() if c not in ("bounds", "cost")}
+        sums = ("cost", "cost_llm", "cost_encoder")
+        mine = {c: v[lo:hi] for c, v in cols.items() if c not in ("bounds", *sums)}
         mine["row"] = mine["row"] - rank * self.plan.rows_per_rank
         return {"step": step, "rank": rank, "rows": self.plan.rows_per_rank,
-                "cost": float(cols["cost"][lo:hi].sum()), **mine}  # fmt: skip
+                **{c: float(cols[c][lo:hi].sum()) for c in sums if c in cols}, **mine}  # fmt: skip
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps without building batches; returns their statistics."""
