@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from overlord.plan.balance import assign, rank_costs
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_cost
+from overlord.plan.spec import BalanceMethod
 from overlord.plan.vision import Modules
 from overlord.world import CPLayout
 
@@ -45,10 +47,28 @@ def module_costs(
     return llm, enc
 
 
-def balance_cost(modules: Modules, llm: np.ndarray, encoder: np.ndarray) -> np.ndarray:
-    """The cost the balancer minimises the most loaded rank's sum of.
+def assign_modules(
+    modules: Modules,
+    tokens: np.ndarray,
+    llm: np.ndarray,
+    enc: np.ndarray,
+    ref_row: np.ndarray,
+    dp: int,
+    rows_per_rank: int,
+    capacity: int,
+    method: BalanceMethod,
+) -> np.ndarray:
+    """Each item's global row, balancing what ``modules`` says.
 
-    >>> balance_cost(Modules.LLM, np.array([1.0]), np.array([2.0])).tolist()
-    [1.0]
+    ``hybrid`` balances the sum of both costs, and also the LLM's alone, and
+    keeps whichever assignment leaves the most loaded rank's *sum* lower: it
+    is never worse than ``llm`` on the step's cost, whatever the heuristic
+    does. With no image in the step it is one assignment, as for text.
     """
-    return llm + encoder if modules is Modules.HYBRID else llm
+    if modules is Modules.LLM or not enc.any():
+        return assign(tokens, llm, ref_row, dp, rows_per_rank, capacity, method)
+    total = llm + enc
+    both = assign(tokens, total, ref_row, dp, rows_per_rank, capacity, method)
+    alone = assign(tokens, llm, ref_row, dp, rows_per_rank, capacity, method)
+    worst = [rank_costs(total, r, dp, rows_per_rank).max() for r in (both, alone)]
+    return both if worst[0] <= worst[1] else alone

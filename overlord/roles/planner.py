@@ -22,9 +22,9 @@ import numpy as np
 from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
-from overlord.plan.balance import assign, lower_bound, rank_costs
+from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.cost import CostModel
-from overlord.plan.hybrid import balance_cost, module_costs
+from overlord.plan.hybrid import assign_modules, module_costs
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
@@ -219,8 +219,10 @@ class Planner(PeerConsumption):  # peers: a DP rank's mesh ranks (overlord.roles
         llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout)
         cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
         dp, rpr = p.world.dp, p.rows_per_rank
-        weigh = balance_cost(p.balance.modules, llm, enc)
-        row = assign(tokens, weigh, ref_row, dp, rpr, p.batch.max_seq_len, p.balance.method)
+        row = assign_modules(
+            *(p.balance.modules, tokens, llm, enc, ref_row, dp, rpr),
+            *(p.batch.max_seq_len, p.balance.method),
+        )
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],

@@ -124,7 +124,7 @@ def fuse_images(
     for i in range(n):
         if text_len[i] == 0:
             continue  # empty: not a sample, its image is not decoded
-        what = f"member {keys[i]}" if keys is not None else "its image"
+        what = f"member {keys[i]}" if keys is not None else "the image"
         reason = None
         try:
             got = image_patches(images[i].as_py(), v)
@@ -134,7 +134,7 @@ def fuse_images(
             n_img[i] = image_tokens(got.shape[0], got.shape[1], v)
             if n_img[i] > max_seq_len:
                 reason = (
-                    f"{what}: its image is {n_img[i]} tokens ({got.shape[0]}x{got.shape[1]} "
+                    f"{what} gives {n_img[i]} image tokens ({got.shape[0]}x{got.shape[1]} "
                     f"patches), more than batch.max_seq_len {max_seq_len}; lower "
                     "vision.max_pixels or raise max_seq_len"
                 )
