@@ -45,11 +45,11 @@ from overlord.errors import SourceError
 from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
 from overlord.sources.catalog import File
 from overlord.sources.files import Shard
-from overlord.sources.formats import RecordBlock, read_blocks
+from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
-from overlord.sources.webdataset import open_any
+from overlord.sources.webdataset import is_image_source, open_image_shard
 
 PIECE_BYTES = 256 << 10  # text tokenized at once: tens of ms of work at most
 FIRST_PIECE_BYTES = 16 << 10  # a window's first piece: its first items come fast
@@ -213,9 +213,13 @@ def shard_windows(
     shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
     W = plan.shuffle.window_blocks
-    reader = open_any(
-        spec.name, Shard(shard.url, shard.name), spec, plan.shuffle.block_bytes, skip, cache
-    )
+    where, B = Shard(shard.url, shard.name), plan.shuffle.block_bytes
+    if is_image_source(spec.format, spec.image_field):
+        reader = open_image_shard(
+            spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
+        )
+    else:
+        reader = open_shard(spec.name, where, spec.format, spec.text_field, B, skip, cache)
     try:
         if reader.n_blocks is not None:
             order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import tarfile
 from collections.abc import Iterator
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -269,21 +268,3 @@ def open_image_shard(
         raise
     except (OSError, pa.ArrowException) as e:
         raise SourceError(source, shard.name, None, f"cannot read file ({e})") from None
-
-
-def open_any(
-    source: str,
-    shard: Shard,
-    spec: Any,
-    block_bytes: int,
-    skip: bool,
-    cache: dict[Any, Any] | None,
-) -> ShardReader:
-    """The reader of a source's shard, image-text or text (``spec``: its SourceSpec)."""
-    from overlord.sources.formats import open_shard
-
-    if is_image_source(spec.format, spec.image_field):
-        return open_image_shard(
-            source, shard, spec.format, spec.text_field, spec.image_field, block_bytes, skip
-        )
-    return open_shard(source, shard, spec.format, spec.text_field, block_bytes, skip, cache)
