@@ -31,6 +31,9 @@ class Batch:
     flattened unsliced batch, -1 for padding added for CP; see
     :mod:`overlord.roles.cp_slice`); with PP, ``input_ids`` only on the first
     stage and ``labels`` only on the last (``None`` elsewhere).
+
+    A plan with image sources adds ``pixel_values`` and ``image_grid``: the
+    images of the batch's samples, in sample order (a sample has at most one).
     """
 
     step: int
@@ -46,6 +49,11 @@ class Batch:
     cp_layout: str | None = None  # zigzag | per_document, None without CP
     cp_rank: int = 0
     cp_size: int = 1
+    # images (image-text sources, overlord.sources.images): every CP rank gets all of them
+    pixel_values: np.ndarray | None = None  # float32 (total patches, 3*p*p), in sample order
+    image_grid: np.ndarray | None = None  # int32 (images, 2): (h1/p, w1/p) per image
+    cost_llm: float | None = None  # the rank's LLM and encoder terms of ``cost`` (vision plans)
+    cost_encoder: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -70,7 +70,11 @@ class _Channel:
 
     def send_batch(self, batch: Batch, state: dict[str, Any], to: int) -> None:
         samples = [[s.source, s.id, s.tokens, s.row] for s in batch.samples]
-        meta = _bytes(json.dumps({"samples": samples, "cost": batch.cost}))
+        px, grid_i = batch.pixel_values, batch.image_grid  # a plan with images
+        images = None if px is None or grid_i is None else [*px.shape, len(grid_i)]
+        costs = [batch.cost_llm, batch.cost_encoder]
+        meta = _bytes(json.dumps({"samples": samples, "cost": batch.cost, "images": images,
+                                  "costs": costs}))  # fmt: skip
         after = _bytes(json.dumps(state, separators=(",", ":")))
         assert batch.input_ids is not None and batch.labels is not None  # a whole DP batch
         rows, seq = batch.input_ids.shape
@@ -79,6 +83,9 @@ class _Channel:
         header = [_BATCH, batch.step, batch.rank, rows, seq, len(cu), len(meta), len(after)]
         for t in (torch.tensor(header, dtype=torch.int64), torch.from_numpy(grid), cu, meta, after):
             dist.send(t.contiguous(), dst=to, group=self.group)
+        if images is not None:
+            for a in (batch.pixel_values, batch.image_grid):
+                dist.send(torch.from_numpy(np.ascontiguousarray(a)), dst=to, group=self.group)
 
     def send_text(self, kind: int, text: str, to: int) -> None:
         """An end, an error (its message) or the start (the state the stream starts from)."""
@@ -106,6 +113,12 @@ class _Channel:
             dist.recv(t, src=0, group=self.group)
         info = json.loads(_text(meta))
         arrays = grid.numpy()
+        images = info.get("images")
+        if images is not None:
+            px = torch.empty(images[:2], dtype=torch.float32)
+            grid_i = torch.empty((images[2], 2), dtype=torch.int32)
+            for t in (px, grid_i):
+                dist.recv(t, src=0, group=self.group)
         batch = Batch(
             step,
             rank,
@@ -117,6 +130,9 @@ class _Channel:
             [Sample(*s) for s in info["samples"]],
             info["cost"],
         )
+        if images is not None:
+            batch.pixel_values, batch.image_grid = px.numpy(), grid_i.numpy()
+            batch.cost_llm, batch.cost_encoder = info["costs"]
         return kind, (batch, json.loads(_text(after)))
 
 

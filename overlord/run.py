@@ -26,18 +26,16 @@ def _progress(total: int | None, initial: int, desc: str) -> Any:
 
 def dump_line(batch: Any) -> str:
     """One JSON line of ``--dump``: a rank's samples of a step."""
-    return json.dumps(
-        {
-            "step": batch.step,
-            "rank": batch.rank,
-            "samples": [
-                {"source": s.source, "id": s.id, "tokens": s.tokens} for s in batch.samples
-            ],
-            "tokens": batch.num_tokens,
-            "cost": batch.cost,
-        },
-        separators=(",", ":"),
-    )
+    line = {
+        "step": batch.step,
+        "rank": batch.rank,
+        "samples": [{"source": s.source, "id": s.id, "tokens": s.tokens} for s in batch.samples],
+        "tokens": batch.num_tokens,
+        "cost": batch.cost,
+    }
+    if batch.cost_llm is not None:  # a plan with images: the cost's two terms
+        line.update(cost_llm=batch.cost_llm, cost_encoder=batch.cost_encoder)
+    return json.dumps(line, separators=(",", ":"))
 
 
 def run_plan(
@@ -143,6 +141,22 @@ def summarize(
         "checkpoint_bytes": ckpt_bytes,
         "scaling": _scaling(stats.get("scaling", [])),
         "faults": [e for e in stats.get("events", []) if e["event"] != "repartition"],
+        **_rank_costs(hist),
+    }
+
+
+def _rank_costs(hist: list[dict[str, Any]]) -> dict[str, Any]:
+    """A vision plan's mean cost per rank over the steps: LLM and encoder terms, and the sum."""
+    if not hist or "rank_cost_llm" not in hist[0]:
+        return {}
+    llm = np.mean([h["rank_cost_llm"] for h in hist], axis=0)
+    enc = np.mean([h["rank_cost_encoder"] for h in hist], axis=0)
+    return {
+        "rank_cost": {
+            "cost": (llm + enc).tolist(),
+            "cost_llm": llm.tolist(),
+            "cost_encoder": enc.tolist(),
+        }
     }
 
 

@@ -21,7 +21,8 @@ from typing import Any
 from overlord import checkpoint
 from overlord.errors import LoaderError
 from overlord.loader import Loader, local_constructor
-from overlord.plan.spec import ConstructorSite, Plan
+from overlord.plan.settings import ConstructorSite
+from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.roles.client import Client
 from overlord.runtime.base import Handle

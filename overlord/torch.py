@@ -95,6 +95,11 @@ def to_torch(
         if device is not None:
             t = t.to(device, non_blocking=pin)
         out[name] = t
+    for name in ("pixel_values", "image_grid"):  # a plan with images
+        array = getattr(batch, name)
+        if array is not None:
+            t = _share(array)
+            out[name] = t.to(device, non_blocking=pin) if device is not None else t
     return out
 
 

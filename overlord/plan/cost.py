@@ -37,12 +37,16 @@ class CostModel:
     @classmethod
     def from_spec(cls, spec: CostSpec) -> CostModel:
         """Build from the plan's ``balance.cost``."""
+        pa, pb = spec.patch_alpha, spec.patch_beta
+        if spec.encoder is not None:  # overlord.plan.hybrid: attention within each image
+            e = spec.encoder
+            pa, pb = 6.0 * e.params, 6.0 * e.layers * e.hidden * e.attention_factor
         if spec.model is not None:
             m = spec.model
             beta = 6.0 * m.layers * m.hidden * m.attention_factor
-            return cls(6.0 * m.params, beta, spec.patch_alpha, spec.patch_beta)
+            return cls(6.0 * m.params, beta, pa, pb)
         assert spec.alpha is not None and spec.beta is not None  # checked by plan validation
-        return cls(spec.alpha, spec.beta, spec.patch_alpha, spec.patch_beta)
+        return cls(spec.alpha, spec.beta, pa, pb)
 
     @classmethod
     def fit(

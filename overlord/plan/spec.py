@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -24,6 +22,15 @@ from pydantic import (
 
 from overlord.errors import PlanError
 from overlord.plan.mesh import mesh_problems
+from overlord.plan.settings import (
+    AutoscaleSpec,
+    LoadingSpec,
+    MonitoringSpec,
+    PlacementSpec,
+    RecoverySpec,
+    _Model,
+)
+from overlord.plan.vision import Modules, VisionSpec, vision_problems
 from overlord.world import CPLayout, World
 
 
@@ -32,6 +39,7 @@ class Format(str, Enum):
 
     JSONL = "jsonl"
     PARQUET = "parquet"
+    WEBDATASET = "webdataset"  # tar shards of samples: key.jpg|png|... beside key.txt|json
 
 
 class TokenizerKind(str, Enum):
@@ -71,10 +79,6 @@ class OnError(str, Enum):
     SKIP = "skip"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
 class SourceSpec(_Model):
     """One data source: a set of shards in one format."""
 
@@ -82,6 +86,11 @@ class SourceSpec(_Model):
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
     format: Format
     text_field: str = "text"
+    image_field: str | None = Field(
+        None,
+        description="parquet: a binary column of encoded images; webdataset: the image "
+        "members' extension(s), ';' between them (default jpg;jpeg;png;webp)",
+    )
     loaders: int = Field(1, ge=1, description="SourceLoaders that share this source's shards")
     transform: str | None = Field(
         None,
@@ -167,6 +176,9 @@ class CostSpec(_Model):
     model: ModelShape | None = None
     patch_alpha: float = Field(0.0, ge=0, description="encoder cost per image patch")
     patch_beta: float = Field(0.0, ge=0, description="encoder cost per squared patch count")
+    encoder: ModelShape | None = Field(
+        None, description="the vision encoder: patch_alpha = 6 params, patch_beta = 6 layers hidden"
+    )
 
 
 class BalanceSpec(_Model):
@@ -180,6 +192,9 @@ class BalanceSpec(_Model):
         description="DP ranks balanced together: past this many, a step's rows are split "
         "over groups of at most this many ranks, balanced in parallel (which samples form "
         "a step never depends on it; which rank gets them does)",
+    )
+    modules: Modules = Field(
+        Modules.HYBRID, description="hybrid: encoder + LLM cost; llm: the LLM's alone"
     )
 
 
@@ -196,120 +211,6 @@ class ShuffleSpec(_Model):
         1 << 20, ge=256, description="bytes of a JSONL file (decompressed) in one block"
     )
     window_blocks: int = Field(8, ge=1, description="blocks whose records are permuted together")
-
-
-class LoadingSpec(_Model):
-    """How source loaders read ahead."""
-
-    threads: int = Field(1, ge=1, description="reader threads per SourceLoader")
-    timeout_s: float = Field(300.0, gt=0, description="longest wait for a source before failing")
-
-
-class RecoverySpec(_Model):
-    """How the planner journals its state, so that a restarted planner resumes exactly."""
-
-    journal_dir: str | None = Field(
-        None,
-        description="folder of the planner's journal (default: a temporary folder, removed "
-        "when the job closes); on a cluster, storage the planner's next node can read",
-    )
-    snapshot_every: int = Field(
-        100, ge=1, description="steps between full snapshots; one small delta per step between"
-    )
-    rewind_steps: int = Field(
-        0,
-        ge=0,
-        description="consumed steps whose items stay held after the newest checkpoint handed "
-        "out, so that trainers restarting from it rewind the live job (overlord.connect(..., "
-        "state=)); each loader's read-ahead budget grows by as much",
-    )
-    fsync: bool = Field(
-        False,
-        description="fsync every journal record (survives a machine crash, not only a "
-        "killed process)",
-    )
-
-
-class AutoscaleSpec(_Model):
-    """Sizing every source's loaders to its cost and share (on when ``cpus`` is given)."""
-
-    cpus: float | None = Field(
-        None,
-        gt=0,
-        description="CPU cores all SourceLoaders' readers may burn together at the schedule's "
-        "peak demand (an idle loader burns none; loaders cost memory)",
-    )
-    memory_gb: float | None = Field(None, gt=0, description="memory all SourceLoaders may use")
-    every: int = Field(10, ge=1, description="steps between decisions")
-    max_threads_per_loader: int = Field(4, ge=1)
-    min_loaders: int = Field(1, ge=1)
-    thread_efficiency: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="what a loader's second thread adds, as a share of its first (near 0 "
-        "where decoding holds Python's GIL)",
-    )
-    headroom: float = Field(1.25, ge=1)
-    cooldown_steps: int = Field(20, ge=0)
-    horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
-
-
-class MonitoringSpec(_Model):
-    """The Prometheus endpoint (``pip install 'overlord[metrics]'``)."""
-
-    port: int | None = Field(
-        None,
-        ge=0,
-        le=65535,
-        description="serve metrics on 127.0.0.1:port (0: a free port; null: no endpoint)",
-    )
-
-
-class LoaderPlacement(str, Enum):
-    """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
-
-    DEFAULT = "default"
-    SPREAD = "spread"
-
-
-class ConstructorSite(str, Enum):
-    """Where a DataConstructor runs: its own actor, or inside the trainer process it feeds."""
-
-    ACTOR = "actor"
-    TRAINER = "trainer"
-
-
-class PlacementSpec(_Model):
-    """Where roles run and what they reserve (Ray runtime)."""
-
-    loader_cpus: float = Field(0.0, ge=0, description="CPUs reserved per SourceLoader actor")
-    planner_cpus: float = Field(0.0, ge=0)
-    constructor_cpus: float = Field(0.0, ge=0)
-    loader_strategy: LoaderPlacement = LoaderPlacement.DEFAULT
-    loader_nodes: dict[str, str] = Field(
-        default_factory=dict, description="source name -> Ray node id its loaders must run on"
-    )
-    ranks_per_constructor: int = Field(
-        1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
-    )
-    loader_processes: int | None = Field(
-        None,
-        ge=1,
-        description="processes that hold the job's SourceLoaders (default: one per loader); "
-        "fewer saves a process's fixed memory per loader",
-    )
-    assigners: int | None = Field(
-        None,
-        ge=0,
-        description="actors that balance a step's groups of ranks in parallel (default: one "
-        "per group, at most 16, on Ray; none embedded); 0: the planner balances them itself",
-    )
-    constructors: ConstructorSite = Field(
-        ConstructorSite.ACTOR,
-        description="actor: DataConstructors are actors; trainer: each trainer builds its own "
-        "batches from the loaders (one hop and one process fewer per batch)",
-    )
 
 
 class Plan(_Model):
@@ -329,6 +230,7 @@ class Plan(_Model):
     recovery: RecoverySpec = RecoverySpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
+    vision: VisionSpec | None = None
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -374,6 +276,10 @@ class Plan(_Model):
         for s in data["sources"]:
             s.pop("loaders")
             s.pop("shadows")
+            if s["image_field"] is None:  # unset: a text plan's fingerprint stays as it was
+                s.pop("image_field")
+        if data["vision"] is None:
+            data.pop("vision")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -385,15 +291,18 @@ class Plan(_Model):
         checks them file by file (:mod:`overlord.sources.catalog`).
         """
         spec = next(s for s in self.sources if s.name == name)
-        data = {
+        unset = {"image_field"} if spec.image_field is None else set()  # text keeps its hash
+        data: dict[str, Any] = {
             "seed": self.seed,
-            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows"}),
+            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows", *unset}),
             "tokenizer": self.tokenizer.model_dump(mode="json"),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
             "on_error": self.on_error.value,
             "shuffle": self.shuffle.model_dump(mode="json"),
         }
+        if self.vision is not None and (spec.format is Format.WEBDATASET or spec.image_field):
+            data["vision"] = self.vision.model_dump(mode="json")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -504,6 +413,7 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
             )
 
     problems += mesh_problems(data)
+    problems += vision_problems(data)
 
     kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))
     if kind == TokenizerKind.HF.value and not path:

@@ -27,12 +27,15 @@ from overlord.plan.mesh import resolved_layout
 from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.batch_images import BatchImages
 from overlord.roles.cp_slice import cp_slices
 from overlord.roles.loader_pool import PoolView, by_slot
 from overlord.roles.peers import stage_of, stage_view
 from overlord.runtime.base import Handle
 from overlord.runtime.threads import Builder
 from overlord.sources.catalog import SourceFiles
+from overlord.sources.images import image_token_id
+from overlord.sources.tokenizers import make_tokenizer
 from overlord.world import CPLayout
 
 
@@ -62,6 +65,10 @@ class DataConstructor:
         self._pool = Builder("overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
         self.loaders = PoolView(self.names, loaders, planner)
+        self.image_id = -1  # the image token's id, for the labels (vision plans)
+        if plan.vision is not None:
+            tokenizer = make_tokenizer(plan.tokenizer, str(plan.base_dir))
+            self.image_id = image_token_id(plan.vision, tokenizer)
 
     def batch(self, step: int, rank: int) -> Batch:
         """The packed batch of DP rank ``rank`` for ``step`` (built ahead when prefetching)."""
@@ -161,21 +168,25 @@ class DataConstructor:
         if n:
             np.cumsum(lengths[:-1], out=starts[1:])
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
+        images = BatchImages(n) if self.plan.vision is not None else None
         for mine, got in self.loaders.take(by_slot(src, ldr), keys):
             got_starts = np.concatenate(([0], np.cumsum(got["lengths"])[:-1]))
             for j, g0, g_len in zip(mine.tolist(), got_starts.tolist(), got["lengths"].tolist()):
                 tokens[starts[j] : starts[j] + g_len] = got["tokens"][g0 : g0 + g_len]
+            if images is not None:
+                images.add(mine, got)
         arrays = pack(
             tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id
         )
+        names = images.keys if images is not None else [None] * n
         samples = [
             Sample(
                 self.names[s],
-                _sample_id(self.files[self.names[s]].at(e)[f].name, r, c),
+                _sample_id(self.files[self.names[s]].at(e)[f].name, r, c, name),
                 t,
                 row,
             )
-            for s, e, f, r, c, t, row in zip(
+            for s, e, f, r, c, t, row, name in zip(
                 src.tolist(),
                 keys[:, 0].tolist(),
                 rp["file_index"].tolist(),
@@ -183,11 +194,16 @@ class DataConstructor:
                 rp["chunk"].tolist(),
                 lengths.tolist(),
                 rp["row"].tolist(),
+                names,
             )
         ]
         a = arrays
-        return Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
-                     a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
+        batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
+                      a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
+        if images is not None:
+            assert self.plan.vision is not None
+            images.finish(batch, self.plan.vision, rp, self.image_id)
+        return batch
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""
@@ -199,8 +215,9 @@ class DataConstructor:
             self._pool.shutdown()
 
 
-def _sample_id(file: str, row: int, chunk: int) -> str:
-    return f"{file}:{row}" if chunk < 0 else f"{file}:{row}#{chunk}"
+def _sample_id(file: str, row: int, chunk: int, key: str | None = None) -> str:
+    at = row if key is None else key  # a tar's sample is named by its key
+    return f"{file}:{at}" if chunk < 0 else f"{file}:{at}#{chunk}"
 
 
 if TYPE_CHECKING:  # the class answers every call of its role

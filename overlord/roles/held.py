@@ -60,6 +60,42 @@ def metadata_block(
     return block
 
 
+def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
+    """What ``take`` answers for items ``(piece items, index in the piece)``, in order.
+
+    ``tokens`` (int32, back to back) and ``lengths``; from an image source also
+    ``pixels`` (uint8 patches of the items' images, back to back), ``grid``
+    (int32 ``(items, 2)``, ``(0, 0)`` for an item without an image) and, from
+    a tar, ``keys`` (UTF-8 bytes back to back) with ``key_lengths``.
+    """
+    lengths = np.empty(len(picked), dtype=np.int32)
+    parts = []
+    for j, (items, k) in enumerate(picked):
+        s, n = int(items.start[k]), int(items.length[k])
+        parts.append(items.tokens[s : s + n])
+        lengths[j] = n
+    out = {
+        "tokens": np.concatenate(parts) if parts else np.zeros(0, np.int32),
+        "lengths": lengths,
+    }
+    if picked and picked[0][0].pixels is not None:
+        grids, pixels, keys = [], [], []
+        for items, k in picked:
+            assert items.pixels is not None and items.grid is not None
+            assert items.patch_start is not None
+            grids.append(items.grid[k])
+            at, n = int(items.patch_start[k]), int(items.patches[k])
+            pixels.append(items.pixels[at : at + n])
+            if items.keys is not None:
+                keys.append(items.keys[k].encode())
+        out["grid"] = np.stack(grids).astype(np.int32)
+        out["pixels"] = np.concatenate(pixels)
+        if keys:
+            out["keys"] = np.frombuffer(b"".join(keys), dtype=np.uint8)
+            out["key_lengths"] = np.array([len(k) for k in keys], dtype=np.int32)
+    return out
+
+
 @dataclass
 class Piece:
     """Items ``base ..`` of a shard, held until released."""
@@ -137,15 +173,6 @@ class HeldItems:
         if j < 0 or i >= pieces[j].base + len(pieces[j].items):
             return None
         return pieces[j]
-
-    def tokens_of(self, at: Position, i: int) -> np.ndarray | None:
-        """The tokens of item ``i`` of shard ``at``; None if it is not held."""
-        piece = self.piece_of(at, i)
-        if piece is None or not piece.remaining[i - piece.base]:
-            return None
-        items, k = piece.items, i - piece.base
-        start = int(items.start[k])
-        return items.tokens[start : start + int(items.length[k])]
 
     def release(self, at: Position, index: np.ndarray, read: np.ndarray) -> None:
         """Release items ``index`` (sorted) of shard ``at``; ``read``: those published yet."""

@@ -26,8 +26,8 @@ from overlord.journal import Journal
 from overlord.metrics import Figures, MetricsServer, planner_figures
 from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.cost import CostModel
-from overlord.plan.cp import cp_cost
 from overlord.plan.hierarchy import assign_step, group_count, step_bound
+from overlord.plan.hybrid import assign_modules, module_costs
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_step
@@ -49,6 +49,11 @@ TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
 # what a rank's plan holds of the step's columns
 _RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
+
+
+def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
+    """Per-rank cost terms a vision plan's history keeps (overlord.plan.hybrid)."""
+    return (("rank_cost_llm", llm), ("rank_cost_encoder", enc))
 
 
 class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord.roles.rewind
@@ -240,16 +245,21 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
-        cost = cp_cost(self.cost, tokens, cols["patches"], cp, layout)
+        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout)
+        cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
         dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
-        row = assign_step(
-            *(tokens, cost, ref_row, dp, rpr, cap, p.balance.method, self.groups),
-            # a CP group shares a document's cost: the bound's terms too (padding aside)
-            lambda: step_bound(
-                tokens, cost, dp, rpr * cap, *(self.cost.alpha / cp, self.cost.beta / cp)
-            ),
-            self.assigners.run,
-        )
+
+        def assign_by(c: np.ndarray) -> np.ndarray:  # in groups of ranks past group_ranks
+            return assign_step(
+                *(tokens, c, ref_row, dp, rpr, cap, p.balance.method, self.groups),
+                # a CP group shares a document's cost: the bound's terms too (padding aside)
+                lambda: step_bound(
+                    tokens, c, dp, rpr * cap, *(self.cost.alpha / cp, self.cost.beta / cp)
+                ),
+                self.assigners.run,
+            )
+
+        row = assign_modules(p.balance.modules, llm, enc, dp, rpr, assign_by)
         by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
@@ -260,6 +270,8 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             "rec_row": cols["row"][by_row],
             "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rpr),
         }
+        if p.vision is not None:
+            self.plans[step].update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
         per_rank = rank_costs(cost, row, dp, rpr)
         baseline = rank_costs(cost, ref_row, dp, rpr)
         self.figures.planned(step, time.perf_counter() - t0, per_rank)
@@ -273,6 +285,11 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
                 "baseline_max_cost": float(baseline.max()),
                 "lower_bound": lower_bound(cost, dp),
                 "fill": float(tokens.sum()) / p.batch.tokens_per_step,
+                **(
+                    {c: rank_costs(x, row, dp, rpr).tolist() for c, x in _parts(llm, enc)}
+                    if p.vision is not None
+                    else {}
+                ),
             }
         )
         self.next_step += 1
@@ -313,9 +330,10 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             self._plan_next()
         cols = self.plans[step]
         lo, hi = int(cols["bounds"][rank]), int(cols["bounds"][rank + 1])
+        sums = ("cost", "cost_llm", "cost_encoder")
         mine = {c: cols[c][lo:hi] for c in _RANK_COLUMNS}  # slices: nothing built ahead
         return {"step": step, "rank": rank, "rows": self.plan.rows_per_rank,
-                "cost": float(cols["cost"][lo:hi].sum()), **mine}  # fmt: skip
+                **{c: float(cols[c][lo:hi].sum()) for c in sums if c in cols}, **mine}  # fmt: skip
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps without building batches; returns their statistics."""

@@ -73,6 +73,9 @@ class ReadStats:
             self._counted.add((name, window, lo))
             c["empty"] += items.empty
             c["dropped"] += items.dropped
+            c["skipped"] += len(items.skipped)  # images that cannot be decoded or fit no row
+            room = max(0, EXAMPLES - len(self._examples))
+            self._examples += [str(e) for e in items.skipped[:room]]
 
     def as_dict(self) -> dict[str, Any]:
         """The counts, the costs per token and per sample, and examples of bad records."""

@@ -59,7 +59,7 @@ from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
-from overlord.roles.held import HeldItems, Key, Position, metadata_block
+from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
@@ -394,24 +394,24 @@ class SourceLoader:
         ) from err
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
-        """The tokens of items ``[[epoch, shard_pos, index], ...]`` (kept until released)."""
-        parts = []
-        lengths = np.empty(len(keys), dtype=np.int32)
+        """The payloads of items ``[[epoch, shard_pos, index], ...]`` (kept until released).
+
+        Their tokens (and, from an image source, images: :func:`~overlord.roles.held.payload`).
+        """
+        picked: list[tuple[ShardItems, int]] = []
         with self._lock:
-            for j, (e, p, i) in enumerate(np.asarray(keys, dtype=np.int64).tolist()):
+            for e, p, i in np.asarray(keys, dtype=np.int64).tolist():
                 if (e, p, i) >= self._last:
                     self._wait_until_read((e, p, i))
-                got = self._held.tokens_of((e, p), i)
-                if got is None:
+                piece = self._held.piece_of((e, p), i)
+                if piece is None or not piece.remaining[i - piece.base]:
                     raise LoaderError(
                         f"SourceLoader {self.source}[{self.index}] does not hold item "
                         f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
                         "consumed) or never read"
                     )
-                parts.append(got)
-                lengths[j] = len(got)
-        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        return {"tokens": tokens, "lengths": lengths}
+                picked.append((piece.items, i - piece.base))
+        return payload(picked)
 
     def _wait_until_read(self, key: Key) -> None:
         """Wait (lock held) until item ``key`` is read: a promoted shadow may lag its primary."""

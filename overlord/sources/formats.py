@@ -63,6 +63,9 @@ class RecordBlock:
     rows: np.ndarray  # int64, 0-based row of each record
     texts: pa.Array  # large_string, one per record
     skipped: list[SourceError] = field(default_factory=list)  # bad records (on_error=skip)
+    # image-text records (overlord.sources.webdataset): encoded images, and a tar's members
+    images: pa.Array | None = None  # large_binary, one per record
+    keys: pa.Array | None = None  # large_string: each record's image member (tars only)
 
     @property
     def records(self) -> int:

@@ -85,6 +85,8 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
     shard = shards[0]
     where += f", file {shard.name}"
     try:
+        if spec.format is Format.WEBDATASET or spec.image_field is not None:
+            return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
             return _check_parquet(where, shard, spec.text_field)
         return _check_jsonl(where, shard, spec.text_field)
@@ -145,4 +147,22 @@ def _check_jsonl(where: str, shard: Shard, text_field: str) -> list[Problem]:
     if not isinstance(record[text_field], str):
         kind = type(record[text_field]).__name__
         return [Problem(where, f"field '{text_field}' is {kind}, expected a string")]
+    return []
+
+
+def _check_images(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> list[Problem]:
+    """An image-text shard: its first block reads (its first image is decoded when used)."""
+    from overlord.errors import SourceError
+    from overlord.sources.webdataset import open_image_shard
+
+    try:
+        reader = open_image_shard(
+            spec.name, shard, spec.format, spec.text_field, spec.image_field, 1 << 20, False
+        )
+        try:
+            next(iter(reader.blocks()), None)
+        finally:
+            reader.close()
+    except SourceError as e:
+        return [Problem(where, e.reason)]
     return []

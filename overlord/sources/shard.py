@@ -47,8 +47,10 @@ from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
 from overlord.sources.catalog import File
 from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
+from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
+from overlord.sources.webdataset import is_image_source, open_image_shard
 
 PIECE_BYTES = 256 << 10  # text tokenized at once: tens of ms of work at most
 FIRST_PIECE_BYTES = 16 << 10  # a window's first piece: its first items come fast
@@ -96,11 +98,18 @@ class Window:
     skipped: list[SourceError] = field(default_factory=list)
     records: int = 0  # records its blocks hold: good, empty and bad
     empty: int = 0  # blank texts: not samples
+    images: pa.Array | None = None  # large_binary per record: image-text sources only
+    keys: pa.Array | None = None  # large_string per record: a tar's image members
+    source: str = ""
+    name: str = ""  # the file, for errors
 
     @functools.cached_property
     def _offsets(self) -> np.ndarray:
-        n, at = len(self.texts), self.texts.offset
-        return np.frombuffer(self.texts.buffers()[1], np.int64)[at : at + n + 1]
+        """Where each record starts in the window's bytes (its text's, and its image's)."""
+        offs = _array_offsets(self.texts)
+        if self.images is not None:  # a piece's work is mostly its images' decoding
+            offs = offs - offs[0] + _array_offsets(self.images)
+        return offs
 
     def text_bytes(self, lo: int, hi: int) -> int:
         """Bytes of text of records ``[lo, hi)``."""
@@ -140,6 +149,11 @@ class ShardItems:
     row: np.ndarray  # int64 per item: row of the record in its file
     chunk: np.ndarray  # int32 per item: k for the k-th chunk of a split document, else -1
     patches: np.ndarray  # int32 per item: image patches for the encoder's cost (0 for text)
+    # image-text items (overlord.sources.images); an item with no image has a (0, 0) grid
+    pixels: np.ndarray | None = None  # uint8 (total patches, 3*p*p): the items' images
+    patch_start: np.ndarray | None = None  # int64 per item: its first row in ``pixels``
+    grid: np.ndarray | None = None  # int32 (items, 2): (h1/p, w1/p) per item
+    keys: list[str] | None = None  # a tar's sample key per item (its id is file:key)
     dropped: int = 0  # documents dropped as too long (long_docs: drop)
     empty: int = 0  # texts that give no token: not samples
     text_bytes: int = 0  # bytes of text tokenized
@@ -168,8 +182,14 @@ def _transform(spec: SourceSpec, name: str, block: RecordBlock, skip: bool) -> R
             continue
         rows.append(row)
         out.append(new)
+    kept = np.flatnonzero(np.isin(block.rows, np.asarray(rows, dtype=np.int64)))
     return RecordBlock(
-        block.number, np.asarray(rows, dtype=np.int64), pa.array(out, pa.large_string()), skipped
+        block.number,
+        np.asarray(rows, dtype=np.int64),
+        pa.array(out, pa.large_string()),
+        skipped,
+        images=None if block.images is None else block.images.take(pa.array(kept)),
+        keys=None if block.keys is None else block.keys.take(pa.array(kept)),
     )
 
 
@@ -195,15 +215,13 @@ def shard_windows(
     shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
     W = plan.shuffle.window_blocks
-    reader = open_shard(
-        spec.name,
-        Shard(shard.url, shard.name),
-        spec.format,
-        spec.text_field,
-        plan.shuffle.block_bytes,
-        skip,
-        cache,
-    )
+    where, B = Shard(shard.url, shard.name), plan.shuffle.block_bytes
+    if is_image_source(spec.format, spec.image_field):
+        reader = open_image_shard(
+            spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
+        )
+    else:
+        reader = open_shard(spec.name, where, spec.format, spec.text_field, B, skip, cache)
     try:
         if reader.n_blocks is not None:
             order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()
@@ -246,11 +264,18 @@ def _window(
         np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
         pa.concat_arrays([b.texts for b in blocks]) if blocks else pa.array([], pa.large_string()),
         [e for b in blocks for e in b.skipped],
+        images=_concat([b.images for b in blocks], pa.large_binary()),
+        keys=_concat([b.keys for b in blocks], pa.large_string()),
     )
     if spec.transform is not None:
         block = _transform(spec, name, block, skip)
-    rows, texts, empty = _without_blank(block.rows, block.texts)
+    rows, texts, empty, keep = _without_blank(block.rows, block.texts)
     perm = window_order(plan.seed, spec.name, epoch, file_index, number, len(rows))
+    order = pa.array(perm)
+    images, keys = (
+        None if a is None else (a.filter(keep) if keep is not None else a).take(order)
+        for a in (block.images, block.keys)
+    )
     return Window(
         epoch=epoch,
         shard_pos=shard_pos,
@@ -261,6 +286,10 @@ def _window(
         skipped=block.skipped,
         records=records,
         empty=empty,
+        images=images,
+        keys=keys,
+        source=spec.name,
+        name=name,
     )
 
 
@@ -268,15 +297,27 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     """Tokenize records ``[lo, hi)`` of a window and cut them into items, in order."""
     texts = window.texts.slice(lo, hi - lo)
     tokens, offsets = tokenizer.encode(texts)
+    cap = plan.batch.max_seq_len
+    fused = None
+    if window.images is not None:  # image tokens go before each text (overlord.plan.vision)
+        assert plan.vision is not None
+        fused = fuse_images(
+            *(window, lo, hi, tokens, offsets, plan.vision),
+            image_token_id(plan.vision, tokenizer),
+            cap,
+            plan.on_error is OnError.SKIP,
+        )
+        tokens, offsets = fused.tokens, fused.offsets
     doc_start = offsets[:-1]
     doc_len = np.diff(offsets)
     rows = window.rows[lo:hi]
 
-    cap = plan.batch.max_seq_len
-    keep = doc_len > 0
+    keep = doc_len > 0 if fused is None else (fused.text_len > 0) & fused.ok
     empty = int(len(keep) - keep.sum())  # texts the tokenizer makes nothing of
     policy = plan.batch.long_docs
     dropped = 0
+    bad = 0 if fused is None else int((~fused.ok).sum())
+    empty -= bad  # a bad record is counted as skipped, not empty
     if policy is LongDocs.DROP:
         dropped = int((keep & (doc_len > cap)).sum())
         keep &= doc_len <= cap
@@ -293,7 +334,7 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     start = doc_start[doc_of] + k * cap
     length = np.minimum(cap, doc_len[doc_of] - k * cap).astype(np.int32)
     chunk = np.where(n_chunks[doc_of] > 1, k, -1).astype(np.int32)
-    return ShardItems(
+    items = ShardItems(
         epoch=window.epoch,
         shard_pos=window.shard_pos,
         file_index=window.file_index,
@@ -307,6 +348,14 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         empty=empty,
         text_bytes=int(pc.sum(pc.binary_length(texts)).as_py() or 0),
     )
+    if fused is not None:
+        kept = np.flatnonzero(keep)
+        items.text_bytes = window.text_bytes(lo, hi)  # images too: what tokens_per_byte sees
+        items.skipped = fused.skipped
+        keys = None if window.keys is None else window.keys.slice(lo, hi - lo).to_pylist()
+        width = 3 * plan.vision.patch_size**2 if plan.vision is not None else 0
+        image_payload(items, [fused.patches[i] for i in kept], doc_of, k, keys, kept, width)
+    return items
 
 
 def load_shard_items(
@@ -350,6 +399,15 @@ def load_shard_items(
         skipped=skipped,
     )
     items.empty += empty
+    items.skipped += [e for p in parts for e in p.skipped]
+    if any(p.pixels is not None for p in parts):
+        at = np.cumsum([0] + [len(p.pixels) for p in parts if p.pixels is not None])
+        items.pixels = np.concatenate([p.pixels for p in parts if p.pixels is not None])
+        items.patch_start = np.concatenate(
+            [p.patch_start + b for p, b in zip(parts, at) if p.patch_start is not None]
+        )
+        items.grid = np.concatenate([p.grid for p in parts if p.grid is not None])
+        items.keys = [k for p in parts for k in (p.keys or [])] if parts[0].keys else None
     return items
 
 
@@ -357,11 +415,25 @@ def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
-def _without_blank(rows: np.ndarray, texts: pa.Array) -> tuple[np.ndarray, pa.Array, int]:
-    """The records whose text is not blank, and how many were."""
+def _without_blank(
+    rows: np.ndarray, texts: pa.Array
+) -> tuple[np.ndarray, pa.Array, int, pa.Array | None]:
+    """The records whose text is not blank, how many were, and the mask (None: all kept)."""
     blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
     n = int(pc.sum(blank).as_py() or 0)
     if n == 0:
-        return rows, texts, 0
+        return rows, texts, 0, None
     keep = pc.invert(blank)
-    return rows[np.asarray(keep, dtype=bool)], texts.filter(keep), n
+    return rows[np.asarray(keep, dtype=bool)], texts.filter(keep), n, keep
+
+
+def _array_offsets(a: pa.Array) -> np.ndarray:
+    """The int64 offsets of a large_string or large_binary array."""
+    n, at = len(a), a.offset
+    return np.frombuffer(a.buffers()[1], np.int64)[at : at + n + 1]
+
+
+def _concat(arrays: list[pa.Array | None], kind: pa.DataType) -> pa.Array | None:
+    if not arrays or any(a is None for a in arrays):
+        return None
+    return pa.concat_arrays(arrays).cast(kind)

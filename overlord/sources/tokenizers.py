@@ -79,6 +79,11 @@ class HFTokenizer:
             self.eos_id = eos_id
         self.pad_id = self.eos_id if self.eos_id is not None else 0
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` in the vocabulary, None if it has none."""
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
     def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """Encode a batch on the Rust side, which runs in parallel and releases the GIL.
 

@@ -1,0 +1,130 @@
+"""How a plan runs: reading, recovery, autoscaling, monitoring, placement.
+
+None of these settings changes which samples form a step (they are left out
+of the plan's stream fingerprint); :mod:`overlord.plan.spec` holds the rest of
+the plan and re-exports these.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class LoadingSpec(_Model):
+    """How source loaders read ahead."""
+
+    threads: int = Field(1, ge=1, description="reader threads per SourceLoader")
+    timeout_s: float = Field(300.0, gt=0, description="longest wait for a source before failing")
+
+
+class RecoverySpec(_Model):
+    """How the planner journals its state, so that a restarted planner resumes exactly."""
+
+    journal_dir: str | None = Field(
+        None,
+        description="folder of the planner's journal (default: a temporary folder, removed "
+        "when the job closes); on a cluster, storage the planner's next node can read",
+    )
+    snapshot_every: int = Field(
+        100, ge=1, description="steps between full snapshots; one small delta per step between"
+    )
+    rewind_steps: int = Field(
+        0,
+        ge=0,
+        description="consumed steps whose items stay held after the newest checkpoint handed "
+        "out, so that trainers restarting from it rewind the live job (overlord.connect(..., "
+        "state=)); each loader's read-ahead budget grows by as much",
+    )
+    fsync: bool = Field(
+        False,
+        description="fsync every journal record (survives a machine crash, not only a "
+        "killed process)",
+    )
+
+
+class AutoscaleSpec(_Model):
+    """Sizing every source's loaders to its cost and share (on when ``cpus`` is given)."""
+
+    cpus: float | None = Field(
+        None,
+        gt=0,
+        description="CPU cores all SourceLoaders' readers may burn together at the schedule's "
+        "peak demand (an idle loader burns none; loaders cost memory)",
+    )
+    memory_gb: float | None = Field(None, gt=0, description="memory all SourceLoaders may use")
+    every: int = Field(10, ge=1, description="steps between decisions")
+    max_threads_per_loader: int = Field(4, ge=1)
+    min_loaders: int = Field(1, ge=1)
+    thread_efficiency: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="what a loader's second thread adds, as a share of its first (near 0 "
+        "where decoding holds Python's GIL)",
+    )
+    headroom: float = Field(1.25, ge=1)
+    cooldown_steps: int = Field(20, ge=0)
+    horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
+
+
+class MonitoringSpec(_Model):
+    """The Prometheus endpoint (``pip install 'overlord[metrics]'``)."""
+
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve metrics on 127.0.0.1:port (0: a free port; null: no endpoint)",
+    )
+
+
+class LoaderPlacement(str, Enum):
+    """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
+
+    DEFAULT = "default"
+    SPREAD = "spread"
+
+
+class ConstructorSite(str, Enum):
+    """Where a DataConstructor runs: its own actor, or inside the trainer process it feeds."""
+
+    ACTOR = "actor"
+    TRAINER = "trainer"
+
+
+class PlacementSpec(_Model):
+    """Where roles run and what they reserve (Ray runtime)."""
+
+    loader_cpus: float = Field(0.0, ge=0, description="CPUs reserved per SourceLoader actor")
+    planner_cpus: float = Field(0.0, ge=0)
+    constructor_cpus: float = Field(0.0, ge=0)
+    loader_strategy: LoaderPlacement = LoaderPlacement.DEFAULT
+    loader_nodes: dict[str, str] = Field(
+        default_factory=dict, description="source name -> Ray node id its loaders must run on"
+    )
+    ranks_per_constructor: int = Field(
+        1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
+    )
+    loader_processes: int | None = Field(
+        None,
+        ge=1,
+        description="processes that hold the job's SourceLoaders (default: one per loader); "
+        "fewer saves a process's fixed memory per loader",
+    )
+    assigners: int | None = Field(
+        None,
+        ge=0,
+        description="actors that balance a step's groups of ranks in parallel (default: one "
+        "per group, at most 16, on Ray; none embedded); 0: the planner balances them itself",
+    )
+    constructors: ConstructorSite = Field(
+        ConstructorSite.ACTOR,
+        description="actor: DataConstructors are actors; trainer: each trainer builds its own "
+        "batches from the loaders (one hop and one process fewer per batch)",
+    )

@@ -1,0 +1,270 @@
+"""Image-text shards: WebDataset tars read as a stream, and Parquet files with an image column.
+
+A WebDataset tar holds *samples*: runs of consecutive file members that
+share a *key*, the member's path up to the first ``.`` of its base name
+(``a/b/000017.jpg`` and ``a/b/000017.txt`` are the members ``jpg`` and ``txt``
+of key ``a/b/000017``). A sample's image is its first member whose extension
+(lower case) is one of ``image_field`` (``;`` between them; default
+``jpg;jpeg;png;webp``), its text the member ``key.<text_field>`` (UTF-8) or,
+when it has none, the string field ``text_field`` of its ``key.json`` member.
+A sample with no image or no text is a bad record naming its member.
+
+A tar is read as a stream (``.tar``, or ``.tar.gz`` decompressed as it goes),
+never extracted. Its *row* ``r`` is its ``r``-th sample (0-based) and its
+blocks are cut like a compressed JSONL file's: block ``k`` holds the samples
+whose first member's header starts at a byte offset ``k·B <= o < (k+1)·B`` of
+the (decompressed) tar, ``B = shuffle.block_bytes``; a member longer than
+``B`` leaves the blocks it spans empty, and the tar has as many blocks as
+reach its last sample. The blocks come in file order (a stream cannot seek).
+
+A Parquet file with ``image_field`` (a binary column of encoded images)
+reads like a text one: block ``k`` is row group ``k``; a null image or text
+is a bad record.
+
+Images stay encoded here: they are decoded, resized and cut into patches
+when a piece of a window is tokenized (:mod:`overlord.sources.images`).
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterator
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from overlord.errors import SourceError
+from overlord.plan.spec import Format
+from overlord.plan.vision import IMAGE_EXTENSIONS
+from overlord.sources.files import Shard
+from overlord.sources.formats import RecordBlock, ShardReader
+
+
+def split_member(name: str) -> tuple[str, str]:
+    """``(key, extension)`` of a tar member: the path up to the base name's first dot.
+
+    >>> split_member("a/b/000017.seg.png")
+    ('a/b/000017', 'seg.png')
+    """
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def _image_exts(image_field: str | None) -> tuple[str, ...]:
+    if not image_field:
+        return IMAGE_EXTENSIONS
+    return tuple(e.strip().lower().lstrip(".") for e in image_field.split(";") if e.strip())
+
+
+def _empty(number: int) -> RecordBlock:
+    return RecordBlock(
+        number,
+        np.zeros(0, np.int64),
+        pa.array([], pa.large_string()),
+        images=pa.array([], pa.large_binary()),
+        keys=pa.array([], pa.large_string()),
+    )
+
+
+class _Collect:
+    """The records of one block as they are found."""
+
+    def __init__(self, number: int):
+        self.number = number
+        self.rows: list[int] = []
+        self.texts: list[str] = []
+        self.images: list[bytes] = []
+        self.keys: list[str] = []
+        self.skipped: list[SourceError] = []
+
+    def block(self) -> RecordBlock:
+        return RecordBlock(
+            self.number,
+            np.asarray(self.rows, dtype=np.int64),
+            pa.array(self.texts, pa.large_string()),
+            self.skipped,
+            images=pa.array(self.images, pa.large_binary()),
+            keys=pa.array(self.keys, pa.large_string()),
+        )
+
+
+class WebDatasetReader(ShardReader):
+    """One WebDataset tar, as a stream of blocks of samples."""
+
+    def __init__(
+        self,
+        source: str,
+        shard: Shard,
+        text_field: str,
+        image_field: str | None,
+        block_bytes: int,
+        skip: bool,
+    ):
+        self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+        self.exts, self.block_bytes = _image_exts(image_field), block_bytes
+        self._f = fsspec.open(shard.url, "rb").open()
+
+    def _samples(self) -> Iterator[tuple[int, str, dict[str, bytes]]]:
+        """``(offset of its first header, key, members by extension)`` of every sample."""
+        try:
+            tar = tarfile.open(fileobj=self._f, mode="r|*")  # noqa: SIM115 - closed below
+        except tarfile.TarError as e:
+            raise OSError(f"not a tar file ({e})") from None
+        at, key, members = -1, None, dict[str, bytes]()
+        try:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                k, ext = split_member(info.name)
+                got = tar.extractfile(info)
+                data = got.read() if got is not None else b""
+                if k != key:
+                    if key is not None:
+                        yield at, key, members
+                    at, key, members = info.offset, k, {}
+                members.setdefault(ext, data)
+        except (tarfile.TarError, EOFError) as e:
+            raise OSError(f"corrupt or truncated tar ({e})") from None
+        finally:
+            tar.close()
+        if key is not None:
+            yield at, key, members
+
+    def _record(self, row: int, key: str, members: dict[str, bytes], into: _Collect) -> None:
+        image = next((e for e in self.exts if e in members), None)
+        reason, text = None, None
+        if image is None:
+            reason = f"sample '{key}' has no image member {self.exts} (it has {sorted(members)})"
+        elif self.text_field in members:
+            try:
+                text = members[self.text_field].decode("utf-8")
+            except UnicodeDecodeError as e:
+                reason = f"member {key}.{self.text_field} is not UTF-8 ({e})"
+        elif "json" in members:
+            try:
+                record = json.loads(members["json"])
+                text = record[self.text_field] if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    reason = f"member {key}.json: field '{self.text_field}' is not a string"
+            except (ValueError, KeyError) as e:
+                reason = f"member {key}.json: no string field '{self.text_field}' ({e!r})"
+        else:
+            reason = f"sample '{key}' has no member {self.text_field} or json"
+        if reason is not None:
+            err = SourceError(self.source, self.shard.name, row, reason)
+            if not self.skip:
+                raise err
+            into.skipped.append(err)
+            return
+        assert image is not None and text is not None
+        into.rows.append(row)
+        into.texts.append(text)
+        into.images.append(members[image])
+        into.keys.append(f"{key}.{image}")
+
+    def blocks(self) -> Iterator[RecordBlock]:
+        """Every block, in file order (a tar is a stream)."""
+        B = self.block_bytes
+        cur = _Collect(0)
+        for row, (at, key, members) in enumerate(self._samples()):
+            k = at // B
+            while cur.number < k:
+                yield cur.block()
+                cur = _Collect(cur.number + 1)
+            self._record(row, key, members, cur)
+        if cur.rows or cur.skipped:
+            yield cur.block()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
+class ParquetImageReader(ShardReader):
+    """A Parquet file with a text column and a binary column of encoded images."""
+
+    def __init__(self, source: str, shard: Shard, text_field: str, image_field: str, skip: bool):
+        self.source, self.shard, self.skip = source, shard, skip
+        self.fields = (text_field, image_field)
+        self._f = fsspec.open(shard.url, "rb").open()
+        try:
+            self._pf = pq.ParquetFile(self._f)
+        except (pa.ArrowException, OSError) as e:
+            self._f.close()
+            raise SourceError(source, shard.name, None, f"cannot read Parquet file ({e})") from None
+        schema = self._pf.schema_arrow
+        t = pa.types
+        checks = ((text_field, "strings", (t.is_string, t.is_large_string)),
+                  (image_field, "binary", (t.is_binary, t.is_large_binary)))  # fmt: skip
+        for name, want, tests in checks:
+            problem = None
+            if name not in schema.names:
+                problem = f"no column '{name}' (columns: {schema.names})"
+            elif not any(t(schema.field(name).type) for t in tests):
+                problem = f"column '{name}' is {schema.field(name).type}, expected {want}"
+            if problem is not None:
+                self._f.close()
+                raise SourceError(source, shard.name, None, problem)
+        meta = self._pf.metadata
+        self.n_blocks = meta.num_row_groups
+        sizes = [meta.row_group(i).num_rows for i in range(self.n_blocks)]
+        self._row0 = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+
+    def block(self, k: int) -> RecordBlock:
+        """Row group ``k``."""
+        try:
+            table = self._pf.read_row_group(k, columns=list(self.fields))
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(
+                self.source, self.shard.name, None, f"cannot read Parquet row group {k} ({e})"
+            ) from None
+        text = table.column(self.fields[0]).combine_chunks().cast(pa.large_string())
+        image = table.column(self.fields[1]).combine_chunks().cast(pa.large_binary())
+        rows = np.arange(len(text), dtype=np.int64) + int(self._row0[k])
+        valid = np.asarray(text.is_valid()) & np.asarray(image.is_valid())
+        skipped = [
+            SourceError(self.source, self.shard.name, int(r), "its text or its image is null")
+            for r in rows[~valid]
+        ]
+        if skipped and not self.skip:
+            raise skipped[0]
+        keep = pa.array(valid)
+        return RecordBlock(
+            k, rows[valid], text.filter(keep), skipped, images=image.filter(keep), keys=None
+        )
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
+def is_image_source(fmt: Format, image_field: str | None) -> bool:
+    """Whether a source's records carry images."""
+    return fmt is Format.WEBDATASET or image_field is not None
+
+
+def open_image_shard(
+    source: str,
+    shard: Shard,
+    fmt: Format,
+    text_field: str,
+    image_field: str | None,
+    block_bytes: int,
+    skip: bool,
+) -> ShardReader:
+    """Open one image-text shard; a file that cannot be opened raises :class:`SourceError`."""
+    try:
+        if fmt is Format.WEBDATASET:
+            return WebDatasetReader(source, shard, text_field, image_field, block_bytes, skip)
+        assert image_field is not None
+        return ParquetImageReader(source, shard, text_field, image_field, skip)
+    except SourceError:
+        raise
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(source, shard.name, None, f"cannot read file ({e})") from None
