@@ -10,7 +10,8 @@ What happens:
   generated pictures (a coloured disc or square on a coloured background, 20
   to 200 pixels a side) with captions that name the colours and the shape,
   some as ``.txt`` members and some in ``.json``. Nothing is downloaded.
-- ``overlord.node.NodeClient`` gives each rank its DP rank's batches: packed
+- ``overlord.Loader(plan)`` (under torchrun, the node's one Loader runs on
+  rank 0) gives each rank its DP rank's batches: packed
   ``input_ids`` in which each image is ``(h1/14)(w1/14)/4`` image tokens (id
   258) before its caption, ``pixel_values`` (float32, one row of 3·14·14 per
   patch, images in sample order) and ``image_grid`` (patches per image).
@@ -38,7 +39,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import overlord
-from overlord.node import NodeClient
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     losses, t0 = [], time.perf_counter()
-    client = NodeClient(plan, stop_step=args.steps)
+    loader = overlord.Loader(plan)  # a NodeLoader under torchrun: rank 0 reads for the node
+    client = loader.client(dist.get_rank(), stop_step=args.steps)
     for batch in client:
         b = {k: torch.from_numpy(v) for k, v in batch.arrays().items()}
         b["input_ids"], b["position_ids"] = b["input_ids"].long(), b["position_ids"].long()
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             n_img = len(batch.image_grid)
             print(f"step {batch.step} loss {losses[-1]:.4f} images {n_img}", flush=True)
-    client.close()
+    loader.close()
     if rank == 0:
         k = min(args.average, max(1, len(losses) // 2))
         first, last = np.mean(losses[:k]), np.mean(losses[-k:])

@@ -320,10 +320,8 @@ class NodeLoader(Loader):
         plan: Plan | str | Path,
         runtime: str = "inline",
         state: dict[str, Any] | None = None,
-        build_batches: bool = True,
-        job: str | None = None,
-        address: str | None = None,
-        node: bool | None = None,
+        *_: Any,
+        **__: Any,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:

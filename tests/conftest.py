@@ -132,6 +132,21 @@ def make_corpus(
     return path
 
 
+def two_sources(root: Path, dp: int = 4, timeout_s: float = 20, **overrides: Any) -> Path:
+    """The corpus of the Ray tests: 3 JSONL shards read by 2 loaders and a Parquet file."""
+    return make_corpus(
+        root,
+        sources={
+            "web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(3)}, "loaders": 2},
+            "code": {"files": {"data/code/part-0.parquet": 25}, "text_field": "content"},
+        },
+        batch={"tokens_per_step": 512, "max_seq_len": 64},
+        world={"dp": dp},
+        loading={"timeout_s": timeout_s},
+        **overrides,
+    )
+
+
 @pytest.fixture(name="make_corpus")
 def _make_corpus_fixture() -> Callable[..., Path]:
     """``make_corpus(root, sources=None, **plan_overrides) -> plan path``."""

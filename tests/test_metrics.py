@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import two_sources
 
 from overlord import Loader, load_plan
 from overlord.metrics import METRICS, Figures, Histogram
@@ -21,17 +22,8 @@ pytestmark = [pytest.mark.integration]
 
 
 @pytest.fixture
-def plan(tmp_path: Path, make_corpus):
-    path = make_corpus(
-        tmp_path,
-        sources={
-            "web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(3)}, "loaders": 2},
-            "code": {"files": {"data/code/part-0.parquet": 25}, "text_field": "content"},
-        },
-        batch={"tokens_per_step": 512, "max_seq_len": 64},
-        world={"dp": 4},
-        loading={"timeout_s": 20},
-    )
+def plan(tmp_path: Path):
+    path = two_sources(tmp_path)
     return with_port(load_plan(path), 0)
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import two_sources
 
 from overlord import Loader, LoaderError, SourceError, connect, load_plan
 from overlord.run import dump_line, run_plan
@@ -19,17 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.integration]
 
 
 @pytest.fixture
-def plan_path(tmp_path: Path, make_corpus) -> Path:
-    return make_corpus(
-        tmp_path,
-        sources={
-            "web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(3)}, "loaders": 2},
-            "code": {"files": {"data/code/part-0.parquet": 25}, "text_field": "content"},
-        },
-        batch={"tokens_per_step": 512, "max_seq_len": 64},
-        world={"dp": 4},
-        loading={"timeout_s": 20},
-    )
+def plan_path(tmp_path: Path) -> Path:
+    return two_sources(tmp_path)
 
 
 def _dump(plan, steps, runtime, **kw) -> str:

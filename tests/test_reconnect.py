@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import two_sources
 
 from overlord import Loader, LoaderError, load_plan
 from overlord.plan.spec import validate_plan
@@ -52,18 +53,8 @@ client.close()
 
 
 @pytest.fixture
-def plan(tmp_path: Path, make_corpus):
-    path = make_corpus(
-        tmp_path,
-        sources={
-            "web": {"files": {f"data/web/part-{i}.jsonl": 30 for i in range(3)}, "loaders": 2},
-            "code": {"files": {"data/code/part-0.parquet": 25}, "text_field": "content"},
-        },
-        batch={"tokens_per_step": 512, "max_seq_len": 64},
-        world={"dp": DP},
-        loading={"timeout_s": 30},
-        recovery={"rewind_steps": 8},
-    )
+def plan(tmp_path: Path):
+    path = two_sources(tmp_path, dp=DP, timeout_s=30, recovery={"rewind_steps": 8})
     return load_plan(path)
 
 

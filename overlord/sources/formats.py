@@ -358,9 +358,18 @@ class _CompressedJsonl(ShardReader):
 # ---- Parquet -----------------------------------------------------------------------------
 
 
-class _Parquet(ShardReader):
-    def __init__(self, source: str, shard: Shard, text_field: str, skip: bool):
-        self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+STRINGS = ("strings", (pa.types.is_string, pa.types.is_large_string))
+BINARY = ("binary", (pa.types.is_binary, pa.types.is_large_binary))
+
+
+class ParquetReader(ShardReader):
+    """A Parquet file whose blocks are its row groups; ``columns`` name and type its fields."""
+
+    def __init__(
+        self, source: str, shard: Shard, columns: list[tuple[str, tuple[str, Any]]], skip: bool
+    ):
+        self.source, self.shard, self.skip = source, shard, skip
+        self.columns = [name for name, _ in columns]
         self._f = fsspec.open(shard.url, "rb").open()
         try:
             self._pf = pq.ParquetFile(self._f)
@@ -368,31 +377,43 @@ class _Parquet(ShardReader):
             self._f.close()
             raise SourceError(source, shard.name, None, f"cannot read Parquet file ({e})") from None
         schema = self._pf.schema_arrow
-        if text_field not in schema.names:
-            self._f.close()
-            raise SourceError(
-                source, shard.name, None, f"no column '{text_field}' (columns: {schema.names})"
-            )
-        kind = schema.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            self._f.close()
-            raise SourceError(
-                source, shard.name, None, f"column '{text_field}' is {kind}, expected strings"
-            )
+        for name, (want, tests) in columns:
+            problem = None
+            if name not in schema.names:
+                problem = f"no column '{name}' (columns: {schema.names})"
+            elif not any(t(schema.field(name).type) for t in tests):
+                problem = f"column '{name}' is {schema.field(name).type}, expected {want}"
+            if problem is not None:
+                self._f.close()
+                raise SourceError(source, shard.name, None, problem)
         meta = self._pf.metadata
         self.n_blocks = meta.num_row_groups
         sizes = [meta.row_group(i).num_rows for i in range(self.n_blocks)]
         self._row0 = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
 
-    def block(self, k: int) -> RecordBlock:
+    def row_group(self, k: int) -> tuple[pa.Table, np.ndarray]:
+        """Row group ``k``'s columns, and the rows it holds."""
         try:
-            table = self._pf.read_row_group(k, columns=[self.text_field])
+            table = self._pf.read_row_group(k, columns=self.columns)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(
                 self.source, self.shard.name, None, f"cannot read Parquet row group {k} ({e})"
             ) from None
+        return table, np.arange(table.num_rows, dtype=np.int64) + int(self._row0[k])
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
+class _Parquet(ParquetReader):
+    def __init__(self, source: str, shard: Shard, text_field: str, skip: bool):
+        super().__init__(source, shard, [(text_field, STRINGS)], skip)
+        self.text_field = text_field
+
+    def block(self, k: int) -> RecordBlock:
+        table, rows = self.row_group(k)
         col = table.column(self.text_field).combine_chunks().cast(pa.large_string())
-        rows = np.arange(len(col), dtype=np.int64) + int(self._row0[k])
         if col.null_count == 0:
             return RecordBlock(k, rows, col)
         valid = np.asarray(col.is_valid())
@@ -403,9 +424,6 @@ class _Parquet(ShardReader):
         if not self.skip:
             raise skipped[0]
         return RecordBlock(k, rows[valid], col.filter(pa.array(valid)), skipped)
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def open_shard(

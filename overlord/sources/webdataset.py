@@ -34,13 +34,12 @@ from collections.abc import Iterator
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from overlord.errors import SourceError
 from overlord.plan.spec import Format
 from overlord.plan.vision import IMAGE_EXTENSIONS
 from overlord.sources.files import Shard
-from overlord.sources.formats import RecordBlock, ShardReader
+from overlord.sources.formats import BINARY, STRINGS, ParquetReader, RecordBlock, ShardReader
 
 
 def split_member(name: str) -> tuple[str, str]:
@@ -186,47 +185,18 @@ class WebDatasetReader(ShardReader):
         self._f.close()
 
 
-class ParquetImageReader(ShardReader):
+class ParquetImageReader(ParquetReader):
     """A Parquet file with a text column and a binary column of encoded images."""
 
     def __init__(self, source: str, shard: Shard, text_field: str, image_field: str, skip: bool):
-        self.source, self.shard, self.skip = source, shard, skip
+        super().__init__(source, shard, [(text_field, STRINGS), (image_field, BINARY)], skip)
         self.fields = (text_field, image_field)
-        self._f = fsspec.open(shard.url, "rb").open()
-        try:
-            self._pf = pq.ParquetFile(self._f)
-        except (pa.ArrowException, OSError) as e:
-            self._f.close()
-            raise SourceError(source, shard.name, None, f"cannot read Parquet file ({e})") from None
-        schema = self._pf.schema_arrow
-        t = pa.types
-        checks = ((text_field, "strings", (t.is_string, t.is_large_string)),
-                  (image_field, "binary", (t.is_binary, t.is_large_binary)))  # fmt: skip
-        for name, want, tests in checks:
-            problem = None
-            if name not in schema.names:
-                problem = f"no column '{name}' (columns: {schema.names})"
-            elif not any(t(schema.field(name).type) for t in tests):
-                problem = f"column '{name}' is {schema.field(name).type}, expected {want}"
-            if problem is not None:
-                self._f.close()
-                raise SourceError(source, shard.name, None, problem)
-        meta = self._pf.metadata
-        self.n_blocks = meta.num_row_groups
-        sizes = [meta.row_group(i).num_rows for i in range(self.n_blocks)]
-        self._row0 = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
 
     def block(self, k: int) -> RecordBlock:
         """Row group ``k``."""
-        try:
-            table = self._pf.read_row_group(k, columns=list(self.fields))
-        except (pa.ArrowException, OSError) as e:
-            raise SourceError(
-                self.source, self.shard.name, None, f"cannot read Parquet row group {k} ({e})"
-            ) from None
+        table, rows = self.row_group(k)
         text = table.column(self.fields[0]).combine_chunks().cast(pa.large_string())
         image = table.column(self.fields[1]).combine_chunks().cast(pa.large_binary())
-        rows = np.arange(len(text), dtype=np.int64) + int(self._row0[k])
         valid = np.asarray(text.is_valid()) & np.asarray(image.is_valid())
         skipped = [
             SourceError(self.source, self.shard.name, int(r), "its text or its image is null")
@@ -238,10 +208,6 @@ class ParquetImageReader(ShardReader):
         return RecordBlock(
             k, rows[valid], text.filter(keep), skipped, images=image.filter(keep), keys=None
         )
-
-    def close(self) -> None:
-        """Close the file."""
-        self._f.close()
 
 
 def is_image_source(fmt: Format, image_field: str | None) -> bool:
