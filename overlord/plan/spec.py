@@ -233,6 +233,7 @@ class Plan(_Model):
     vision: VisionSpec | None = None
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _fingerprints: dict[str, str] = PrivateAttr(default_factory=dict)  # a frozen plan's
 
     @property
     def base_dir(self) -> Path:
@@ -290,6 +291,8 @@ class Plan(_Model):
         The source's files are not in it: the state records them, and a resume
         checks them file by file (:mod:`overlord.sources.catalog`).
         """
+        if name in self._fingerprints:
+            return self._fingerprints[name]
         spec = next(s for s in self.sources if s.name == name)
         unset = {"image_field"} if spec.image_field is None else set()  # text keeps its hash
         data: dict[str, Any] = {
@@ -304,7 +307,8 @@ class Plan(_Model):
         if self.vision is not None and (spec.format is Format.WEBDATASET or spec.image_field):
             data["vision"] = self.vision.model_dump(mode="json")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        self._fingerprints[name] = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return self._fingerprints[name]
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
