@@ -342,3 +342,31 @@ def test_dump_and_summary_report_both_terms(tmp_path: Path) -> None:
 def kk(tokens: np.ndarray, ref: np.ndarray, dp: int, rpr: int, cap: int) -> Any:
     """``assign`` with kk for these items, given a cost (what the planner passes)."""
     return lambda cost: assign(tokens, cost, ref, dp, rpr, cap, BalanceMethod.KK)
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+@pytest.mark.parametrize("site", ["actor", "trainer"])
+def test_images_on_ray_are_the_embedded_images(ray_session: Any, tmp_path: Path, site: str) -> None:
+    """Patches travel from SourceLoader actors as numpy arrays: the batches equal embedded ones."""
+    image_text_tar(tmp_path / "a.tar", random_images(12, seed=6, sizes=(20, 160)))
+    plan = make_plan(
+        tmp_path,
+        [TAR],
+        batch={"tokens_per_step": 2048, "max_seq_len": 512},
+        placement={"constructors": site, "loader_processes": 1 if site == "trainer" else None},
+    )
+
+    def batches(runtime: str) -> list[Any]:
+        with overlord.Loader(plan, runtime=runtime) as loader:
+            clients = [loader.client(r) for r in range(2)]
+            return [next(c) for _ in range(3) for c in clients]
+
+    for got, want in zip(batches("ray"), batches("inline")):
+        assert [s.id for s in got.samples] == [s.id for s in want.samples]
+        assert np.array_equal(got.input_ids, want.input_ids)
+        assert np.array_equal(got.labels, want.labels)
+        assert got.pixel_values is not None and want.pixel_values is not None
+        assert np.array_equal(got.pixel_values, want.pixel_values)
+        assert np.array_equal(got.image_grid, want.image_grid)
+    assert any(len(b.pixel_values) for b in batches("inline") if b.pixel_values is not None)
