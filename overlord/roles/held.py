@@ -174,26 +174,34 @@ class HeldItems:
             return None
         return pieces[j]
 
-    def release(self, at: Position, index: np.ndarray, read: np.ndarray) -> None:
-        """Release items ``index`` (sorted) of shard ``at``; ``read``: those published yet."""
-        if not read.all():  # not read yet: dropped when it is
-            self._released_ahead.setdefault(at, []).extend(index[~read].tolist())
-            index = index[read]
+    def release(self, at: Position, index: list[int], read_before: int | None = None) -> None:
+        """Release items ``index`` of shard ``at``; those from ``read_before`` on are not read yet.
+
+        A step releases a few items per shard: plain Python over them costs
+        less than numpy's calls would.
+        """
+        if read_before is not None and any(i >= read_before for i in index):
+            ahead = [i for i in index if i >= read_before]  # dropped when they are read
+            self._released_ahead.setdefault(at, []).extend(ahead)
+            index = [i for i in index if i < read_before]
         pieces = self.shards.get(at)
-        if not pieces or not len(index):
+        if not pieces or not index:
             return
-        bases = np.array([p.base for p in pieces])
-        which = np.searchsorted(bases, index, side="right") - 1
-        for j in np.unique(which[which >= 0]).tolist():
-            piece = pieces[j]
-            local = index[which == j] - piece.base
-            local = local[local < len(piece.items)]
-            freed = local[piece.remaining[local]]
-            piece.remaining[freed] = False
-            self.tokens -= int(piece.items.length[freed].sum())
-        self.shards[at] = [p for p in pieces if p.remaining.any()]
-        if not self.shards[at] and at not in self.open:
-            del self.shards[at]
+        bases = [p.base for p in pieces]
+        emptied = False
+        for i in index:
+            j = bisect.bisect_right(bases, i) - 1
+            if j < 0:
+                continue
+            piece, k = pieces[j], i - bases[j]
+            if k < len(piece.items) and piece.remaining[k]:
+                piece.remaining[k] = False
+                self.tokens -= int(piece.items.length[k])
+                emptied = emptied or not piece.remaining.any()
+        if emptied:
+            self.shards[at] = [p for p in pieces if p.remaining.any()]
+            if not self.shards[at] and at not in self.open:
+                del self.shards[at]
 
     def rewind(self, start: dict[str, Any], shards: list[Position]) -> Key | None:
         """Consume what ``start`` consumed; the first item it needs that was released, if any.
@@ -204,7 +212,7 @@ class HeldItems:
         first = self.floor[:2]
         for at in [at for at in self.shards if at < first]:  # consumed
             for piece in list(self.shards.get(at, [])):
-                self.release(at, piece.base + np.flatnonzero(piece.remaining), _all(piece))
+                self.release(at, (piece.base + np.flatnonzero(piece.remaining)).tolist())
         for at in [at for at in self._released_ahead if at < first]:
             del self._released_ahead[at]
         for at in shards:
@@ -213,8 +221,7 @@ class HeldItems:
                 lost = keep & ~piece.remaining
                 if lost.any():
                     return (*at, piece.base + int(np.flatnonzero(lost)[0]))
-                gone = piece.base + np.flatnonzero(piece.remaining & ~keep)
-                self.release(at, gone, np.ones(len(gone), dtype=bool))
+                self.release(at, (piece.base + np.flatnonzero(piece.remaining & ~keep)).tolist())
         return None
 
     def counts(self) -> dict[str, int]:
@@ -229,7 +236,3 @@ class HeldItems:
         """Hold nothing more."""
         self.shards.clear()
         self.tokens = 0
-
-
-def _all(piece: Piece) -> np.ndarray:
-    return np.ones(int(piece.remaining.sum()), dtype=bool)

@@ -244,7 +244,7 @@ class SourceLoader:
                 self._lock.notify_all()
                 self._pending.append(got)
                 return got
-            pieces = got.pieces()
+            pieces = list(got.cut)  # consumed as pieces start
             if pieces and not self._may_start(got, *pieces[0]):
                 return None
             self._windows.popleft()
@@ -447,23 +447,20 @@ class SourceLoader:
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
-        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+        by_shard: dict[Position, list[int]] = {}
+        for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
+            by_shard.setdefault((e, p), []).append(i)
         with self._lock:
-            if len(keys):
-                order = np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))
-                keys = keys[order]
-                cut = np.flatnonzero(np.any(np.diff(keys[:, :2], axis=0) != 0, axis=1)) + 1
-                for part in np.split(keys, cut):
-                    self._release_in((int(part[0, 0]), int(part[0, 1])), part[:, 2])
+            for at, index in by_shard.items():
+                self._release_in(at, index)
             self._lock.notify_all()
 
-    def _release_in(self, at: Position, index: np.ndarray) -> None:
-        """Release items ``index`` (sorted) of shard ``at`` (lock held)."""
-        if at == self._last[:2]:
-            read = index < self._last[2]
+    def _release_in(self, at: Position, index: list[int]) -> None:
+        """Release items ``index`` of shard ``at`` (lock held)."""
+        if at > self._last[:2]:
+            self._held.release(at, index, 0)  # none read yet
         else:
-            read = np.full(len(index), at < self._last[:2])
-        self._held.release(at, index, read)
+            self._held.release(at, index, self._last[2] if at == self._last[:2] else None)
 
     def promote(self, after: list[int] | None) -> None:
         """Start serving metadata: every block after key ``after`` (``[epoch, shard_pos, i]``).

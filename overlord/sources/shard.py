@@ -116,6 +116,11 @@ class Window:
         offs = self._offsets
         return int(offs[hi] - offs[lo])
 
+    @functools.cached_property
+    def cut(self) -> list[tuple[int, int]]:
+        """:meth:`pieces` of ``PIECE_BYTES``, computed once."""
+        return self.pieces()
+
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
         """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each.
 
