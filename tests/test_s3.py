@@ -21,6 +21,7 @@ from overlord import load_plan
 from overlord.errors import OverlordError
 from overlord.plan.spec import Plan, validate_plan
 from overlord.run import run_plan
+from overlord.sources.probe import check_source
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
@@ -122,6 +123,7 @@ def test_a_plan_on_s3_streams_what_it_streams_on_local_copies(corpus):
     )
     assert without.stream_fingerprint() == remote.stream_fingerprint()
     assert without.source_fingerprint("code") == remote.source_fingerprint("code")
+    assert [check_source(remote, s) for s in remote.sources] == [[], []]  # overlord validate
     want, _ = dump(local)
     got, summary = dump(remote)
     ids = [s["id"] for line in got for s in line["samples"]]
