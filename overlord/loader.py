@@ -134,7 +134,10 @@ class Loader:
         base = str(self.plan.base_dir)
         # the job's data: listed once, here; every role reads this list
         self.files = job_files(
-            ((s.name, _patterns(s.path)) for s in self.plan.sources), base, state
+            ((s.name, _patterns(s.path)) for s in self.plan.sources),
+            base,
+            state,
+            {s.name: s.storage_options for s in self.plan.sources},
         )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)

@@ -202,7 +202,7 @@ def planner_figures(planner: Planner) -> dict[str, Any]:
             "buffered_tokens": sum(int(s.get("held_tokens", 0)) for s in mine),
             "reads_in_flight": sum(int(s.get("reads_in_flight", 0)) for s in mine),
             "skipped": sum(int(s.get("skipped", 0)) for s in mine),
-            "retries": sum(int(s.get("retries", 0)) for s in mine),
+            "retries": sum(int(s.get("read_retries", 0)) for s in mine),
         }
     events = list(pool.events)
     out["sources"] = sources

@@ -137,6 +137,7 @@ def summarize(
         "skipped_records": skipped,
         "skipped_examples": [e for s in stats["loaders"] for e in s["skipped_examples"]][:5],
         "dropped_docs": sum(s["dropped"] for s in stats["loaders"]),
+        "read_retries": sum(s.get("read_retries", 0) for s in stats["loaders"]),
         "records": _records(names, stats["loaders"]),
         "checkpoint_bytes": ckpt_bytes,
         "scaling": _scaling(stats.get("scaling", [])),

@@ -21,6 +21,12 @@ class LoadingSpec(_Model):
 
     threads: int = Field(1, ge=1, description="reader threads per SourceLoader")
     timeout_s: float = Field(300.0, gt=0, description="longest wait for a source before failing")
+    retries: int = Field(
+        5,
+        ge=0,
+        description="retries of a transient read error of a URL (throttling, 5xx, a reset "
+        "connection), with exponential backoff, before the error names the URL",
+    )
 
 
 class RecoverySpec(_Model):

@@ -103,6 +103,11 @@ class SourceSpec(_Model):
         description="hot standby replicas per SourceLoader, which take over when it dies "
         "(default: 0 on the inline runtime, 1 on Ray)",
     )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec's options for the source's URLs (e.g. s3: endpoint_url, key, "
+        "secret, anon); not part of any fingerprint: they say how to reach the data, not which",
+    )
 
 
 class TokenizerSpec(_Model):
@@ -277,6 +282,7 @@ class Plan(_Model):
         for s in data["sources"]:
             s.pop("loaders")
             s.pop("shadows")
+            s.pop("storage_options")
             if s["image_field"] is None:  # unset: a text plan's fingerprint stays as it was
                 s.pop("image_field")
         if data["vision"] is None:
@@ -295,9 +301,10 @@ class Plan(_Model):
             return self._fingerprints[name]
         spec = next(s for s in self.sources if s.name == name)
         unset = {"image_field"} if spec.image_field is None else set()  # text keeps its hash
+        unset |= {"loaders", "shadows", "storage_options"}  # who reads, and how: not the items
         data: dict[str, Any] = {
             "seed": self.seed,
-            "source": spec.model_dump(mode="json", exclude={"loaders", "shadows", *unset}),
+            "source": spec.model_dump(mode="json", exclude=unset),
             "tokenizer": self.tokenizer.model_dump(mode="json"),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
@@ -447,7 +454,9 @@ def _glob_problems(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]
         if not isinstance(name, str) or not isinstance(patterns, list):
             continue
         try:
-            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir)
+            options = _get(src, "storage_options")
+            options = options if isinstance(options, dict) else None
+            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir, options)
         except PlanError as e:
             problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
     for i, src in enumerate(sources):

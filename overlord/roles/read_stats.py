@@ -4,7 +4,8 @@
 (blank texts, or texts that give no token: not samples), ``skipped`` (bad
 records, under ``on_error: skip``) and ``dropped`` (too long, ``long_docs:
 drop``) count each part of a file once, the first time the loader reads it,
-whatever the epochs. Not thread-safe: the loader's lock guards every call.
+whatever the epochs. ``read_retries`` counts the transient read errors
+retried (:mod:`overlord.sources.remote`). Not thread-safe: the loader's lock guards every call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from overlord.sources.remote import Retries
 from overlord.sources.shard import ShardItems, Window
 
 COST_EMA = 0.2  # weight of the newest piece in the moving averages of its costs
@@ -21,7 +23,8 @@ EXAMPLES = 20  # bad records kept as examples
 class ReadStats:
     """Counts and moving averages of one loader's reading."""
 
-    def __init__(self) -> None:
+    def __init__(self, retries: Retries | None = None) -> None:
+        self.retries = retries or Retries()  # counts the reads retried (read_retries)
         self.counts: dict[str, Any] = {
             "shards": 0,
             "items": 0,
@@ -81,6 +84,7 @@ class ReadStats:
         """The counts, the costs per token and per sample, and examples of bad records."""
         return {
             **self.counts,
+            "read_retries": self.retries.count,
             "cpu_s_per_token": self._cost.get("s_per_token", float("nan")),
             "cpu_s_per_sample": self._cost.get("s_per_sample", float("nan")),
             "tokens_per_byte": self.tokens_per_byte,

@@ -63,7 +63,7 @@ from overlord.roles.held import HeldItems, Key, Position, metadata_block, payloa
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime.threads import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
-from overlord.sources.shard import ShardItems, Window, cut_items, shard_file, shard_windows
+from overlord.sources.shard import ShardIO, ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import make_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
@@ -134,7 +134,7 @@ class SourceLoader:
         self._frozen = False
         self._next: Position | None = self._start  # None: it owns no shard from here on
         self._threads = self.plan.loading.threads
-        self._cache: dict[Any, Any] = {}  # line indexes of plain JSONL files, for every epoch
+        self._cache = ShardIO(plan.loading.retries)  # line indexes (every epoch), retries
 
         self._lock = threading.Condition()
         self._windows: deque[Window | _Task | BaseException] = deque()  # read, not cut yet
@@ -147,7 +147,7 @@ class SourceLoader:
         self._closed = False
         self._reading = ""  # the shard the reader is on, for error messages
         self._waits_on: str | None = None  # what holds reading back: "budget" or "queue"
-        self._read = ReadStats()
+        self._read = ReadStats(self._cache.retries)
         self._threads_started = [
             threading.Thread(target=fn, name=f"overlord-{what}-{source}-{index}", daemon=True)
             for fn, what in ((self._read_windows, "window"), (self._run, "loader"))

@@ -29,6 +29,7 @@ from typing import Any
 
 from overlord.errors import CheckpointError
 from overlord.sources.files import find_shards
+from overlord.sources.remote import file_size
 
 
 @dataclass(frozen=True)
@@ -136,18 +137,24 @@ def _url(name: str, base_dir: str) -> str:
     return name if "://" in name else os.path.normpath(os.path.join(base_dir, name))
 
 
-def list_files(source: str, patterns: list[str], base_dir: str) -> list[File]:
-    """The files of a source now, with their sizes (globs relative to ``base_dir``, or URLs)."""
-    shards = find_shards(source, patterns, Path(base_dir))
-    local = [s for s in shards if "://" not in s.url]
-    remote = [s for s in shards if "://" in s.url]
-    sizes = {s.name: os.path.getsize(s.url) for s in local}
-    if remote:
-        import fsspec
+def list_files(
+    source: str,
+    patterns: list[str],
+    base_dir: str,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[File]:
+    """The files of a source now, with their sizes (globs relative to ``base_dir``, or URLs).
 
-        for s in remote:
-            fs, path = fsspec.core.url_to_fs(s.url)
-            sizes[s.name] = int(fs.size(path))
+    ``storage_options`` are fsspec's for the URLs (not part of a file's record).
+    """
+    shards = find_shards(source, patterns, Path(base_dir), storage_options)
+    sizes = {}
+    for s in shards:
+        if "://" not in s.url:
+            sizes[s.name] = os.path.getsize(s.url)
+        else:
+            with s.open(source) as f:
+                sizes[s.name] = file_size(f, s.url)
     return [File(s.name, s.url, sizes[s.name]) for s in shards]
 
 
@@ -155,10 +162,12 @@ def job_files(
     sources: Iterable[tuple[str, list[str]]],
     base_dir: str,
     state: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, SourceFiles]:
     """Each source's files for a job starting now, from ``state`` (a checkpoint) if given.
 
-    ``sources`` are ``(name, path patterns)``. A source the state records keeps
+    ``sources`` are ``(name, path patterns)``; ``storage_options`` fsspec's
+    options of a source's URLs, by source name. A source the state records keeps
     its recorded lists up to the furthest epoch the state reaches; files
     listed now join it from the next epoch. Raises :class:`CheckpointError`
     naming every recorded file that is missing or changed size.
@@ -167,7 +176,7 @@ def job_files(
     out: dict[str, SourceFiles] = {}
     problems: list[str] = []
     for name, patterns in sources:
-        now = list_files(name, patterns, base_dir)
+        now = list_files(name, patterns, base_dir, (storage_options or {}).get(name))
         record = saved.get(name, {}).get("files")
         if record is None:
             out[name] = SourceFiles(name, [(0, tuple(now))])

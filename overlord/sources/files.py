@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import glob as _glob
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import fsspec
 
 from overlord.errors import PlanError
+from overlord.sources.remote import Retries, open_file
 
 
 class SourcePaths(Protocol):
@@ -35,6 +38,13 @@ class Shard:
 
     url: str  # what to open: a local path or an fsspec URL
     name: str  # path relative to the plan's folder (local), else the URL
+    # how to reach a URL (fsspec's storage options), and how its transient errors are retried
+    storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    retries: Retries | None = field(default=None, compare=False)
+
+    def open(self, source: str) -> Any:
+        """The file, opened for reading in binary (reads of a URL retried)."""
+        return open_file(source, self.url, self.storage_options, self.retries)
 
 
 def resolve_files(spec: SourcePaths, base_dir: Path) -> list[Shard]:
@@ -43,16 +53,32 @@ def resolve_files(spec: SourcePaths, base_dir: Path) -> list[Shard]:
     Raises :class:`PlanError` naming each pattern that matches nothing.
     """
     patterns = [spec.path] if isinstance(spec.path, str) else list(spec.path)
-    return find_shards(spec.name, patterns, base_dir)
+    # a SourceSpec's fsspec options for its URLs (endpoint, credentials), if it has them
+    return find_shards(spec.name, patterns, base_dir, getattr(spec, "storage_options", None))
 
 
-def find_shards(source: str, patterns: list[str], base_dir: Path) -> list[Shard]:
-    """The files matching ``patterns`` (globs relative to ``base_dir``, or URLs), sorted."""
+def find_shards(
+    source: str,
+    patterns: list[str],
+    base_dir: Path,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[Shard]:
+    """The files matching ``patterns`` (globs relative to ``base_dir``, or URLs), sorted.
+
+    A URL's name is the URL itself (its ids read ``s3://bucket/web/part-3.jsonl:1207``).
+    """
+    options = dict(storage_options or {})
     shards: dict[str, Shard] = {}
     problems: list[tuple[str, str]] = []
     for pattern in patterns:
         if "://" in pattern:
-            fs, _, paths = fsspec.get_fs_token_paths(pattern)
+            fs, _, paths = Retries().call(
+                source,
+                pattern,
+                "listing",
+                functools.partial(fsspec.get_fs_token_paths, pattern, storage_options=options),
+                lambda: None,
+            )
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
             found = [p if "://" in p else f"{protocol}://{p}" for p in paths]
             names = found
@@ -68,7 +94,7 @@ def find_shards(source: str, patterns: list[str], base_dir: Path) -> list[Shard]
                 )
             )
         for url, name in zip(found, names):
-            shards[name] = Shard(url=url, name=name)
+            shards[name] = Shard(url=url, name=name, storage_options=options)
     if problems:
         raise PlanError(problems)
     return [shards[k] for k in sorted(shards)]

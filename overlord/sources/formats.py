@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -47,6 +46,7 @@ import pyarrow.parquet as pq
 from overlord.errors import SourceError
 from overlord.plan.spec import Format
 from overlord.sources.files import Shard
+from overlord.sources.remote import file_size
 
 _CODECS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _SPACE = np.array([9, 11, 12, 13, 32], dtype=np.uint8)  # what bytes.strip() removes, but "\n"
@@ -212,9 +212,8 @@ class _PlainJsonl(ShardReader):
         cache: dict[Any, Any],
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
-        opened = fsspec.open(shard.url, "rb")
-        size = opened.fs.size(opened.path)
-        self._f = opened.open()
+        self._f = shard.open(source)
+        size = file_size(self._f, shard.url)
         key = (shard.url, int(size), block_bytes)
         if key not in cache:
             cache[key] = line_index(self._f, int(size), block_bytes)
@@ -288,7 +287,7 @@ class _CompressedJsonl(ShardReader):
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
         self.codec, self.block_bytes = codec, block_bytes
-        self._f = fsspec.open(shard.url, "rb").open()
+        self._f = shard.open(source)
 
     def blocks(self) -> Iterator[RecordBlock]:
         B, state = self.block_bytes, _Truncated()
@@ -370,7 +369,7 @@ class ParquetReader(ShardReader):
     ):
         self.source, self.shard, self.skip = source, shard, skip
         self.columns = [name for name, _ in columns]
-        self._f = fsspec.open(shard.url, "rb").open()
+        self._f = shard.open(source)
         try:
             self._pf = pq.ParquetFile(self._f)
         except (pa.ArrowException, OSError) as e:

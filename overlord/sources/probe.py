@@ -14,19 +14,20 @@ by the job, which names it (``on_error``).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from overlord.errors import PlanError
+from overlord.errors import PlanError, SourceError
 from overlord.plan.spec import Format, Plan, SourceSpec, TokenizerKind
 from overlord.sources.files import Shard, resolve_files
+from overlord.sources.remote import Retries
 
 _CHUNK = 1 << 16
 _MAX_FIRST_LINE = 64 << 20  # bytes read at most to find a first record
@@ -82,20 +83,22 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
         return [Problem(where, msg) for _, msg in e.problems]
     if not shards:
         return [Problem(where, "no file")]
-    shard = shards[0]
+    shard = dataclasses.replace(shards[0], retries=Retries(plan.loading.retries))
     where += f", file {shard.name}"
     try:
         if spec.format is Format.WEBDATASET or spec.image_field is not None:
             return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
-            return _check_parquet(where, shard, spec.text_field)
-        return _check_jsonl(where, shard, spec.text_field)
+            return _check_parquet(where, spec.name, shard, spec.text_field)
+        return _check_jsonl(where, spec.name, shard, spec.text_field)
+    except SourceError as e:
+        return [Problem(where, e.reason)]
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
         return [Problem(where, f"cannot read the file ({type(e).__name__}: {e})")]
 
 
-def _check_parquet(where: str, shard: Shard, text_field: str) -> list[Problem]:
-    with fsspec.open(shard.url, "rb") as f:
+def _check_parquet(where: str, source: str, shard: Shard, text_field: str) -> list[Problem]:
+    with shard.open(source) as f:
         schema = pq.ParquetFile(f).schema_arrow  # the footer only
     if text_field not in schema.names:
         return [Problem(where, f"no column '{text_field}' (columns: {schema.names})")]
@@ -122,8 +125,8 @@ def _first_line(stream: Any) -> tuple[int, bytes] | None:
         buf += chunk
 
 
-def _check_jsonl(where: str, shard: Shard, text_field: str) -> list[Problem]:
-    with fsspec.open(shard.url, "rb") as raw:
+def _check_jsonl(where: str, source: str, shard: Shard, text_field: str) -> list[Problem]:
+    with shard.open(source) as raw:
         if shard.name.endswith(".gz"):
             with gzip.GzipFile(fileobj=raw) as f:
                 first = _first_line(f)
@@ -152,7 +155,6 @@ def _check_jsonl(where: str, shard: Shard, text_field: str) -> list[Problem]:
 
 def _check_images(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> list[Problem]:
     """An image-text shard: its first block reads (its first image is decoded when used)."""
-    from overlord.errors import SourceError
     from overlord.sources.webdataset import open_image_shard
 
     try:

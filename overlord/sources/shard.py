@@ -48,6 +48,7 @@ from overlord.sources.catalog import File
 from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
+from overlord.sources.remote import Retries
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
@@ -198,6 +199,19 @@ def _transform(spec: SourceSpec, name: str, block: RecordBlock, skip: bool) -> R
     )
 
 
+class ShardIO:
+    """What a loader's reads keep from shard to shard: line indexes, and retries.
+
+    ``indexes`` are plain JSONL files' line indexes (for every epoch);
+    ``retries`` retries its files' transient errors, and counts them
+    (:mod:`overlord.sources.remote`).
+    """
+
+    def __init__(self, retries: int):
+        self.retries = Retries(retries)
+        self.indexes: dict[Any, Any] = {}
+
+
 def shard_file(plan: Plan, spec: SourceSpec, files: Sequence[File], epoch: int, pos: int) -> File:
     """The file at place ``pos`` of epoch ``epoch``'s shard order (``files``: the epoch's)."""
     return files[int(shard_order(plan.seed, spec.name, epoch, len(files))[pos])]
@@ -209,24 +223,27 @@ def shard_windows(
     files: Sequence[File],
     epoch: int,
     shard_pos: int,
-    cache: dict[Any, Any] | None = None,
+    cache: ShardIO | None = None,
 ) -> Iterator[Window]:
     """The windows of one shard in epoch order; ``files`` are the epoch's files.
 
     ``cache`` keeps what opening a file learns (a plain JSONL file's line
-    index) for the next epoch.
+    index) for the next epoch, and counts the retried reads.
     """
+    if cache is None:
+        cache = ShardIO(plan.loading.retries)
     file_index = int(shard_order(plan.seed, spec.name, epoch, len(files))[shard_pos])
     shard = files[file_index]
     skip = plan.on_error is OnError.SKIP
     W = plan.shuffle.window_blocks
-    where, B = Shard(shard.url, shard.name), plan.shuffle.block_bytes
+    where = Shard(shard.url, shard.name, spec.storage_options, cache.retries)
+    B = plan.shuffle.block_bytes
     if is_image_source(spec.format, spec.image_field):
         reader = open_image_shard(
             spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
         )
     else:
-        reader = open_shard(spec.name, where, spec.format, spec.text_field, B, skip, cache)
+        reader = open_shard(spec.name, where, spec.format, spec.text_field, B, skip, cache.indexes)
     try:
         if reader.n_blocks is not None:
             order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()

@@ -31,7 +31,6 @@ import json
 import tarfile
 from collections.abc import Iterator
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 
@@ -107,7 +106,7 @@ class WebDatasetReader(ShardReader):
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
         self.exts, self.block_bytes = _image_exts(image_field), block_bytes
-        self._f = fsspec.open(shard.url, "rb").open()
+        self._f = shard.open(source)
 
     def _samples(self) -> Iterator[tuple[int, str, dict[str, bytes]]]:
         """``(offset of its first header, key, members by extension)`` of every sample."""
