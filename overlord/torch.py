@@ -48,6 +48,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -86,12 +87,19 @@ def to_torch(
     pin = pin_memory and torch.cuda.is_available()
     out: dict[str, torch.Tensor] = {}
     for name, array in batch.arrays().items():
-        t = _share(array)
         if name in LONG_KEYS:
-            long = torch.empty(t.shape, dtype=torch.int64, pin_memory=pin)
-            t = long.copy_(t)  # one copy, straight into (pinned) int64 memory
-        elif pin:
-            t = t.pin_memory()
+            # one copy into (pinned) int64 memory, by numpy: torch's copy_ took longer on the
+            # trainer's thread (its wait in next() went from 1.3-1.6 ms to 1.0-1.1 ms, 32K
+            # tokens a step, 2 cores); most of what is left is the new pages' first touch
+            if pin:
+                t = torch.empty(array.shape, dtype=torch.int64, pin_memory=True)
+                np.copyto(t.numpy(), array, casting="safe")
+            else:
+                t = torch.from_numpy(array.astype(np.int64))
+        else:
+            t = _share(array)
+            if pin:
+                t = t.pin_memory()
         if device is not None:
             t = t.to(device, non_blocking=pin)
         out[name] = t
