@@ -39,7 +39,7 @@ class Planner:
     def __init__(self) -> None:
         self.consumed: list[tuple[int, int]] = []
 
-    def mark_consumed(self, rank: int, step: int, train_s=None, wait_s=None) -> None:
+    def mark_consumed(self, rank: int, step: int, train_s=None, wait_s=None, since=None) -> None:
         self.consumed.append((rank, step))
 
     def state_dict(self, step: int | None = None) -> dict:
@@ -63,11 +63,13 @@ def test_consumption_notices_leave_the_trainers_thread():
             super().__init__()
             self.threads: set[str] = set()
 
-        def mark_consumed(self, rank: int, step: int, train_s=None, wait_s=None) -> None:
+        def mark_consumed(
+            self, rank: int, step: int, train_s=None, wait_s=None, since=None
+        ) -> None:
             self.threads.add(threading.current_thread().name)
             if step == 1:
                 raise RuntimeError("planner on fire")
-            super().mark_consumed(rank, step, train_s)
+            super().mark_consumed(rank, step)
 
     planner = Slow()
     client = Client(1, InlineHandle(Replays(), "c"), InlineHandle(planner, "p"), 0)

@@ -151,3 +151,14 @@ def test_ranks_reconnecting_with_different_states_are_refused_naming_both(ray_se
             with Loader(other) as o:
                 bad = o.state_dict()
             connect("rewind-mixed", rank=1, state=bad)
+
+
+def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped():
+    """A killed trainer's last consumption notices may land after the rewind: not counted."""
+    from overlord.roles.rewind import TrainerRewind
+
+    planner = TrainerRewind()
+    assert not planner.stale(0)  # no rewind yet: every client counts
+    planner._rewind_state()["open"] = 9  # the job rewound to step 9
+    assert planner.stale(0) and planner.stale(8)  # clients started before it: killed ones
+    assert not planner.stale(9) and not planner.stale(None)  # reconnected, or unknown

@@ -46,7 +46,7 @@ def trainer_side_roles() -> tuple[type, type]:
             z = np.zeros(0, dtype=np.int32)
             return Batch(step, rank, z, z, z, z, z, [], 0.0)
 
-    class OldPlanner:  # the client passes (rank, step, train_s, wait_s): a TypeError here
+    class OldPlanner:  # the client passes (rank, step, train_s, wait_s, since): a TypeError
         def mark_consumed(self, rank: int, step: int) -> None:
             pass
 

@@ -106,9 +106,17 @@ class PlannerRole(Protocol):
         ...
 
     def mark_consumed(
-        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+        self,
+        rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+        since: int | None = None,
     ) -> None:
-        """``rank`` received ``step`` (after training ``train_s`` and waiting ``wait_s``)."""
+        """``rank`` received ``step`` (after training ``train_s`` and waiting ``wait_s``).
+
+        ``since``: the step the sender's client started at.
+        """
         ...
 
     def attach(self, global_rank: int) -> int:

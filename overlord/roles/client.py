@@ -42,7 +42,7 @@ class Client(Iterator[Batch]):
         who = f"rank {rank}" if global_rank is None else f"global rank {global_rank}"
         self._shared = notices is not None
         self._notices = notices or OneWay(f"client of {who}", background=True)
-        self.step = start_step
+        self.step = self._since = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
 
@@ -74,7 +74,9 @@ class Client(Iterator[Batch]):
         # no need to wait: calls from one process reach the planner in order
         if self.global_rank is None:
             self._notices.send(
-                self._planner, PlannerRole.mark_consumed, self.rank, self.step, train_s, wait_s
+                self._planner,
+                PlannerRole.mark_consumed,
+                *(self.rank, self.step, train_s, wait_s, self._since),
             )
         else:
             self._notices.send(

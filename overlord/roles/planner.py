@@ -346,14 +346,24 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         return out
 
     def mark_consumed(
-        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+        self,
+        rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+        since: int | None = None,
     ) -> None:
         """Record that ``rank`` received step ``step``; release what every rank has consumed.
 
         ``train_s`` is the time the trainer spent on its last step before asking
         for this one (not waiting for data): the autoscaler's demand. ``wait_s``
-        is how long it waited for this one (monitoring).
+        is how long it waited for this one (monitoring). ``since`` is the step
+        the sender's client started at: a notice of a client that started
+        before the last rewind comes from a trainer that was killed (it arrives
+        late, one-way) and is dropped.
         """
+        if self.stale(since):
+            return
         self.figures.trainer(rank, step, train_s, wait_s)
         if train_s is not None and train_s >= 0:
             old = self._train_s

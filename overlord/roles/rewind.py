@@ -46,6 +46,11 @@ class TrainerRewind:
             state = self.__dict__["_rewind"] = {"checkpoint": None, "open": None, "joined": set()}
         return state
 
+    def stale(self, since: int | None) -> bool:
+        """Whether a notice of a client started at ``since`` predates the last rewind."""
+        rewound = self._rewind_state()["open"]
+        return since is not None and rewound is not None and since < rewound
+
     def checkpointed(self, step: int) -> None:
         """A state of ``step`` was handed out: trainers may rewind to it."""
         r = self._rewind_state()
