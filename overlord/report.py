@@ -188,10 +188,7 @@ def _cost_text(p: Plan) -> str:
 
 def plot_mixture(r: Report, path: Path) -> None:
     """Realized token share per source and step (smoothed), with the target dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed, none assumed
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tok, want = r.tokens(), r.weights()
     steps = np.array([h["step"] for h in r.history])
@@ -219,17 +216,29 @@ def plot_mixture(r: Report, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
-def plot_balance(r: Report, path: Path) -> None:
-    """Most loaded rank over the lower bound, per step, balanced and not."""
+def pyplot() -> Any:
+    """Matplotlib's pyplot, drawing to files only (no display needed, none assumed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path) -> None:
+    """Lay a figure out, write it to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)
+
+
+def plot_balance(r: Report, path: Path) -> None:
+    """Most loaded rank over the lower bound, per step, balanced and not."""
+    plt = pyplot()
 
     kk, base = r.balance()
     steps = [h["step"] for h in r.history]
@@ -245,9 +254,7 @@ def plot_balance(r: Report, path: Path) -> None:
     ax.set_title(f"Balance over {r.plan.world.dp} DP ranks (1 = perfect)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_report(r: Report) -> str:

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 
 from overlord.plan.spec import Plan
-from overlord.report import Report, balance_rows, mixture_rows, plot_balance, plot_mixture
+from overlord.report import (
+    Report,
+    balance_rows,
+    mixture_rows,
+    plot_balance,
+    plot_mixture,
+    pyplot,
+    save,
+)
 
 
 @dataclass
@@ -35,18 +43,9 @@ class RunTrace:
         self.wait_s.append(wait_s)
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed, none assumed
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_ranks(plan: Plan, trace: RunTrace, path: Path) -> None:
     """Predicted cost (top) and measured wait in ``next()`` (bottom) of each rank, per step."""
-    plt = _plt()
+    plt = pyplot()
     steps = np.array(trace.steps)
     cost = np.array(trace.cost, dtype=np.float64).reshape(len(steps), -1)
     wait = np.array(trace.wait_s, dtype=np.float64).reshape(len(steps), -1)
@@ -62,14 +61,12 @@ def plot_ranks(plan: Plan, trace: RunTrace, path: Path) -> None:
         ax.grid(alpha=0.3)
     if cost.shape[1] <= 16:
         top.legend(loc="upper right", fontsize=8, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_loaders(plan: Plan, trace: RunTrace, path: Path) -> None:
     """Loaders (solid) and reader threads (dotted) of each source over the steps."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
     steps = [s for s, _ in trace.loaders]
     for i, name in enumerate(plan.source_names):
@@ -83,9 +80,7 @@ def plot_loaders(plan: Plan, trace: RunTrace, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def render(plan: Plan, summary: dict[str, Any], r: Report, trace: RunTrace) -> str:

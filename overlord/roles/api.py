@@ -129,8 +129,9 @@ class PlannerRole(Protocol):
         step: int,
         train_s: float | None = None,
         wait_s: float | None = None,
+        since: int | None = None,
     ) -> None:
-        """Mesh rank ``global_rank`` received ``step``."""
+        """Mesh rank ``global_rank`` received ``step`` (``since``: as for mark_consumed)."""
         ...
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class Client(Iterator[Batch]):
             self._notices.send(
                 self._planner,
                 PlannerRole.mark_rank_consumed,
-                *(self.global_rank, self.step, train_s, wait_s),
+                *(self.global_rank, self.step, train_s, wait_s, self._since),
             )
         self.step += 1
         self._returned = time.perf_counter()

@@ -61,7 +61,12 @@ class PeerConsumption:
     figures: Figures
 
     def mark_consumed(
-        self, rank: int, step: int, train_s: float | None = None, wait_s: float | None = None
+        self,
+        rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+        since: int | None = None,
     ) -> None:
         """The planner's: DP rank ``rank`` received ``step``."""
         raise AssertionError("mixed into the Planner, which defines it")  # pragma: no cover
@@ -85,6 +90,7 @@ class PeerConsumption:
         step: int,
         train_s: float | None = None,
         wait_s: float | None = None,
+        since: int | None = None,
     ) -> None:
         """``global_rank`` received ``step``; its DP rank's step is consumed once all peers have.
 
@@ -96,6 +102,6 @@ class PeerConsumption:
         steps[global_rank] = max(step, steps.get(global_rank, step))
         low = min(steps[g] for g in world.ranks_of(dp) if g in steps)
         if low > self.consumed[dp]:
-            self.mark_consumed(dp, low, train_s, wait_s)
+            self.mark_consumed(dp, low, train_s, wait_s, since)
         else:
             self.figures.trainer(dp, step, None, wait_s)
