@@ -188,6 +188,10 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         if step is None:
             step = self.done + 1
         self.checkpointed(step)  # a state handed out: trainers may rewind the job to it
+        while self.next_step < step and step > max(self.snapshots):
+            # not planned here yet (a rank received it from batches built before a rewind):
+            # the state of a later step is the plan's, so plan up to it
+            self._plan_next()
         if step not in self.snapshots:
             raise LoaderError(
                 f"no state for step {step}: states are kept from step {min(self.snapshots)} "
