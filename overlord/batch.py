@@ -29,7 +29,9 @@ class Batch:
     rank's batch: with CP, its slice (``cp_rank`` of ``cp_size``, cut by
     ``cp_layout``, with ``global_positions``: each local token's index in the
     flattened unsliced batch, -1 for padding added for CP; see
-    :mod:`overlord.roles.cp_slice`); with PP, ``input_ids`` only on the first
+    :mod:`overlord.roles.cp_slice`; under ``cp: dynamic``, ``cp_layout`` is
+    ``"dynamic"`` and ``cp_groups`` gives each local segment's CP sub-group,
+    see :mod:`overlord.roles.cp_dynamic`); with PP, ``input_ids`` only on the first
     stage and ``labels`` only on the last (``None`` elsewhere).
 
     A plan with image sources adds ``pixel_values`` and ``image_grid``: the
@@ -46,9 +48,10 @@ class Batch:
     samples: list[Sample]
     cost: float  # the rank's cost under the plan's cost model
     global_positions: np.ndarray | None = None
-    cp_layout: str | None = None  # zigzag | per_document, None without CP
+    cp_layout: str | None = None  # zigzag | per_document | dynamic, None without CP
     cp_rank: int = 0
     cp_size: int = 1
+    cp_groups: np.ndarray | None = None  # cp: dynamic: int32 (segments, 2), first rank, degree
     # images (image-text sources, overlord.sources.images): every CP rank gets all of them
     pixel_values: np.ndarray | None = None  # float32 (total patches, 3*p*p), in sample order
     image_grid: np.ndarray | None = None  # int32 (images, 2): (h1/p, w1/p) per image
@@ -69,5 +72,6 @@ class Batch:
             "segment_ids": self.segment_ids,
             "cu_seqlens": self.cu_seqlens,
             "global_positions": self.global_positions,
+            "cp_groups": self.cp_groups,
         }
         return {k: v for k, v in named.items() if v is not None}

@@ -21,7 +21,10 @@ import torch.distributed as dist
 
 from overlord.batch import Batch, Sample
 
-_ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
+_ARRAYS = (
+    *("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions"),
+    "cp_groups",
+)
 
 
 def _header(batch: Batch) -> bytes:
@@ -87,4 +90,5 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         cp_layout=layout,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        cp_groups=arrays["cp_groups"],
     )

@@ -7,10 +7,19 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 AXES = ("dp", "cp", "tp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"  # Megatron's: tp varies fastest, pp slowest
+DYNAMIC = "dynamic"  # world.cp: each document its own CP degree (overlord.roles.cp_dynamic)
 
 
 class CPLayout(str, Enum):
@@ -46,6 +55,15 @@ class World(BaseModel):
     >>> w = World(dp=2, cp=2, tp=2, pp=2)
     >>> w.coords(13), w.global_rank(dp=1, cp=1, tp=1, pp=1)
     (Coords(dp=1, cp=0, tp=1, pp=1), 15)
+
+    ``cp="dynamic"`` (ByteScale's HDP) gives each DP rank ``cp_max`` CP ranks
+    (the CP axis has ``cp_max`` ranks: ``cp`` reads ``cp_max`` then) and each
+    document its own degree (:func:`overlord.plan.cp.cp_degrees`), from
+    ``tokens_per_cp_rank``:
+
+    >>> d = World(dp=2, cp="dynamic", cp_max=4, tokens_per_cp_rank=8192)
+    >>> d.cp, d.cp_dynamic, d.size, d.model_dump()["cp"]
+    (4, True, 8, 'dynamic')
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -57,6 +75,35 @@ class World(BaseModel):
     order: str = Field(
         DEFAULT_ORDER, description="the axes, fastest-varying first, joined by '-' (Megatron's)"
     )
+    cp_max: int | None = Field(
+        None, description="cp: dynamic only: CP ranks per DP rank, the largest degree"
+    )
+    tokens_per_cp_rank: int | None = Field(
+        None, description="cp: dynamic only: the most tokens of one document on one CP rank"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dynamic(cls, data: Any) -> Any:
+        """``cp: dynamic`` becomes ``cp = cp_max``; every problem of the CP keys at once."""
+        if not isinstance(data, dict):
+            return data
+        problems = dynamic_problems(data)
+        if problems:
+            raise ValueError("; ".join(f"world.{field}: {msg}" for field, msg in problems))
+        if data.get("cp") == DYNAMIC:
+            data = {**data, "cp": data["cp_max"]}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.cp_dynamic:
+            out["cp"] = DYNAMIC  # what the plan said: a dump validates back to the same world
+        else:  # a static world dumps as it always did
+            out.pop("cp_max", None)
+            out.pop("tokens_per_cp_rank", None)
+        return out
 
     @field_validator("order")
     @classmethod
@@ -67,6 +114,11 @@ class World(BaseModel):
                 f"found '{v}'"
             )
         return v
+
+    @property
+    def cp_dynamic(self) -> bool:
+        """Whether each document gets its own CP degree (``cp: dynamic``)."""
+        return self.tokens_per_cp_rank is not None
 
     @property
     def size(self) -> int:
@@ -142,8 +194,12 @@ class World(BaseModel):
         """
         env = os.environ if env is None else env
         axes: World | None = getattr(plan, "world", plan)
+        dynamic: dict[str, Any] = {}
         if axes is not None:
             cp, tp, pp = axes.cp, axes.tp, axes.pp
+            if axes.cp_dynamic:
+                per_rank = axes.tokens_per_cp_rank
+                dynamic = {"cp": DYNAMIC, "cp_max": cp, "tokens_per_cp_rank": per_rank}
         order = axes.order if axes is not None else DEFAULT_ORDER
         size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
         per_replica = cp * tp * pp
@@ -152,7 +208,8 @@ class World(BaseModel):
                 f"WORLD_SIZE={size} is not a multiple of cp*tp*pp={per_replica}: "
                 "check the parallel sizes passed to World.detect()"
             )
-        world = cls(dp=size // per_replica, cp=cp, tp=tp, pp=pp, order=order)
+        world = cls(**{"dp": size // per_replica, "cp": cp, "tp": tp, "pp": pp, "order": order,
+                       **dynamic})  # fmt: skip
         world._check(cls.rank_from_env(env))
         return world
 
@@ -161,3 +218,38 @@ class World(BaseModel):
         """Global rank of this process, from ``RANK`` (torchrun) or ``SLURM_PROCID``."""
         env = os.environ if env is None else env
         return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+
+
+def _power_of_two(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 2 and x & (x - 1) == 0
+
+
+def dynamic_problems(world: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Problems of a world's CP keys (plain data), each with its field under ``world``.
+
+    >>> for problem in dynamic_problems({"cp": "dynamic", "cp_max": 3}):
+    ...     print(problem)
+    ('cp_max', 'must be a power of two >= 2, found 3')
+    ('tokens_per_cp_rank', 'cp: dynamic needs it (an integer > 0), found none')
+    >>> dynamic_problems({"cp": 2, "cp_max": 4})
+    [('cp_max', "only with cp: dynamic (this world's cp is 2)")]
+    """
+    cp = world.get("cp", 1)
+    cp_max, per_rank = world.get("cp_max"), world.get("tokens_per_cp_rank")
+    problems: list[tuple[str, str]] = []
+    if cp != DYNAMIC:
+        if isinstance(cp, str) and not cp.strip().isdigit():
+            problems.append(("cp", f"must be an integer >= 1 or '{DYNAMIC}', found '{cp}'"))
+        for field, value in (("cp_max", cp_max), ("tokens_per_cp_rank", per_rank)):
+            if value is not None:
+                problems.append((field, f"only with cp: {DYNAMIC} (this world's cp is {cp})"))
+        return problems
+    if cp_max is None:
+        problems.append(("cp_max", "cp: dynamic needs it (a power of two >= 2), found none"))
+    elif not _power_of_two(cp_max):
+        problems.append(("cp_max", f"must be a power of two >= 2, found {cp_max!r}"))
+    if per_rank is None:
+        problems.append(("tokens_per_cp_rank", "cp: dynamic needs it (an integer > 0), found none"))
+    elif not (isinstance(per_rank, int) and not isinstance(per_rank, bool) and per_rank > 0):
+        problems.append(("tokens_per_cp_rank", f"must be an integer > 0, found {per_rank!r}"))
+    return problems

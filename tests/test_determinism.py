@@ -139,6 +139,7 @@ def test_dp_size_never_changes_which_samples_form_a_step(corpus, reference):
         {"dp": 2, "cp": 2, "tp": 2},
         {"dp": 4, "cp": 4, "pp": 2, "cp_layout": "zigzag"},
         {"dp": 1, "tp": 2, "pp": 3, "order": "dp-tp-cp-pp"},
+        {"dp": 2, "cp": "dynamic", "cp_max": 4, "tokens_per_cp_rank": 256, "tp": 2},
     ],
 )
 def test_the_mesh_never_changes_which_samples_form_a_step(corpus, reference, world):
@@ -156,6 +157,26 @@ def test_the_mesh_never_changes_which_samples_form_a_step(corpus, reference, wor
             got = [next(c) for c in clients]
             lines += [dump_line(got[w.global_rank(dp=d)]) for d in range(w.dp)]
     assert per_step_samples(lines) == per_step_samples(reference[0])
+
+
+def test_dynamic_cp_gives_each_dp_rank_the_samples_cp1_gives_it(corpus):
+    """Per step and per DP rank, where rows are dealt without costs (``balance: none``);
+    with a balancer the DP ranks' share follows the CP-aware cost, as with static CP."""
+    base = load_plan(corpus).model_dump(mode="json")
+    base["balance"]["method"] = "none"
+    got = {}
+    for name, world in (("cp1", {"dp": 2}),
+                        ("dynamic", {"dp": 2, "cp": "dynamic", "cp_max": 4,
+                                     "tokens_per_cp_rank": 256})):  # fmt: skip
+        plan = validate_plan({**base, "world": world}, base_dir=load_plan(corpus).base_dir)
+        w, lines = plan.world, []
+        with Loader(plan) as loader:
+            clients = [loader.rank_client(g) for g in range(w.size)]
+            for _ in range(8):
+                batches = [next(c) for c in clients]
+                lines += [json.loads(dump_line(batches[w.global_rank(dp=d)])) for d in range(w.dp)]
+        got[name] = [(x["step"], x["rank"], x["samples"]) for x in lines]  # the cost is CP's
+    assert got["dynamic"] == got["cp1"]
 
 
 def test_loader_count_and_threads_never_change_the_stream(corpus, reference, tmp_path):

@@ -145,3 +145,71 @@ def test_zigzag_needs_rows_that_cut_into_2cp_chunks(corpus):
         validate_plan(data)
     data["batch"]["cp_layout"] = "per_document"  # pads documents instead: any length
     assert validate_plan(data).world.cp == 3
+
+
+DYNAMIC = {"cp": "dynamic", "cp_max": 4, "tokens_per_cp_rank": 12}
+
+
+def test_dynamic_cp_slices_reassemble_the_cp1_batch_at_every_step_and_rank(corpus, unsliced):
+    """cp: dynamic (cp_max 4, 12 tokens per rank: the corpus's 12-50-byte documents get
+    degrees 1-4); with tp 2, TP peers share each slice."""
+    plan = mesh_plan(corpus, tp=2, **DYNAMIC)
+    world = plan.world
+    assert world.cp == 4 and world.size == 16
+    for step, batches in enumerate(consume_mesh(plan)):
+        for dp in range(world.dp):
+            want = unsliced[step][dp]
+            got = {k: np.full(want.position_ids.size, -7, dtype=np.int32) for k in FIELDS}
+            hits = np.zeros(want.position_ids.size, dtype=np.int64)
+            groups: dict[tuple[int, int], set[int]] = {}  # (first, degree) -> ranks listing it
+            for cp in range(world.cp):
+                b = batches[world.global_rank(dp=dp, cp=cp)]
+                assert b is batches[world.global_rank(dp=dp, cp=cp, tp=1)]
+                assert (b.step, b.rank, b.cp_rank, b.cp_size) == (step, dp, cp, 4)
+                assert b.cp_layout == "dynamic" and b.samples == want.samples
+                assert b.input_ids.shape == batches[world.global_rank(dp=dp)].input_ids.shape
+                g = b.global_positions.reshape(-1)
+                np.add.at(hits, g[g >= 0], 1)
+                for k in FIELDS:
+                    got[k][g[g >= 0]] = getattr(b, k).reshape(-1)[g >= 0]
+                for first, degree in b.cp_groups.tolist():
+                    groups.setdefault((first, degree), set()).add(cp)
+            assert (hits == 1).all()
+            for k in FIELDS:
+                assert np.array_equal(got[k].reshape(want.position_ids.shape), getattr(want, k))
+            for (first, degree), ranks in groups.items():
+                if degree > 1:
+                    assert ranks == set(range(first, first + degree))
+            assert max(d for _, d in groups) > 1  # some documents are spread
+
+
+@pytest.mark.parametrize(
+    ("world", "batch", "match"),
+    [
+        ({"cp": "dynamic", "tokens_per_cp_rank": 8}, {}, r"world.cp_max: cp: dynamic needs it"),
+        ({"cp": "dynamic", "cp_max": 6, "tokens_per_cp_rank": 8}, {},
+         r"world.cp_max: must be a power of two >= 2, found 6"),
+        ({"cp": "dynamic", "cp_max": 1, "tokens_per_cp_rank": 8}, {}, r"power of two >= 2"),
+        ({"cp": "dynamic", "cp_max": 4, "tokens_per_cp_rank": 0}, {},
+         r"world.tokens_per_cp_rank: must be an integer > 0, found 0"),
+        ({"cp": "dynamic", "cp_max": 4}, {}, r"world.tokens_per_cp_rank: cp: dynamic needs it"),
+        ({"cp": 2, "cp_max": 4}, {}, r"world.cp_max: only with cp: dynamic"),
+        ({"tokens_per_cp_rank": 4}, {}, r"world.tokens_per_cp_rank: only with cp: dynamic"),
+        ({"cp": "dynamc"}, {}, r"world.cp: must be an integer >= 1 or 'dynamic', found 'dynamc'"),
+        ({**DYNAMIC}, {"cp_layout": "zigzag"}, r"batch.cp_layout: cp: dynamic cuts each"),
+    ],
+)  # fmt: skip
+def test_dynamic_cp_keys_are_validated_with_their_field_path(corpus, world, batch, match):
+    data = load_plan(corpus).model_dump(mode="json")
+    data["world"] = {"dp": 2, **world}
+    data["batch"].update(batch)
+    with pytest.raises(PlanError, match=match):
+        validate_plan(data)
+
+
+def test_a_dynamic_plan_dumps_and_validates_back_to_itself(corpus):
+    plan = mesh_plan(corpus, **DYNAMIC)
+    data = plan.model_dump(mode="json")
+    assert data["world"]["cp"] == "dynamic" and plan.with_dp(1).world.cp_dynamic
+    assert validate_plan(data).world == plan.world
+    assert "cp_max" not in mesh_plan(corpus, cp=2).model_dump(mode="json")["world"]

@@ -32,18 +32,20 @@ def module_costs(
     patches: np.ndarray,
     cp: int,
     layout: CPLayout | None,
+    per_rank: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each item's LLM cost and encoder cost to one rank of its CP group.
 
     Under CP each rank of the group holds ``1/cp`` of the group's work, the
-    encoder's too (its images are split among the CP ranks).
+    encoder's too (its images are split among the CP ranks). ``per_rank``:
+    ``cp: dynamic`` (see :func:`overlord.plan.cp.cp_cost`).
 
     >>> m = CostModel(1.0, 0.0, patch_alpha=2.0, patch_beta=1.0)
     >>> llm, enc = module_costs(m, np.array([4, 4]), np.array([0, 3]), 1, None)
     >>> llm.tolist(), enc.tolist()
     ([4.0, 4.0], [0.0, 15.0])
     """
-    llm = cp_cost(CostModel(model.alpha, model.beta), tokens, None, cp, layout)
+    llm = cp_cost(CostModel(model.alpha, model.beta), tokens, None, cp, layout, per_rank)
     enc = encoder_model(model).cost(np.asarray(patches)) / max(cp, 1)
     return llm, enc
 

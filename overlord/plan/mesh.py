@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from overlord.world import CPLayout
+from overlord.world import DYNAMIC, CPLayout
 
 
 def resolved_layout(cp: int, layout: CPLayout | None) -> CPLayout | None:
@@ -32,6 +32,14 @@ def mesh_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
     assert isinstance(world, dict) and isinstance(batch, dict)
     cp, seq, layout = world.get("cp", 1), batch.get("max_seq_len"), batch.get("cp_layout")
     problems: list[tuple[str, str]] = []
+    if cp == DYNAMIC and layout is not None:
+        problems.append(
+            (
+                "batch.cp_layout",
+                f"cp: dynamic cuts each document for its own CP degree "
+                f"(overlord.roles.cp_dynamic): leave cp_layout unset, found '{layout}'",
+            )
+        )
     if not (isinstance(cp, int) and isinstance(seq, int) and cp > 1 and seq > 0):
         return problems
     if layout == CPLayout.ZIGZAG.value and seq % (2 * cp):

@@ -23,11 +23,13 @@ import numpy as np
 
 from overlord.batch import Batch, Sample
 from overlord.errors import LoaderError, RanksApart
+from overlord.plan.cost import CostModel
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.batch_images import BatchImages
+from overlord.roles.cp_dynamic import dynamic_slices
 from overlord.roles.cp_slice import cp_slices
 from overlord.roles.loader_pool import PoolView, by_slot
 from overlord.roles.peers import stage_of, stage_view
@@ -136,7 +138,11 @@ class DataConstructor:
     def _build_slices(self, step: int, rank: int, gen: int | None = None) -> list[Batch]:
         """The DP rank's batch, cut for its CP ranks (one batch without CP)."""
         batch = self._build(step, rank, gen)
-        return cp_slices(batch, self.plan.world.cp, self.layout, self.pad_id)
+        world = self.plan.world
+        if world.tokens_per_cp_rank is not None:  # cp: dynamic, placed here (a pure function)
+            model = CostModel.from_spec(self.plan.balance.cost)
+            return dynamic_slices(batch, world.cp, world.tokens_per_cp_rank, model, self.pad_id)
+        return cp_slices(batch, world.cp, self.layout, self.pad_id)
 
     def _rank_plan(self, step: int, rank: int, gen: int | None = None) -> dict[str, Any]:
         """The planner answers None while other ranks are too far behind: wait for them.

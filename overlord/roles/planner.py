@@ -249,7 +249,8 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
-        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout)
+        per_cp_rank = p.world.tokens_per_cp_rank  # cp: dynamic (cp is then cp_max)
+        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout, per_cp_rank)
         cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
         dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
 
