@@ -29,6 +29,15 @@ What happens:
   slice's ``segment_ids`` and ``global_positions`` (:func:`cp_causal_mask`).
   The loss is the mean over every real token of the step (all ranks), so its
   printed value and its gradients equal those of the same plan at ``--cp 1``.
+- ``--cp dynamic --cp-max C --tokens-per-cp-rank T`` trains with a CP degree
+  per document (the plan's ``world.cp: dynamic``; ``torchrun --nproc_per_node
+  dp*C``): each process receives its documents (short ones whole, long ones
+  cut over their sub-group, ``batch.cp_groups``) as one row. Attention
+  all-gathers K, V, ``global_positions`` and ``segment_ids`` over the DP
+  rank's ``C`` processes and masks to the same unsliced document, causally:
+  a document's keys are found only on its sub-group, so the result is the
+  same as gathering over the sub-group alone (a trainer with ring attention
+  would build one communicator per sub-group from ``cp_groups`` instead).
 - Every ``--checkpoint-every`` steps and at the end, rank 0 writes
   ``CKPT/step-NNNNNNNN/`` with ``trainer.pt`` (model, optimizer, step) and the
   job's state (``overlord.checkpoint.save``). ``--resume`` restores the model
@@ -128,6 +137,21 @@ def document_causal_mask(cu_seqlens: torch.Tensor, rows: int, seq_len: int) -> t
     same = segment[:, :, None] == segment[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cu_seqlens.device).tril()
     return (same & causal).unsqueeze(1)
+
+
+def document_keys(
+    segment_ids: torch.Tensor, global_positions: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Each token's unsliced document, ``row * (seq_len + 1) + segment`` (-1: padding added).
+
+    Segment ids restart at every row of the unsliced batch; under ``cp: dynamic``
+    a local row mixes documents of several unsliced rows, so the row is part of
+    the key (``global_positions // seq_len``). A row's padding tail is a
+    document of its own, as in the unsliced batch.
+    """
+    row = torch.div(global_positions, seq_len, rounding_mode="floor")
+    keys = row * (seq_len + 1) + segment_ids
+    return torch.where(global_positions >= 0, keys, torch.full_like(keys, -1))
 
 
 def cp_causal_mask(
@@ -235,7 +259,8 @@ class TinyGPT(nn.Module):
             mask = document_causal_mask(batch["cu_seqlens"], *ids.shape)
         else:
             segments, positions = (cp.gather(batch[k]) for k in ("segment_ids", "global_positions"))
-            mask = cp_causal_mask(segments, positions, cp.rank, cp.size)
+            documents = document_keys(segments, positions, self.pos.num_embeddings)
+            mask = cp_causal_mask(documents, positions, cp.rank, cp.size)
         x = self.tok(ids) + self.pos(batch["position_ids"])
         for block in self.blocks:
             x = block(x, mask, cp)
@@ -308,13 +333,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--average", type=int, default=5, help="steps averaged for first/last loss")
     p.add_argument(
-        "--cp", type=int, default=1, help="context-parallel size (processes per DP rank)"
-    )
+        "--cp", type=cp_arg, default=1,
+        help="context-parallel size (processes per DP rank), or 'dynamic' (--cp-max of them)",
+    )  # fmt: skip
     p.add_argument(
         "--cp-layout", choices=("per_document", "zigzag"), default="per_document",
         help="how each DP rank's rows are cut among its CP ranks",
     )  # fmt: skip
-    return p.parse_args(argv)
+    p.add_argument("--cp-max", type=int, default=2, help="with --cp dynamic: the plan's cp_max")
+    p.add_argument(
+        "--tokens-per-cp-rank", type=int, default=64,
+        help="with --cp dynamic: the plan's tokens_per_cp_rank",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    args.dynamic = args.cp == "dynamic"
+    args.cp_size = args.cp_max if args.dynamic else args.cp  # CP ranks per DP rank
+    return args
+
+
+def cp_arg(text: str) -> int | str:
+    """``--cp``: a positive integer or ``dynamic``."""
+    if text == "dynamic":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer or 'dynamic', found '{text}'")
+    return value
 
 
 def start_job(args: argparse.Namespace, world: overlord.World, state: dict[str, Any] | None) -> Any:
@@ -324,6 +371,10 @@ def start_job(args: argparse.Namespace, world: overlord.World, state: dict[str, 
     data = plan.model_dump(mode="json")
     data["world"] = {"dp": world.dp, "cp": world.cp}
     data["batch"]["cp_layout"] = args.cp_layout if world.cp > 1 else None
+    if args.dynamic:
+        data["world"].update(cp="dynamic", tokens_per_cp_rank=args.tokens_per_cp_rank)
+        data["world"]["cp_max"] = world.cp
+        data["batch"]["cp_layout"] = None
     plan = overlord.validate_plan(data, base_dir=plan.base_dir)
     job = args.job or f"tiny-gpt-{uuid.uuid4().hex[:8]}"
     return overlord.Loader(plan, runtime="ray", job=job, state=state)
@@ -335,12 +386,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    topology = overlord.World.detect(cp=args.cp)  # WORLD_SIZE = dp * cp
+    topology = overlord.World.detect(cp=args.cp_size)  # WORLD_SIZE = dp * cp
     dp, at = topology.dp, topology.coords(rank)
     cp = None
-    if args.cp > 1:  # every rank makes every group, in the same order
+    if args.cp_size > 1:  # every rank makes every group, in the same order
         groups = [dist.new_group(topology.ranks_of(d)) for d in range(dp)]
-        cp = CP(groups[at.dp], args.cp, at.cp)
+        cp = CP(groups[at.dp], args.cp_size, at.cp)
     torch.manual_seed(args.seed)
     say = print if rank == 0 else (lambda *a, **k: None)
 
@@ -373,8 +424,11 @@ def main(argv: list[str] | None = None) -> None:
         ds.load_state_dict(data_state)  # checks that the job started from this state
         say(f"resumed from step {saved['step']}: model, optimizer and data ({resume})")
     ddp = DistributedDataParallel(model)
+    mode = args.cp_layout if cp else "no CP"
+    if args.dynamic:
+        mode = f"dynamic, cp_max {args.cp_max}, {args.tokens_per_cp_rank} tokens per CP rank"
     say(
-        f"job {job}: dp {dp} x cp {args.cp} ({args.cp_layout if cp else 'no CP'}), "
+        f"job {job}: dp {dp} x cp {args.cp_size} ({mode}), "
         f"{sum(p.numel() for p in model.parameters())} parameters, "
         f"steps {ds.step}..{args.steps - 1}",
         flush=True,

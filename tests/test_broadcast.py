@@ -14,7 +14,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from overlord.batch import Batch, Sample  # noqa: E402
+from overlord.plan.cost import CostModel  # noqa: E402
 from overlord.plan.packing import pack  # noqa: E402
+from overlord.roles.cp_dynamic import dynamic_slices  # noqa: E402
 from overlord.roles.cp_slice import cp_slices  # noqa: E402
 from overlord.roles.peers import stage_view  # noqa: E402
 from overlord.torch import broadcast_batch  # noqa: E402
@@ -26,7 +28,8 @@ def batches() -> list[Batch]:
     samples = [Sample("web", "a.jsonl:3", 5, 0), Sample("web", "a.jsonl:9#1", 2, 0)]
     whole = Batch(3, 1, samples=samples, cost=2.5, **a)
     sliced = cp_slices(whole, 2, CPLayout.PER_DOCUMENT, 257)[1]
-    return [whole, sliced, stage_view(sliced, "middle"), stage_view(sliced, "last")]
+    dynamic = dynamic_slices(whole, 2, 3, CostModel(1.0, 0.0), 257)[0]  # with cp_groups
+    return [whole, sliced, stage_view(sliced, "middle"), stage_view(sliced, "last"), dynamic]
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -56,4 +59,4 @@ def test_every_rank_receives_the_source_batch(tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "same.npy")
     mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="fork")
-    assert np.load(out).tolist() == [True, True, True, True]
+    assert np.load(out).tolist() == [True] * 5

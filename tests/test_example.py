@@ -126,6 +126,50 @@ def test_cp_losses_equal_those_without_cp(
         assert sliced[step][0] == pytest.approx(reference[step][0], rel=1e-4), (step, out)
 
 
+@pytest.mark.ray
+@pytest.mark.integration
+def test_dynamic_cp_losses_equal_those_without_cp(
+    first_run: tuple[Path, str, dict[int, Any]],
+) -> None:
+    """dp=1 x cp: dynamic (cp_max 2, 64 tokens per CP rank: the corpus's paragraphs of
+    65-256 bytes are cut over both ranks, shorter ones stay whole) against dp=2 x cp=1."""
+    tmp_path, _, reference = first_run
+    args = ["--data-dir", tmp_path / "data", "--steps", 10, "--cp", "dynamic",
+            "--cp-max", 2, "--tokens-per-cp-rank", 64]  # fmt: skip
+    out, sliced = torchrun(*map(str, args))
+    assert "dp 1 x cp 2 (dynamic, cp_max 2, 64 tokens per CP rank)" in out, out
+    assert sorted(sliced) == list(range(10)), out
+    for step in range(10):
+        assert sliced[step][0] == pytest.approx(reference[step][0], rel=1e-4), (step, out)
+
+
+def test_dynamic_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:
+    """Documents of degree 1, 2 and 4 over 4 ranks: the mask over the gathered slices,
+    keyed by unsliced document, is the cp=1 mask at their positions."""
+    from overlord.batch import Batch
+    from overlord.plan.cost import CostModel
+    from overlord.roles.cp_dynamic import dynamic_slices
+
+    ex = load_example()
+    lengths, rows = np.array([5, 3, 1, 9, 2, 12]), np.array([0, 0, 0, 1, 1, 2])
+    arrays = pack(np.arange(32), lengths, rows, 3, 12, pad_id=0)
+    whole = ex.document_causal_mask(torch.from_numpy(arrays["cu_seqlens"]), 3, 12)[:, 0]
+    slices = dynamic_slices(Batch(0, 0, samples=[], cost=0.0, **arrays), 4, 3, CostModel(1, 0), 0)
+    assert {d for s in slices for _, d in s.cp_groups.tolist()} == {1, 2, 4}
+    seg = torch.cat([torch.from_numpy(s.segment_ids) for s in slices], dim=1)
+    pos = torch.cat([torch.from_numpy(s.global_positions) for s in slices], dim=1)
+    keys = ex.document_keys(seg, pos, 12)
+    width = pos.shape[1] // 4
+    for i in range(4):
+        mask = ex.cp_causal_mask(keys, pos, i, 4)[0, 0]
+        for a, ga in enumerate(pos[0, i * width : (i + 1) * width].tolist()):
+            for b, gb in enumerate(pos[0].tolist()):
+                if ga >= 0 and gb >= 0:
+                    want = ga // 12 == gb // 12 and bool(whole[ga // 12, ga % 12, gb % 12])
+                    assert bool(mask[a, b]) == want, (i, a, b)
+            assert mask[a].any()  # no query without a key: no NaN
+
+
 def test_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:
     """In one process: the CP mask over gathered slices equals the cp=1 mask at their positions."""
     from overlord.batch import Batch
