@@ -62,3 +62,12 @@ def test_detect_takes_the_plan_axes_and_checks_rank():
     assert w == World(dp=3, cp=2, tp=2, order="cp-tp-dp-pp")
     with pytest.raises(ValueError, match="rank 12 is outside a world of 12"):
         World.detect(env={"WORLD_SIZE": "12", "RANK": "12"}, plan=plan_world)
+
+
+def test_dynamic_cp_is_a_cp_axis_of_cp_max_ranks():
+    w = World(dp=2, cp="dynamic", cp_max=4, tokens_per_cp_rank=1024, tp=2)
+    assert (w.cp, w.cp_dynamic, w.size) == (4, True, 16)
+    assert w.coords(w.global_rank(dp=1, cp=3, tp=1)) == (1, 3, 1, 0)
+    found = World.detect(env={"WORLD_SIZE": "32", "RANK": "31"}, plan=w)
+    assert found.dp == 4 and found.cp_dynamic and found.tokens_per_cp_rank == 1024
+    assert World.model_validate(w.model_dump()) == w and not World(cp=4).cp_dynamic

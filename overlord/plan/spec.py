@@ -155,7 +155,8 @@ class BatchSpec(_Model):
     cp_layout: CPLayout | None = Field(
         None,
         description="how a DP rank's rows are cut among its CP ranks: zigzag | per_document "
-        "(default per_document when world.cp > 1; overlord.roles.cp_slice)",
+        "(default per_document when world.cp > 1; unset with cp: dynamic, which cuts per "
+        "document for its own degree; overlord.roles.cp_slice, overlord.roles.cp_dynamic)",
     )
 
 
