@@ -48,7 +48,7 @@ import numpy as np
 from overlord.batch import Batch
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_degrees, dynamic_lengths, place_documents
-from overlord.roles.cp_slice import _PAD_VALUES, local_cu_seqlens
+from overlord.roles.cp_slice import PAD_VALUES, local_cu_seqlens
 from overlord.world import DYNAMIC
 
 
@@ -162,7 +162,7 @@ def dynamic_slices(
         f: dict[str, np.ndarray] = {}
         for name, values in flat.items():
             local = values[at]
-            local[added] = _PAD_VALUES.get(name, pad_id)
+            local[added] = PAD_VALUES.get(name, pad_id)
             f[name] = local.reshape(1, -1)
         out.append(
             replace(

@@ -41,7 +41,7 @@ from overlord.plan.packing import IGNORE_INDEX
 from overlord.world import CPLayout
 
 # what an added padding token holds in each field
-_PAD_VALUES = {"labels": IGNORE_INDEX, "position_ids": 0, "segment_ids": 0}
+PAD_VALUES = {"labels": IGNORE_INDEX, "position_ids": 0, "segment_ids": 0}
 
 
 def zigzag_index(rows: int, seq_len: int, cp: int, rank: int) -> np.ndarray:
@@ -151,7 +151,7 @@ def cp_slices(batch: Batch, cp: int, layout: CPLayout, pad_id: int) -> list[Batc
         f: dict[str, np.ndarray] = {}
         for name, values in flat.items():
             local = values[at]
-            local[added] = _PAD_VALUES.get(name, pad_id)
+            local[added] = PAD_VALUES.get(name, pad_id)
             f[name] = local
         out.append(
             replace(
