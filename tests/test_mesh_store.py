@@ -72,8 +72,11 @@ def test_tp_peers_share_one_put_per_view_and_old_ones_are_dropped(big, monkeypat
             for g in range(0, plan.world.size, 2):
                 assert got[g] is got[g + 1]
         held = [obj._stored for obj in (h.obj for h in loader.constructors)]
+        packed = [h.obj.stats() for h in loader.constructors]
     # one put per (step, dp, cp), not per rank
     assert sorted(puts) == sorted({(s, d, c) for s in range(STEPS) for d in (0, 1) for c in (0, 1)})
+    # each DP rank's batch packed once per step for its 4 peers (steps built ahead included)
+    assert all(p["builds"] == p["distinct"] >= STEPS and p["bytes"] > 0 for p in packed)
     # every peer asked for the last step: the constructor holds no earlier step's object
     assert all(key[0] == STEPS - 1 for stored in held for key in stored)
 

@@ -226,6 +226,10 @@ class ConstructorRole(Protocol):
         """The same, as ``[ref]``: one object of the node's object store (Ray only)."""
         ...
 
+    def stats(self) -> dict[str, int]:
+        """Batches packed, of how many distinct ``(step, rank)``, and their bytes."""
+        ...
+
     def pid(self) -> int:
         """The constructor's process."""
         ...

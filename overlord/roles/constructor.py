@@ -62,6 +62,8 @@ class DataConstructor:
         self._stored: dict[tuple[int, int, int, str], Any] = {}
         self._asked: dict[int, int] = {}  # global rank -> the last step it asked for
         self._gen = 0  # bumped when a rank asks for an earlier step (trainers rewound the job)
+        self._packed = {"builds": 0, "bytes": 0}  # batches packed, and their arrays' bytes
+        self._packed_span: dict[int, tuple[int, int]] = {}  # rank -> first and last step packed
         layout = resolved_layout(plan.world.cp, plan.batch.cp_layout)
         self.layout = layout if layout is not None else CPLayout.PER_DOCUMENT
         self._pool = Builder("overlord-constructor") if prefetch else None
@@ -172,6 +174,11 @@ class DataConstructor:
     def _build_slices(self, step: int, rank: int, gen: int | None = None) -> list[Batch]:
         """The DP rank's batch, cut for its CP ranks (one batch without CP)."""
         batch = self._build(step, rank, gen)
+        with self._lock:
+            self._packed["builds"] += 1
+            self._packed["bytes"] += sum(a.nbytes for a in batch.arrays().values())
+            first, last = self._packed_span.get(rank, (step, step))
+            self._packed_span[rank] = (min(first, step), max(last, step))
         return cp_slices(batch, self.plan.world.cp, self.layout, self.pad_id)
 
     def _rank_plan(self, step: int, rank: int, gen: int | None = None) -> dict[str, Any]:
@@ -240,6 +247,17 @@ class DataConstructor:
             assert self.plan.vision is not None
             images.finish(batch, self.plan.vision, rp, self.image_id)
         return batch
+
+    def stats(self) -> dict[str, int]:
+        """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.
+
+        ``builds`` equals ``distinct`` (the steps from each rank's first to
+        its last packed) when every batch is fetched and packed once for all
+        its peers; a build repeated after a failure or a rewind counts twice.
+        """
+        with self._lock:
+            spans = self._packed_span.values()
+            return {**self._packed, "distinct": sum(b - a + 1 for a, b in spans)}
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""
