@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import make_corpus
 
-from overlord import Loader, load_plan, validate_plan
+from overlord import Loader, LoaderError, load_plan, validate_plan
 from overlord.roles.api import ConstructorRole
 from overlord.run import dump_line
 from overlord.runtime import ray_runtime
@@ -92,6 +92,29 @@ def test_a_rewind_drops_the_stored_objects_of_the_rank(big, monkeypatch):
         assert {k[0] for k in obj._stored} == {2}
         again = obj.rank_batch_ref(0, 0)[0]  # trainers rewound the job to step 0
         assert {k[0] for k in obj._stored} == {0} and again.value.step == 0
+
+
+def test_a_batch_lost_with_its_constructor_is_asked_for_again_then_named(big, monkeypatch):
+    lost = {"left": 1}
+
+    def get(refs, what):  # the first get of every step finds the object gone (its owner died)
+        if lost["left"]:
+            lost["left"] -= 1
+            return None
+        lost["left"] = 1
+        return refs[0].value
+
+    monkeypatch.setattr(ray_runtime, "put_object", FakeRef)
+    monkeypatch.setattr(ray_runtime, "get_object", get)
+    monkeypatch.setattr(InlineHandle, "object_store", True, raising=False)
+    plan = mesh_plan(big, tp=2)
+    with Loader(plan) as loader:
+        clients = [loader.rank_client(g) for g in range(plan.world.size)]
+        for step in range(2):
+            assert [next(c).step for c in clients] == [step] * 4
+        monkeypatch.setattr(ray_runtime, "get_object", lambda refs, what: None)
+        with pytest.raises(LoaderError, match="rank 0: the batch of step 2 was lost 3 times"):
+            next(clients[0])
 
 
 @pytest.mark.ray
