@@ -13,6 +13,7 @@ not get (``None``) stay ``None`` on every receiver.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,18 @@ def _header(batch: Batch) -> bytes:
     ).encode()
 
 
+def _sent(array: np.ndarray) -> torch.Tensor:
+    """The int32 tensor the source sends, sharing the array's memory where it can.
+
+    A batch from Ray's object store is read-only; the source only reads it,
+    so torch's warning about non-writable arrays does not apply.
+    """
+    shared = np.ascontiguousarray(array, dtype=np.int32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(shared)
+
+
 def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Batch:
     """``batch`` of global rank ``src``, on every rank of ``group`` (all ranks by default).
 
@@ -57,8 +70,7 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=src, group=group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group)
         for array in batch.arrays().values():
-            t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
-            dist.broadcast(t, src=src, group=group)
+            dist.broadcast(_sent(array), src=src, group=group)
         return batch
     size = torch.empty(1, dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)

@@ -29,6 +29,7 @@ from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.runtime.inline import InlineHandle, InlineRuntime
 from overlord.sources.catalog import SourceFiles, job_files
 from overlord.sources.tokenizers import make_tokenizer
+from overlord.world import World
 
 if TYPE_CHECKING:
     from overlord.node import NodeClient
@@ -100,11 +101,12 @@ class Loader:
     cluster at ``address`` or a local instance). With ``build_batches=False``
     the loaders keep no payloads and only :meth:`dry_run` is available.
 
-    Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, ``world.dp`` > 1, the
-    embedded runtime) every process's ``Loader`` is a
+    Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
+    one process, the embedded runtime) every process's ``Loader`` is a
     :class:`~overlord.node.NodeLoader`: the node's rank 0 runs the one Loader
-    that reads each source, and each process's :meth:`client` gives its own
-    DP rank's batches (``node=False`` makes a Loader of this process alone).
+    that reads each source, and each process's :meth:`client` (a mesh:
+    :meth:`rank_client`) gives its own batches (``node=False`` makes a Loader
+    of this process alone).
     """
 
     def __new__(cls, plan: Plan | str | Path, *args: Any, **kwargs: Any) -> Loader:
@@ -114,7 +116,7 @@ class Loader:
         torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if cls is Loader and runtime == "inline" and (node or (node is None and torchrun)):
             loaded = plan if isinstance(plan, Plan) else load_plan(plan)
-            if node or loaded.world.dp > 1:
+            if node or loaded.world.size > 1:
                 return super().__new__(NodeLoader)
         return super().__new__(cls)
 
@@ -312,8 +314,11 @@ class Loader:
 class NodeLoader(Loader):
     """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
 
-    :meth:`client` is this process's DP rank's :class:`NodeClient`; rank 0 runs
-    the node's one embedded Loader for every rank. :meth:`stats` are rank 0's.
+    :meth:`client` is this process's DP rank's :class:`NodeClient`, and in a
+    mesh (``cp``, ``tp`` or ``pp`` above 1) :meth:`rank_client` this process's
+    global rank's (``World.detect(plan=plan)``: ``RANK`` in a world of
+    ``WORLD_SIZE`` processes); rank 0 runs the node's one embedded Loader for
+    every rank. :meth:`stats` are rank 0's.
     What steers the node's loaders (re-partitioning, threads, slots) is rank
     0's alone and not offered here.
     """
@@ -329,20 +334,47 @@ class NodeLoader(Loader):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
             check_state(state, self.plan)
-        if self.plan.world.peers > 1:
-            raise LoaderError("node mode serves DP ranks (cp = tp = pp = 1); serve a mesh on Ray")
+        world = World.detect(plan=self.plan)  # RANK inside a world of WORLD_SIZE processes
+        if world.dp != self.plan.world.dp:
+            raise LoaderError(
+                f"{world.size} processes run under torchrun but the plan's world has "
+                f"{self.plan.world.size} (dp={self.plan.world.dp}, cp={world.cp}, tp={world.tp}, "
+                f"pp={world.pp}): set world.dp to {world.dp} (plan.with_dp({world.dp}))"
+            )
         self.start_step = int((state or {}).get("step", 0))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = World.rank_from_env()  # this process's global rank (its DP rank without a mesh)
         self._state = state
         self._node: NodeClient | None = None  # started on first use
 
     def client(self, rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
-        """The batches of this process's DP rank (``rank`` must be it)."""
+        """The batches of this process's DP rank (``rank`` must be it; no mesh)."""
+        world = self.plan.world
+        if world.peers > 1:
+            raise ValueError(
+                f"Loader.client takes a DP rank, which is one trainer process only when "
+                f"cp = tp = pp = 1; this plan's world has cp={world.cp}, tp={world.tp}, "
+                f"pp={world.pp}: use Loader.rank_client(global_rank) (this process: "
+                f"rank_client({self.rank}))"
+            )
         if rank != self.rank:
             raise ValueError(
                 f"under torchrun this process is DP rank {self.rank}: it iterates its own "
                 f"batches (client({self.rank})), the node's Loader serves rank {rank}'s"
             )
+        return self._client(stop_step)
+
+    def rank_client(self, global_rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
+        """The batches of this process's mesh rank (``global_rank`` must be its ``RANK``)."""
+        self.plan.world.coords(global_rank)  # ValueError outside the world
+        if global_rank != self.rank:
+            raise ValueError(
+                f"under torchrun this process is global rank {self.rank}: it iterates its own "
+                f"batches (rank_client({self.rank})), the node's Loader serves rank "
+                f"{global_rank}'s"
+            )
+        return self._client(stop_step)
+
+    def _client(self, stop_step: int | None) -> NodeClient:
         if self._node is None:
             from overlord.node import NodeClient  # torch: only under torchrun
 
@@ -351,7 +383,7 @@ class NodeLoader(Loader):
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's state as of this rank's position."""
-        return self.client(self.rank).state_dict()
+        return self._client(None).state_dict()
 
     def stats(self) -> dict[str, Any]:
         """The node's Loader's statistics (rank 0 only)."""
@@ -363,7 +395,7 @@ class NodeLoader(Loader):
     def _not_here(self, *_: Any, **__: Any) -> Any:
         raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
 
-    rank_client = dry_run = slots = repartition = set_threads = _not_here
+    dry_run = slots = repartition = set_threads = _not_here
 
     def close(self) -> None:
         """Stop this rank's stream (call it on every rank, as training ends together)."""

@@ -1,21 +1,26 @@
 """One node's trainer processes fed by one embedded Loader: ``torchrun`` without Ray.
 
-``torchrun --nproc_per_node N train.py`` starts N processes, one DP rank each.
-Were each to run its own Loader, every source would be read and tokenized N
-times. Here the node's rank 0 runs the only Loader (the embedded runtime, on a
-thread of its own), takes every rank's batch of each step in order, and sends
-each to its rank over a ``torch.distributed`` gloo group the trainer already
-has the means for; every other rank receives its batches on a thread of its
-own. So each source is read once per node, and every rank gets exactly the
-batches the single-process embedded runtime gives its DP rank. Multi-node
-jobs are Ray's (``overlord serve``).
+``torchrun --nproc_per_node N train.py`` starts N processes, one mesh rank
+each (one DP rank each where ``cp = tp = pp = 1``). Were each to run its own
+Loader, every source would be read and tokenized N times. Here the node's
+rank 0 runs the only Loader (the embedded runtime, on a thread of its own),
+takes every rank's batch of each step in order, and sends each to its rank
+over a ``torch.distributed`` gloo group the trainer already has the means
+for; every other rank receives its batches on a thread of its own. So each
+source is read once per node, and every rank gets exactly the batches the
+single-process embedded runtime gives it (``Loader.client(dp_rank)``, or
+``Loader.rank_client(global_rank)`` in a mesh: a DP rank's batch is fetched,
+packed and cut for its CP ranks once, and TP peers are sent the same view;
+each process holds its own copy of what it received). Multi-node jobs are
+Ray's (``overlord serve``).
 
-Messages are tensors: a header of eight int64 (kind, step, rank, rows,
-max_seq_len, and the lengths of ``cu_seqlens``, the samples' JSON and the
-state's JSON), then the four row arrays as one int32 tensor, ``cu_seqlens``,
-and two byte tensors of JSON: the batch's samples and cost, and the state as
-of the step after it (what ``state_dict()`` returns once the batch is taken).
-Nothing is pickled. An error of the Loader reaches every rank as a
+Messages are tensors: a header of eight int64 (kind, step, DP rank, three
+unused, the lengths of the meta JSON and of the state's JSON), then two byte
+tensors of JSON: the batch's samples, cost, CP fields and the shape of every
+array present, and the state as of the step after it (what ``state_dict()``
+returns once the batch is taken); then each array present as an int32
+tensor (a pipeline stage's missing fields stay ``None``). Nothing is
+pickled. An error of the Loader reaches every rank as a
 :class:`~overlord.errors.LoaderError` naming where it happened.
 
 Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
@@ -25,6 +30,7 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
     with overlord.Loader(plan) as loader:    # a NodeLoader here
         for batch in loader.client(dist.get_rank()):   # this process's DP rank
             ...
+        # in a mesh (cp, tp or pp above 1): loader.rank_client(dist.get_rank())
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from overlord.errors import LoaderError
 from overlord.plan.spec import Plan
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
+_ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
 _HEADER = 8
 AHEAD = 2  # batches a rank holds ready beyond the one its trainer has
 
@@ -72,20 +79,22 @@ class _Channel:
         samples = [[s.source, s.id, s.tokens, s.row] for s in batch.samples]
         px, grid_i = batch.pixel_values, batch.image_grid  # a plan with images
         images = None if px is None or grid_i is None else [*px.shape, len(grid_i)]
-        costs = [batch.cost_llm, batch.cost_encoder]
-        meta = _bytes(json.dumps({"samples": samples, "cost": batch.cost, "images": images,
-                                  "costs": costs}))  # fmt: skip
+        arrays = batch.arrays()  # a mesh rank's: its CP slice, its stage's fields
+        meta = _bytes(json.dumps({
+            "samples": samples, "cost": batch.cost, "images": images,
+            "costs": [batch.cost_llm, batch.cost_encoder],
+            "cp": [batch.cp_layout, batch.cp_rank, batch.cp_size],
+            "shapes": {k: list(a.shape) for k, a in arrays.items()},
+        }))  # fmt: skip
         after = _bytes(json.dumps(state, separators=(",", ":")))
-        assert batch.input_ids is not None and batch.labels is not None  # a whole DP batch
-        rows, seq = batch.input_ids.shape
-        cu = torch.from_numpy(np.ascontiguousarray(batch.cu_seqlens, dtype=np.int32))
-        grid = np.stack([batch.input_ids, batch.labels, batch.position_ids, batch.segment_ids])
-        header = [_BATCH, batch.step, batch.rank, rows, seq, len(cu), len(meta), len(after)]
-        for t in (torch.tensor(header, dtype=torch.int64), torch.from_numpy(grid), cu, meta, after):
+        header = [_BATCH, batch.step, batch.rank, 0, 0, 0, len(meta), len(after)]
+        for t in (torch.tensor(header, dtype=torch.int64), meta, after):
             dist.send(t.contiguous(), dst=to, group=self.group)
-        if images is not None:
-            for a in (batch.pixel_values, batch.image_grid):
-                dist.send(torch.from_numpy(np.ascontiguousarray(a)), dst=to, group=self.group)
+        for a in arrays.values():
+            dist.send(torch.from_numpy(np.ascontiguousarray(a, np.int32)), dst=to, group=self.group)
+        if px is not None and grid_i is not None:
+            for image in (px, grid_i):
+                dist.send(torch.from_numpy(np.ascontiguousarray(image)), dst=to, group=self.group)
 
     def send_text(self, kind: int, text: str, to: int) -> None:
         """An end, an error (its message) or the start (the state the stream starts from)."""
@@ -99,50 +108,46 @@ class _Channel:
         """``(kind, (batch, state))`` for a batch, ``(kind, message)`` otherwise."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.recv(header, src=0, group=self.group)
-        kind, step, rank, rows, seq, n_cu, n_meta, n_state = header.tolist()
+        kind, step, rank, _, _, _, n_meta, n_state = header.tolist()
         if kind != _BATCH:
             message = torch.empty(n_meta, dtype=torch.uint8)
             if n_meta:
                 dist.recv(message, src=0, group=self.group)
             return kind, _text(message)
-        grid = torch.empty((4, rows, seq), dtype=torch.int32)
-        cu = torch.empty(n_cu, dtype=torch.int32)
         meta = torch.empty(n_meta, dtype=torch.uint8)
         after = torch.empty(n_state, dtype=torch.uint8)
-        for t in (grid, cu, meta, after):
+        for t in (meta, after):
             dist.recv(t, src=0, group=self.group)
         info = json.loads(_text(meta))
-        arrays = grid.numpy()
+        arrays: dict[str, Any] = dict.fromkeys(_ARRAYS)
+        for name, shape in info["shapes"].items():  # in the order they were sent
+            t = torch.empty(shape, dtype=torch.int32)
+            dist.recv(t, src=0, group=self.group)
+            arrays[name] = t.numpy()
+        layout, cp_rank, cp_size = info["cp"]
+        batch = Batch(
+            step, rank, samples=[Sample(*s) for s in info["samples"]], cost=info["cost"],
+            cp_layout=layout, cp_rank=cp_rank, cp_size=cp_size, **arrays,
+        )  # fmt: skip
         images = info.get("images")
         if images is not None:
             px = torch.empty(images[:2], dtype=torch.float32)
             grid_i = torch.empty((images[2], 2), dtype=torch.int32)
             for t in (px, grid_i):
                 dist.recv(t, src=0, group=self.group)
-        batch = Batch(
-            step,
-            rank,
-            arrays[0],
-            arrays[1],
-            arrays[2],
-            arrays[3],
-            cu.numpy(),
-            [Sample(*s) for s in info["samples"]],
-            info["cost"],
-        )
-        if images is not None:
             batch.pixel_values, batch.image_grid = px.numpy(), grid_i.numpy()
             batch.cost_llm, batch.cost_encoder = info["costs"]
         return kind, (batch, json.loads(_text(after)))
 
 
 class NodeClient(Iterator[Batch]):
-    """The batches of one DP rank, this process's; the node's one Loader serves every rank.
+    """The batches of this process's rank; the node's one Loader serves every rank.
 
-    ``rank`` is this process's DP rank (default: its ``torch.distributed``
-    rank); the plan's ``world.dp`` must be the number of processes, all on
-    this node. ``state`` resumes the stream (the same state on every rank, as
-    a synchronous checkpoint saves it); ``stop_step`` ends it. ``serve(plan,
+    This process's ``torch.distributed`` rank is its global rank in the
+    plan's mesh (its DP rank where ``cp = tp = pp = 1``); the plan's
+    ``world.size`` must be the number of processes, all on this node.
+    ``state`` resumes the stream (the same state on every rank, as a
+    synchronous checkpoint saves it); ``stop_step`` ends it. ``serve(plan,
     state)`` makes rank 0's embedded Loader (``overlord.Loader`` and
     ``OverlordIterableDataset.from_plan`` pass one; use those).
     """
@@ -168,11 +173,15 @@ class NodeClient(Iterator[Batch]):
                 f"{size} in all): for several nodes, serve the plan on Ray (overlord serve) "
                 "and connect every trainer to it"
             )
-        if plan.world.dp != size:
+        world = plan.world
+        if world.size != size:
+            mesh = f"dp*cp*tp*pp = {world.dp}*{world.cp}*{world.tp}*{world.pp}"
             raise LoaderError(
-                f"the plan's world.dp is {plan.world.dp} but {size} processes run: one DP rank "
-                f"per process (plan.with_dp({size}), or world.dp: {size} in the plan)"
+                f"the plan's world has {world.size} processes ({mesh}) but {size} run: one "
+                f"process per mesh rank (plan.with_dp({size // world.peers}) for "
+                f"cp*tp*pp = {world.peers}, or world.dp in the plan)"
             )
+        self.dp_rank = world.coords(self.rank).dp  # the rank batches name
         self.step = int((state or {}).get("step", 0))
         self.stop_step = stop_step
         self._state = state  # as of this rank's position: before ``self.step``
@@ -190,14 +199,17 @@ class NodeClient(Iterator[Batch]):
     # ---- rank 0: the node's Loader ---------------------------------------------------------
 
     def _serve(self, plan: Plan, state: dict[str, Any] | None) -> None:
-        others = range(1, plan.world.dp)
+        world = plan.world
+        others = range(1, world.size)
         ending, message = _END, ""  # every way out tells the other ranks, who wait for it
         try:
             if self._make_loader is None:
                 raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
             with self._make_loader(plan, state) as loader:
                 self.loader = loader
-                clients = [loader.client(r, stop_step=self.stop_step) for r in range(plan.world.dp)]
+                # a DP rank's batch is built once, its views cut once for all its peers
+                serve = loader.client if world.peers == 1 else loader.rank_client
+                clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
                 start = loader.state_dict()
                 for r in others:
                     self._channel.send_text(_START, json.dumps(start), r)
@@ -264,10 +276,10 @@ class NodeClient(Iterator[Batch]):
             self._ready.put((kind, got))
             raise LoaderError(got)
         batch, after = got
-        if (batch.step, batch.rank) != (self.step, self.rank):
+        if (batch.step, batch.rank) != (self.step, self.dp_rank):
             raise LoaderError(
-                f"rank {self.rank} expected step {self.step} and received step {batch.step} "
-                f"of rank {batch.rank} from the node's Loader"
+                f"rank {self.rank} expected step {self.step} of DP rank {self.dp_rank} and "
+                f"received step {batch.step} of DP rank {batch.rank} from the node's Loader"
             )
         self.step += 1
         self._state = after

@@ -328,7 +328,7 @@ def _under_torchrun(plan: Plan) -> bool:
     """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
     import os
 
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.dp > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.size > 1
 
 
 class _JobSource:
@@ -412,17 +412,19 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
     ) -> OverlordIterableDataset:
         """Batches of ``rank`` from an embedded Loader.
 
-        Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and ``world.dp`` > 1)
-        the node's rank 0 runs the only Loader and sends every other rank its
-        batches over a gloo group (:mod:`overlord.node`): each source is read
-        once per node, no Ray needed, and ``rank`` is this process's
-        ``torch.distributed`` rank. Otherwise the Loader is this process's
-        own: for ``world.dp == 1``, and for tests (it serves every DP rank in
-        one process, which must then consume every rank's batch of a step
-        before it runs ahead; one rank alone stops with an error after a few
-        steps when dp > 1). Several nodes: serve the plan (``overlord serve``)
-        and use :meth:`from_job`. The Loader starts on first use; ``state``
-        (or :meth:`load_state_dict` before that) resumes the stream exactly.
+        Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and a world of
+        more than one process) the node's rank 0 runs the only Loader and
+        sends every other rank its batches over a gloo group
+        (:mod:`overlord.node`): each source is read once per node, no Ray
+        needed, and ``rank`` is this process's ``torch.distributed`` rank (its
+        global rank in a mesh: its CP slice, its stage's fields). Otherwise the
+        Loader is this process's own: for a world of one process, and for
+        tests (it serves every DP rank in one process, which must then consume
+        every rank's batch of a step before it runs ahead; one rank alone stops
+        with an error after a few steps when dp > 1). Several nodes: serve the
+        plan (``overlord serve``) and use :meth:`from_job`. The Loader starts
+        on first use; ``state`` (or :meth:`load_state_dict` before that)
+        resumes the stream exactly.
         """
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         start = decode_state(state) if state is not None else None

@@ -5,8 +5,9 @@ Run by tests/test_node.py as ``python -m torch.distributed.run --standalone
 rank's dump lines and its final state to OUT. With ``OVERLORD_TEST_DATASET=1``
 it reads through ``OverlordIterableDataset.from_plan`` in a torch DataLoader
 instead, and writes a digest of each batch's ``input_ids``; with
-``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``. Ray is blocked:
-node mode must not need it.
+``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``; with
+``OVERLORD_TEST_MESH=1`` through ``overlord.Loader(plan).rank_client(RANK)``,
+writing :func:`digest` of each batch. Ray is blocked: node mode must not need it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,31 @@ class _NoRay(MetaPathFinder):
         return None
 
 
+def digest(batch) -> list:  # type: ignore[no-untyped-def]
+    """What identifies a mesh rank's batch: step, DP rank, CP fields, samples, every array."""
+    arrays = {k: hashlib.sha256(a.tobytes()).hexdigest() + str(a.shape)
+              for k, a in batch.arrays().items()}  # fmt: skip
+    samples = [list(s) for s in batch.samples]
+    return [batch.step, batch.rank, batch.cp_layout, batch.cp_rank, batch.cp_size, samples, arrays]
+
+
+def mesh(plan_path: str, steps: int, rank: int) -> dict:
+    """This process's mesh rank's batches through ``overlord.Loader`` (a NodeLoader here)."""
+    from overlord import Loader
+
+    result: dict = {"lines": [], "error": None}
+    with Loader(plan_path) as loader:
+        result["kind"] = type(loader).__name__
+        try:
+            loader.client(rank)
+        except ValueError as e:
+            result["client_error"] = str(e)
+        for batch in loader.rank_client(rank, stop_step=steps):
+            result["lines"].append(digest(batch))
+        result["state"] = loader.state_dict()
+    return result
+
+
 def main() -> None:
     """Import overlord only now, with Ray blocked."""
     import torch.distributed as dist
@@ -39,6 +65,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result: dict = {"lines": [], "error": None}
+    if os.environ.get("OVERLORD_TEST_MESH"):
+        result = mesh(plan_path, steps, rank)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if os.environ.get("OVERLORD_TEST_DATASET"):
         import torch.utils.data
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -29,11 +30,17 @@ def batches() -> list[Batch]:
     whole = Batch(3, 1, samples=samples, cost=2.5, **a)
     sliced = cp_slices(whole, 2, CPLayout.PER_DOCUMENT, 257)[1]
     dynamic = dynamic_slices(whole, 2, 3, CostModel(1.0, 0.0), 257)[0]  # with cp_groups
-    return [whole, sliced, stage_view(sliced, "middle"), stage_view(sliced, "last"), dynamic]
+    stored = replace(whole)  # as mapped from Ray's object store: read-only arrays
+    for name, array in whole.arrays().items():
+        setattr(stored, name, array.copy())
+        getattr(stored, name).flags.writeable = False
+    views = [stage_view(sliced, "middle"), stage_view(sliced, "last")]
+    return [whole, sliced, *views, dynamic, stored]
 
 
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.simplefilter("error")  # a warning (a read-only array, say) fails the worker
     dist.init_process_group("gloo", rank=rank, world_size=2)
     got = [broadcast_batch(b if rank == 0 else None, src=0) for b in batches()]
     if rank == 1:
@@ -59,4 +66,4 @@ def test_every_rank_receives_the_source_batch(tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "same.npy")
     mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="fork")
-    assert np.load(out).tolist() == [True] * 5
+    assert np.load(out).tolist() == [True] * len(batches())

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from conftest import make_corpus
 from jobs import run_job
+from node_worker import digest
 
-from overlord import Loader, load_plan
+from overlord import Loader, LoaderError, load_plan, validate_plan
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.integration
@@ -30,12 +31,14 @@ def torchrun(
     state: Path | None = None,
     dataset: bool = False,
     loader: bool = False,
+    mesh: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the worker on ``RANKS`` CPU processes; each rank's result."""
     args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     env = {**os.environ, **({"OVERLORD_TEST_DATASET": "1"} if dataset else {})}
     env |= {"OVERLORD_TEST_LOADER": "1"} if loader else {}
+    env |= {"OVERLORD_TEST_MESH": "1"} if mesh else {}
     done = subprocess.run(
         [*cmd, f"--nproc_per_node={RANKS}", str(WORKER), *args],
         capture_output=True,
@@ -118,3 +121,48 @@ def test_the_pytorch_dataset_from_a_plan_uses_the_nodes_loader_under_torchrun(pl
     got = torchrun(plan_path, tmp_path / "ds", 6, dataset=True)
     assert [r["lines"] for r in got] == want
     assert all(r["state"]["step"] == 6 for r in got)
+
+
+def test_a_mesh_under_torchrun_gets_the_embedded_rank_client_batches(plan_path, tmp_path):
+    """dp 1 x cp 2 x tp 2 on 4 processes: each its CP slice; TP peers the same batches."""
+    plan = load_plan(plan_path)
+    data = plan.model_dump(mode="json")
+    data["world"] = {"dp": 1, "cp": 2, "tp": 2}
+    (tmp_path / "data").symlink_to(plan.base_dir / "data")
+    path = tmp_path / "mesh.yaml"
+    path.write_text(json.dumps(data))
+    mesh = validate_plan(data, base_dir=tmp_path)
+    want: list[list[Any]] = [[] for _ in range(RANKS)]
+    with Loader(mesh) as loader:
+        clients = [loader.rank_client(g) for g in range(RANKS)]
+        for _ in range(5):
+            for g, c in enumerate(clients):
+                want[g].append(json.loads(json.dumps(digest(next(c)))))
+    got = torchrun(path, tmp_path / "mesh", 5, mesh=True)
+    assert all(r["error"] is None and r["kind"] == "NodeLoader" for r in got)
+    assert [r["lines"] for r in got] == want
+    # TP peers (global ranks 0, 1 and 2, 3) received equal batches; the CP ranks their slices
+    assert got[0]["lines"] == got[1]["lines"] != got[2]["lines"] == got[3]["lines"]
+    assert {line[3] for line in got[2]["lines"]} == {1}
+    assert all(r["state"] == got[0]["state"] and r["state"]["step"] == 5 for r in got)
+    assert "use Loader.rank_client(global_rank)" in got[0]["client_error"]
+
+
+def test_a_node_loader_of_a_mesh_takes_this_process_global_rank_only(plan_path, monkeypatch):
+    data = load_plan(plan_path).model_dump(mode="json")
+    data["world"] = {"dp": 1, "cp": 2, "tp": 2}
+    mesh = validate_plan(data, base_dir=load_plan(plan_path).base_dir)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    loader = Loader(mesh)  # no process group yet: that starts with the first client
+    assert type(loader).__name__ == "NodeLoader"
+    with pytest.raises(ValueError, match=r"\(this process: rank_client\(1\)\)"):
+        loader.client(1)
+    with pytest.raises(ValueError, match="this process is global rank 1"):
+        loader.rank_client(2)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(LoaderError, match=r"set world.dp to 2"):
+        Loader(mesh)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="not a multiple of cp\\*tp\\*pp=4"):
+        Loader(mesh)

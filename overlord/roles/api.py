@@ -222,6 +222,14 @@ class ConstructorRole(Protocol):
         """What mesh rank ``global_rank`` receives of its DP rank's batch for ``step``."""
         ...
 
+    def rank_batch_ref(self, step: int, global_rank: int) -> list[Any]:
+        """The same, as ``[ref]``: one object of the node's object store (Ray only)."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Batches packed, of how many distinct ``(step, rank)``, and their bytes."""
+        ...
+
     def pid(self) -> int:
         """The constructor's process."""
         ...

@@ -11,6 +11,8 @@ from overlord.errors import LoaderError, RanksApart
 from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.runtime.base import Handle, OneWay
 
+LOST_TRIES = 3  # a stored batch lost with its constructor is asked for again, this many times
+
 
 class Client(Iterator[Batch]):
     """Batches of one DP rank, step after step, from ``start_step`` (until ``stop_step``).
@@ -45,6 +47,8 @@ class Client(Iterator[Batch]):
         self.step = self._since = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
+        # a mesh rank of an actor constructor takes its view as the node's one stored object
+        self._by_ref = global_rank is not None and getattr(constructor, "object_store", False)
 
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
@@ -91,8 +95,23 @@ class Client(Iterator[Batch]):
     def _fetch(self) -> Batch:
         if self.global_rank is None:
             return self._constructor.call(ConstructorRole.batch, self.step, self.rank).result()
-        call = self._constructor.call(ConstructorRole.rank_batch, self.step, self.global_rank)
-        return call.result()
+        if not self._by_ref:
+            call = self._constructor.call(ConstructorRole.rank_batch, self.step, self.global_rank)
+            return call.result()
+        from overlord.runtime.ray_runtime import get_object
+
+        for _ in range(LOST_TRIES):
+            asked = self._constructor.call(
+                ConstructorRole.rank_batch_ref, self.step, self.global_rank
+            )
+            batch = get_object(asked.result(), "the batch of a DataConstructor")
+            if batch is not None:
+                return batch
+            # the constructor died between putting the object and our get: Ray restarted it
+        raise LoaderError(
+            f"global rank {self.global_rank}: the batch of step {self.step} was lost "
+            f"{LOST_TRIES} times in a row (its DataConstructor died each time); see the Ray logs"
+        )
 
     def flush(self) -> None:
         """Wait until this rank's consumption notices reached the planner (raising errors)."""

@@ -60,8 +60,12 @@ class DataConstructor:
         self._lock = threading.Lock()
         self._built: dict[tuple[int, int], Future[list[Batch] | None]] = {}
         self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
+        # the same views put in the object store of this node (Ray), once each: see rank_batch_ref
+        self._stored: dict[tuple[int, int, int, str], Any] = {}
         self._asked: dict[int, int] = {}  # global rank -> the last step it asked for
         self._gen = 0  # bumped when a rank asks for an earlier step (trainers rewound the job)
+        self._packed = {"builds": 0, "bytes": 0}  # batches packed, and their arrays' bytes
+        self._packed_span: dict[int, tuple[int, int]] = {}  # rank -> first and last step packed
         layout = resolved_layout(plan.world.cp, plan.batch.cp_layout)
         self.layout = layout if layout is not None else CPLayout.PER_DOCUMENT
         self._pool = Builder("overlord-constructor") if prefetch else None
@@ -82,6 +86,33 @@ class DataConstructor:
         Its CP slice, with the fields of its pipeline stage; every TP peer of a
         ``(dp, cp, pp)`` coordinate receives the same object (overlord.roles.peers).
         """
+        return self._view(step, global_rank)[1]
+
+    def rank_batch_ref(self, step: int, global_rank: int) -> list[Any]:
+        """:meth:`rank_batch` as one object of this node's object store: ``[ref]`` (Ray only).
+
+        The view of a ``(step, dp, cp, stage)`` is put once, and every peer
+        that asks gets a reference to that one object, which ``ray.get`` maps
+        without a copy (read-only) on this node; the list keeps Ray from
+        copying the object into the reply. The constructor drops its
+        reference with the view, once every peer that asks moved past the
+        step (or the job rewound); the object goes when the trainers drop
+        theirs. Views under Ray's inlining threshold (100 KiB) are small
+        objects Ray copies anyway.
+        """
+        from overlord.runtime.ray_runtime import put_object  # called on a Ray actor only
+
+        key, view = self._view(step, global_rank)
+        with self._lock:
+            ref = self._stored.get(key)
+        if ref is None:
+            made = put_object(view)  # outside the lock: the other ranks' calls go on
+            with self._lock:
+                ref = self._stored.setdefault(key, made)
+        return [ref]
+
+    def _view(self, step: int, global_rank: int) -> tuple[tuple[int, int, int, str], Batch]:
+        """The ``(step, dp, cp, stage)`` key of a mesh rank's view, and the view (made once)."""
         at = self.plan.world.coords(global_rank)
         stage = stage_of(at.pp, self.plan.world.pp)
         sliced = self._slices(step, at.dp, global_rank)[at.cp]
@@ -90,7 +121,7 @@ class DataConstructor:
             view = self._views.get(key)
             if view is None:
                 view = self._views[key] = stage_view(sliced, stage)
-        return view
+        return key, view
 
     def _slices(self, step: int, rank: int, asker: int) -> list[Batch]:
         """Every CP rank's batch of DP rank ``rank`` for ``step``, asked for by ``asker``."""
@@ -104,8 +135,7 @@ class DataConstructor:
                 self._asked[asker] = step
                 for key in [k for k in self._built if k[1] == rank]:
                     del self._built[key]
-                for view in [k for k in self._views if k[1] == rank]:
-                    del self._views[view]
+                self._drop_views(rank, None)
             fut = self._built.get((step, rank))
             if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
                 # none yet; refused when built ahead; or failed (a retry builds it again)
@@ -121,12 +151,20 @@ class DataConstructor:
             low = min(self._asked[g] for g in peers if g in self._asked)
             for key in [k for k in self._built if k[1] == rank and k[0] < low]:
                 del self._built[key]
-            for view in [k for k in self._views if k[1] == rank and k[0] < low]:
-                del self._views[view]
+            self._drop_views(rank, low)
         got = fut.result()
         if got is None:  # refused when it was built ahead: build it now, still off this thread
             return self._pool.submit(self._build_slices, step, rank).result()
         return got
+
+    def _drop_views(self, rank: int, below: int | None) -> None:
+        """Forget DP rank ``rank``'s views (and stored objects) of steps below ``below`` (all).
+
+        Called under the lock.
+        """
+        for held in (self._views, self._stored):
+            for key in [k for k in held if k[1] == rank and (below is None or k[0] < below)]:
+                del held[key]
 
     def _ahead(self, step: int, rank: int, gen: int) -> list[Batch] | None:
         """Build ``step`` ahead of the trainer; None if the planner cannot plan it yet."""
@@ -138,6 +176,11 @@ class DataConstructor:
     def _build_slices(self, step: int, rank: int, gen: int | None = None) -> list[Batch]:
         """The DP rank's batch, cut for its CP ranks (one batch without CP)."""
         batch = self._build(step, rank, gen)
+        with self._lock:
+            self._packed["builds"] += 1
+            self._packed["bytes"] += sum(a.nbytes for a in batch.arrays().values())
+            first, last = self._packed_span.get(rank, (step, step))
+            self._packed_span[rank] = (min(first, step), max(last, step))
         world = self.plan.world
         if world.tokens_per_cp_rank is not None:  # cp: dynamic, placed here (a pure function)
             model = CostModel.from_spec(self.plan.balance.cost)
@@ -210,6 +253,17 @@ class DataConstructor:
             assert self.plan.vision is not None
             images.finish(batch, self.plan.vision, rp, self.image_id)
         return batch
+
+    def stats(self) -> dict[str, int]:
+        """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.
+
+        ``builds`` equals ``distinct`` (the steps from each rank's first to
+        its last packed) when every batch is fetched and packed once for all
+        its peers; a build repeated after a failure or a rewind counts twice.
+        """
+        with self._lock:
+            spans = self._packed_span.values()
+            return {**self._packed, "distinct": sum(b - a + 1 for a, b in spans)}
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""

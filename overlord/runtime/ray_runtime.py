@@ -57,6 +57,8 @@ class RayRef:
 class RayHandle:
     """A role running as a Ray actor."""
 
+    object_store = True  # a constructor's batches may be fetched as one object per node
+
     def __init__(self, actor: Any, name: str):
         self.actor = actor
         self.name = name
@@ -72,6 +74,26 @@ class RayHandle:
             return RayRef(getattr(self.actor, method.__name__).remote(*args, **kwargs), what)
         except TypeError as e:
             return Done(error=LoaderError(f"{what} failed: TypeError: {e}"))
+
+
+def put_object(value: Any) -> Any:
+    """``value`` put once in this node's object store; its ObjectRef (numpy arrays zero-copy)."""
+    return _ray().put(value)
+
+
+def get_object(refs: list[Any], what: str) -> Any:
+    """The value of the one ObjectRef in ``refs``; None if it was lost (its owner died).
+
+    On the node that holds it, numpy arrays in it are mapped from the store
+    without a copy, read-only.
+    """
+    ray = _ray()
+    try:
+        return ray.get(refs[0])
+    except ray.exceptions.ObjectLostError:  # the constructor died: ask its successor again
+        return None
+    except ray.exceptions.RayError as e:
+        raise _unwrap(e, what) from None
 
 
 def _unwrap(err: BaseException, what: str) -> BaseException:
