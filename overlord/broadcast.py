@@ -5,9 +5,11 @@ rank of the group fetches its batch from overlord and the others receive it,
 instead of each fetching. Use it as ``overlord.torch.broadcast_batch``.
 
 Messages are tensors: an int64 length, then a JSON header (step, rank, cost,
-samples, the CP fields, and the shape of every array present), then each
-array as an int32 tensor. Nothing is pickled. The arrays a pipeline stage does
-not get (``None``) stay ``None`` on every receiver.
+samples, the CP fields, the cost terms, and the shape of every array
+present), then each array as a tensor of its dtype: int32 for the token
+arrays and ``image_grid``, float32 for ``pixel_values`` (a plan with images).
+Nothing is pickled. The arrays a pipeline stage does not get, and the images
+of a plan without any (``None``), stay ``None`` on every receiver.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ import torch.distributed as dist
 from overlord.batch import Batch, Sample
 
 _ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
+# the images of a plan with image sources, and the dtype each travels in
+_IMAGES = {"pixel_values": np.float32, "image_grid": np.int32}
+_DTYPES = {name: np.int32 for name in _ARRAYS} | _IMAGES
+_TORCH = {np.float32: torch.float32, np.int32: torch.int32}
+
+
+def _sent(batch: Batch) -> dict[str, np.ndarray]:
+    """Every array ``batch`` holds, tokens then images, by name."""
+    out = dict(batch.arrays())
+    for name in _IMAGES:
+        array = getattr(batch, name)
+        if array is not None:
+            out[name] = array
+    return out
 
 
 def _header(batch: Batch) -> bytes:
@@ -32,7 +48,8 @@ def _header(batch: Batch) -> bytes:
             "cost": batch.cost,
             "samples": [list(s) for s in batch.samples],
             "cp": [batch.cp_layout, batch.cp_rank, batch.cp_size],
-            "shapes": {k: list(v.shape) for k, v in batch.arrays().items()},
+            "terms": [batch.cost_llm, batch.cost_encoder],
+            "shapes": {k: list(v.shape) for k, v in _sent(batch).items()},
         },
         separators=(",", ":"),
     ).encode()
@@ -53,8 +70,8 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         data = _header(batch)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=src, group=group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group)
-        for array in batch.arrays().values():
-            t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+        for name, array in _sent(batch).items():
+            t = torch.from_numpy(np.ascontiguousarray(array, dtype=_DTYPES[name]))
             dist.broadcast(t, src=src, group=group)
         return batch
     size = torch.empty(1, dtype=torch.int64)
@@ -62,13 +79,14 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(raw, src=src, group=group)
     head = json.loads(bytes(raw.numpy().tobytes()).decode())
-    arrays: dict[str, np.ndarray | None] = dict.fromkeys(_ARRAYS)
-    for name in _ARRAYS:
+    arrays: dict[str, np.ndarray | None] = dict.fromkeys(_DTYPES)
+    for name, dtype in _DTYPES.items():  # the order _sent sends them in
         if name in head["shapes"]:
-            t = torch.empty(head["shapes"][name], dtype=torch.int32)
+            t = torch.empty(head["shapes"][name], dtype=_TORCH[dtype])
             dist.broadcast(t, src=src, group=group)
             arrays[name] = t.numpy()
     layout, cp_rank, cp_size = head["cp"]
+    cost_llm, cost_encoder = head["terms"]
     position_ids, segment_ids, cu_seqlens = (
         arrays["position_ids"], arrays["segment_ids"], arrays["cu_seqlens"]
     )  # fmt: skip
@@ -87,4 +105,8 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         cp_layout=layout,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        pixel_values=arrays["pixel_values"],
+        image_grid=arrays["image_grid"],
+        cost_llm=cost_llm,
+        cost_encoder=cost_encoder,
     )
