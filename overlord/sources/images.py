@@ -55,19 +55,18 @@ def image_patches(data: bytes, v: VisionSpec) -> np.ndarray:
 def normalize(patches: np.ndarray, v: VisionSpec) -> np.ndarray:
     """float32 ``(x / 255 - mean) / std`` of uint8 patches ``(n, 3*p*p)``, per channel.
 
-    A uint8 has 256 values, so each channel's results are computed once, in
-    float32 as the rule says, and looked up: the same bits as computing every
-    pixel, in one pass instead of three (a 64k-patch step: about 4x faster).
+    The rule's operations in its order, in float32, each in place in the one
+    output array: the same bits as the expression, without its three
+    temporaries (a 64k-patch step's are 150 MB each, and their first touch
+    cost more than the arithmetic).
     """
     pp = v.patch_size * v.patch_size
-    values = np.arange(256, dtype=np.float32) / np.float32(255)
-    mean = np.asarray(v.mean, dtype=np.float32)
-    std = np.asarray(v.std, dtype=np.float32)
-    table = (values[None, :] - mean[:, None]) / std[:, None]  # (3, 256) float32
-    out = np.empty(patches.shape, dtype=np.float32)
-    for c in range(3):  # (channel, y, x): channel c is the c-th run of p*p values
-        cols = slice(c * pp, (c + 1) * pp)
-        np.take(table[c], patches[:, cols], out=out[:, cols])
+    mean = np.repeat(np.asarray(v.mean, dtype=np.float32), pp)
+    std = np.repeat(np.asarray(v.std, dtype=np.float32), pp)
+    out = patches.astype(np.float32)
+    np.divide(out, np.float32(255), out=out)
+    np.subtract(out, mean, out=out)
+    np.divide(out, std, out=out)
     return out
 
 
