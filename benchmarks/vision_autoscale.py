@@ -14,8 +14,9 @@ rest. The trainer is simulated: each step it takes every rank's batch, then
 "trains" for a fixed time, chosen so that at 60% ``pictures`` needs ``--need``
 of the budget's cores (0.75 of 2 by default: one reader thread, a core, falls
 short by a third at the peak; the DataConstructor's gathering and
-normalizing of the pixels, which no loader pays, needs about a third as much
-again, so that 2 cores are full at the peak). One DP rank.
+normalizing of the pixels, which no loader pays, took about half as much
+again in a profile, so the peak needs more than 2 cores: give the run a
+machine with cores to spare). One DP rank.
 
 - *fixed*: every source gets one loader of one reader thread (each source
   its own worker, the usual split), no autoscaler;
@@ -30,7 +31,8 @@ each source (loaders x threads at the phase's end), what a token of each cost
 its loaders (their moving average of thread CPU time per token), and, for both
 runs, the trainer's time waiting for data as a share of the phase and tokens/s.
 
-    .venv/bin/python -m benchmarks.vision_autoscale --quick   # about two minutes on 2 cores
+    .venv/bin/python -m benchmarks.vision_autoscale --quick              # one run of each
+    .venv/bin/python -m benchmarks.vision_autoscale --quick --repeat 3   # medians (README)
 """
 
 from __future__ import annotations
