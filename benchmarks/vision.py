@@ -18,6 +18,9 @@
    bound ``max(total / dp, largest item)``, mean and p95 over the steps, and
    the per-rank-loader baseline (``none``).
 
+The autoscaler sizing an image source beside text sources is
+``benchmarks/vision_autoscale.py``.
+
 Run from the repository root::
 
     .venv/bin/python -m benchmarks.vision            # about a minute

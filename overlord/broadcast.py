@@ -5,9 +5,11 @@ rank of the group fetches its batch from overlord and the others receive it,
 instead of each fetching. Use it as ``overlord.torch.broadcast_batch``.
 
 Messages are tensors: an int64 length, then a JSON header (step, rank, cost,
-samples, the CP fields, and the shape of every array present), then each
-array as an int32 tensor. Nothing is pickled. The arrays a pipeline stage does
-not get (``None``) stay ``None`` on every receiver.
+samples, the CP fields, the cost terms, and the shape of every array
+present), then each array as a tensor of its dtype: int32 for the token
+arrays and ``image_grid``, float32 for ``pixel_values`` (a plan with images).
+Nothing is pickled. The arrays a pipeline stage does not get, and the images
+of a plan without any (``None``), stay ``None`` on every receiver.
 """
 
 from __future__ import annotations
@@ -26,6 +28,32 @@ _ARRAYS = (
     *("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions"),
     "cp_groups",
 )
+# the images of a plan with image sources, and the dtype each travels in
+_IMAGES = {"pixel_values": np.float32, "image_grid": np.int32}
+_DTYPES = {name: np.int32 for name in _ARRAYS} | _IMAGES
+_TORCH = {np.float32: torch.float32, np.int32: torch.int32}
+
+
+def _sent(batch: Batch) -> dict[str, np.ndarray]:
+    """Every array ``batch`` holds, tokens then images, by name."""
+    out = dict(batch.arrays())
+    for name in _IMAGES:
+        array = getattr(batch, name)
+        if array is not None:
+            out[name] = array
+    return out
+
+
+def _tensor(array: np.ndarray, dtype: type) -> torch.Tensor:
+    """The tensor the source sends, sharing the array's memory where it can.
+
+    A batch from Ray's object store is read-only; the source only reads it,
+    so torch's warning about non-writable arrays does not apply.
+    """
+    shared: np.ndarray = np.ascontiguousarray(array, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(shared)
 
 
 def _header(batch: Batch) -> bytes:
@@ -36,22 +64,11 @@ def _header(batch: Batch) -> bytes:
             "cost": batch.cost,
             "samples": [list(s) for s in batch.samples],
             "cp": [batch.cp_layout, batch.cp_rank, batch.cp_size],
-            "shapes": {k: list(v.shape) for k, v in batch.arrays().items()},
+            "terms": [batch.cost_llm, batch.cost_encoder],
+            "shapes": {k: list(v.shape) for k, v in _sent(batch).items()},
         },
         separators=(",", ":"),
     ).encode()
-
-
-def _sent(array: np.ndarray) -> torch.Tensor:
-    """The int32 tensor the source sends, sharing the array's memory where it can.
-
-    A batch from Ray's object store is read-only; the source only reads it,
-    so torch's warning about non-writable arrays does not apply.
-    """
-    shared = np.ascontiguousarray(array, dtype=np.int32)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(shared)
 
 
 def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Batch:
@@ -69,21 +86,22 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         data = _header(batch)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=src, group=group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group)
-        for array in batch.arrays().values():
-            dist.broadcast(_sent(array), src=src, group=group)
+        for name, array in _sent(batch).items():
+            dist.broadcast(_tensor(array, _DTYPES[name]), src=src, group=group)
         return batch
     size = torch.empty(1, dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(raw, src=src, group=group)
     head = json.loads(bytes(raw.numpy().tobytes()).decode())
-    arrays: dict[str, np.ndarray | None] = dict.fromkeys(_ARRAYS)
-    for name in _ARRAYS:
+    arrays: dict[str, np.ndarray | None] = dict.fromkeys(_DTYPES)
+    for name, dtype in _DTYPES.items():  # the order _sent sends them in
         if name in head["shapes"]:
-            t = torch.empty(head["shapes"][name], dtype=torch.int32)
+            t = torch.empty(head["shapes"][name], dtype=_TORCH[dtype])
             dist.broadcast(t, src=src, group=group)
             arrays[name] = t.numpy()
     layout, cp_rank, cp_size = head["cp"]
+    cost_llm, cost_encoder = head["terms"]
     position_ids, segment_ids, cu_seqlens = (
         arrays["position_ids"], arrays["segment_ids"], arrays["cu_seqlens"]
     )  # fmt: skip
@@ -103,4 +121,8 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
         cp_rank=cp_rank,
         cp_size=cp_size,
         cp_groups=arrays["cp_groups"],
+        pixel_values=arrays["pixel_values"],
+        image_grid=arrays["image_grid"],
+        cost_llm=cost_llm,
+        cost_encoder=cost_encoder,
     )

@@ -1,4 +1,7 @@
-"""overlord.torch.broadcast_batch: a mesh peer on another node gets the batch byte for byte."""
+"""overlord.torch.broadcast_batch: a mesh peer on another node gets the batch byte for byte.
+
+Images too: ``pixel_values`` stays float32 and ``image_grid`` int32; ``None`` stays ``None``.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +37,13 @@ def batches() -> list[Batch]:
     for name, array in whole.arrays().items():
         setattr(stored, name, array.copy())
         getattr(stored, name).flags.writeable = False
+    # a plan with images: float32 pixels (values an int32 cast would change) and an int32 grid
+    rng = np.random.default_rng(3)
+    grid = np.array([[2, 4], [6, 2]], dtype=np.int32)
+    pixels = rng.standard_normal((20, 3 * 14 * 14)).astype(np.float32)
+    pictured = replace(whole, pixel_values=pixels, image_grid=grid, cost_llm=2.0, cost_encoder=0.5)
     views = [stage_view(sliced, "middle"), stage_view(sliced, "last")]
-    return [whole, sliced, *views, dynamic, stored]
+    return [whole, sliced, *views, dynamic, stored, pictured]
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -48,14 +56,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _held(batch: Batch) -> dict[str, np.ndarray]:
+    images = {"pixel_values": batch.pixel_values, "image_grid": batch.image_grid}
+    return batch.arrays() | {k: v for k, v in images.items() if v is not None}
+
+
 def _same(got: Batch, want: Batch) -> bool:
-    arrays_equal = got.arrays().keys() == want.arrays().keys() and all(
-        np.array_equal(v, want.arrays()[k]) and v.dtype == want.arrays()[k].dtype
-        for k, v in got.arrays().items()
+    g, w = _held(got), _held(want)
+    arrays_equal = g.keys() == w.keys() and all(
+        np.array_equal(v, w[k]) and v.dtype == w[k].dtype for k, v in g.items()
     )
-    rest = replace(got, **dict.fromkeys(want.arrays(), None)) == replace(
-        want, **dict.fromkeys(want.arrays(), None)
-    )
+    rest = replace(got, **dict.fromkeys(w, None)) == replace(want, **dict.fromkeys(w, None))
     return arrays_equal and rest
 
 

@@ -5,8 +5,10 @@ tokenizer file (does it load, is its ``eos`` a token of it), and the first
 file (by name) of each source: for JSONL its first record (the first line
 that is not blank: a JSON object whose ``text_field`` is a string), for
 Parquet the schema in the file's footer (``text_field`` is a column of
-strings; no row is read). Every problem is returned, each with its place, so
-that one run of ``validate`` shows them all.
+strings; no row is read), for an image-text source (WebDataset tar, Parquet
+with ``image_field``) its first sample, whose image is decoded, resized and
+cut into patches as a SourceLoader would. Every problem is returned, each
+with its place, so that one run of ``validate`` shows them all.
 
 The other files and records are not opened: a bad record further on is met
 by the job, which names it (``on_error``).
@@ -154,17 +156,67 @@ def _check_jsonl(where: str, source: str, shard: Shard, text_field: str) -> list
 
 
 def _check_images(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> list[Problem]:
-    """An image-text shard: its first block reads (its first image is decoded when used)."""
+    """An image-text shard: its first record reads, and its image decodes into patches.
+
+    The record is the first whose text is not blank (a blank one is not a
+    sample: its image is never decoded). Its image is decoded, resized and cut
+    into patches as a SourceLoader would, so a missing Pillow, an image Pillow
+    cannot read, a wrong ``image_field`` and an image too long for
+    ``max_seq_len`` are found here, named by row and (tars) member.
+    """
     from overlord.sources.webdataset import open_image_shard
 
+    reader = open_image_shard(
+        spec.name, shard, spec.format, spec.text_field, spec.image_field, 1 << 20, False
+    )
     try:
-        reader = open_image_shard(
-            spec.name, shard, spec.format, spec.text_field, spec.image_field, 1 << 20, False
+        first = next((b for b in reader.blocks() if _first_sample(b) is not None), None)
+    except SourceError as e:  # the first record lacks its image or text member (its row named)
+        return [Problem(_at(where, e.row), e.reason)]
+    finally:
+        reader.close()
+    if first is None:
+        return [Problem(where, "no record with a text (the file has no sample)")]
+    i = _first_sample(first)
+    assert i is not None and first.images is not None
+    row = int(first.rows[i])
+    place = _at(where, row)
+    if first.keys is not None:
+        place += f", member {first.keys[i].as_py()}"
+    return _check_image(place, plan, first.images[i].as_py())
+
+
+def _at(where: str, row: int | None) -> str:
+    return where if row is None else f"{where}, row {row}"
+
+
+def _first_sample(block: Any) -> int | None:
+    """The index in ``block`` of its first record whose text is not blank."""
+    for i, text in enumerate(block.texts.to_pylist()):
+        if text.strip():
+            return i
+    return None
+
+
+def _check_image(place: str, plan: Plan, data: bytes) -> list[Problem]:
+    """One encoded image: Pillow is there, decodes it, and its tokens fit ``max_seq_len``."""
+    from overlord.plan.vision import image_tokens
+    from overlord.sources.images import image_patches
+
+    assert plan.vision is not None  # the plan's check requires it beside an image source
+    try:
+        patches = image_patches(data, plan.vision)
+    except ImportError as e:
+        return [Problem(place, str(e))]
+    except Exception as e:  # Pillow raises many types for bad bytes
+        return [Problem(place, f"cannot decode the image ({type(e).__name__}: {e})")]
+    gh, gw = patches.shape[:2]
+    n = image_tokens(gh, gw, plan.vision)
+    if n > plan.batch.max_seq_len:
+        reason = (
+            f"the image gives {n} image tokens ({gh}x{gw} patches), more than "
+            f"batch.max_seq_len {plan.batch.max_seq_len}; lower vision.max_pixels or raise "
+            "max_seq_len"
         )
-        try:
-            next(iter(reader.blocks()), None)
-        finally:
-            reader.close()
-    except SourceError as e:
-        return [Problem(where, e.reason)]
+        return [Problem(place, reason)]
     return []
