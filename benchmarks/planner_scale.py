@@ -91,7 +91,7 @@ ROWS_PER_RANK = (1, 2, 4, 8)
 TARGETS = {(4096, 16 * MIB): 50.0, (16384, 64 * MIB): 200.0}  # ms, full step
 BLOCK_TOKENS = 1 << 20  # tokens of one loader block (one shard)
 # what a SourceLoader's metadata block holds, and what the planner's cursor reads of it
-BLOCK_SCALARS = ("epoch", "shard_pos", "file_index")
+BLOCK_SCALARS = ("epoch", "shard_pos", "file_index", "stop", "last")
 BLOCK_COLUMNS = {
     "index": np.int64,
     "tokens": np.int32,
@@ -136,6 +136,8 @@ class FakeLoader:
             "shard_pos": 0,
             "file_index": 0,
             "index": np.arange(len(doc), dtype=np.int64),
+            "stop": len(doc),
+            "last": True,  # the whole shard in one block
             "tokens": np.minimum(self.cap, length[doc] - k * self.cap).astype(np.int32),
             "row": doc.astype(np.int64),
             "chunk": np.where(n[doc] > 1, k, -1).astype(np.int32),
