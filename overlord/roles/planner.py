@@ -229,23 +229,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         src = np.asarray(sel.source, dtype=np.int64)
         tokens = np.asarray(sel.tokens, dtype=np.int64)
         ref_row = np.asarray(sel.ref_row, dtype=np.int64)
-        # gather what the plan needs of every chosen item, source by source, then put the
-        # columns back in selection order
-        got: dict[str, list[Any]] = {c: [] for c in _COLUMNS}
-        order = np.empty(len(src), dtype=np.int64)
-        filled = 0
-        for s, cursor in enumerate(self.cursors):
-            mine = np.flatnonzero(src == s)
-            if len(mine):
-                taken = cursor.take([sel.pending_index[j] for j in mine.tolist()])
-                for c in _COLUMNS:
-                    got[c].extend(taken[c])
-                order[filled : filled + len(mine)] = mine
-                filled += len(mine)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        cols = {c: np.asarray(got[c], dtype=np.int64)[inverse] for c in _COLUMNS}
-        cols["key"] = cols["key"].reshape(-1, 3)
+        cols = self._take(src, np.asarray(sel.pending_index, dtype=np.int64))
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
@@ -308,6 +292,18 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
             self._prune()
+
+    def _take(self, src: np.ndarray, pending: np.ndarray) -> dict[str, np.ndarray]:
+        """Take the chosen items from their cursors: what the plan needs, in selection order."""
+        cols = {c: np.empty(len(src), dtype=np.int64) for c in _COLUMNS if c != "key"}
+        cols["key"] = np.empty((len(src), 3), dtype=np.int64)
+        for s, cursor in enumerate(self.cursors):
+            mine = np.flatnonzero(src == s)
+            if len(mine):
+                taken = cursor.take(pending[mine])
+                for c in _COLUMNS:
+                    cols[c][mine] = taken[c]
+        return cols
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
