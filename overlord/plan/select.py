@@ -97,22 +97,30 @@ def select_step(
     w = [float(x) for x in weights]
     target = [float(x) for x in mix.target]
     placed = [float(x) for x in mix.placed]
-    live = [s for s in range(n) if not w[s] <= 0.0]  # not blocked, in order (ties: lowest)
+    # the sources not blocked, in order (the first of equal deficits wins): (index, target,
+    # weight), so that the deficit of each is computed as one expression
+    live = [(s, target[s], w[s]) for s in range(n) if not w[s] <= 0.0]
     scan = [0] * n  # next pending index to look at, per source
     skips = [0] * n
     toks = [win.tokens for win in windows]
-    source: list[int] = []
-    pending: list[int] = []
-    taken: list[int] = []
-    ref_row: list[int] = []
+    out = Selection([], [], [], [])
+    # bound methods, looked up once: this loop runs once per item of the step
+    add_source, add_pending = out.source.append, out.pending_index.append
+    add_tokens, add_row = out.tokens.append, out.ref_row.append
+    bisect_left, insort, heappop, heappush = (
+        bisect.bisect_left,
+        bisect.insort,
+        heapq.heappop,
+        heapq.heappush,
+    )
     fresh, end = 0, rows
     by_room: dict[int, list[int]] = {}
     rooms: list[int] = [capacity] if rows else []
     step_tokens = 0.0
     while rooms and (room := rooms[-1]) > 0 and live:
         best, best_deficit = -1, -math.inf
-        for s in live:
-            d = target[s] + w[s] * step_tokens - placed[s]
+        for s, goal, weight in live:
+            d = goal + weight * step_tokens - placed[s]
             if d > best_deficit:
                 best, best_deficit = s, d
         if best < 0:
@@ -127,15 +135,15 @@ def select_step(
             t = mine[i] if i < len(mine) else _peek(windows[best], i, toks, best)
             mine = toks[best]
         if t > room:
-            live.remove(best)
+            live = [x for x in live if x[0] != best]
             scan[best] = i
             continue
         # best fit: the least room that takes t; used rows (a heap per room) before fresh ones
-        k = bisect.bisect_left(rooms, t)
+        k = bisect_left(rooms, t)
         f = rooms[k]
         here = by_room.get(f)
         if here:
-            r = heapq.heappop(here)
+            r = heappop(here)
             if not here:
                 del by_room[f]
         else:
@@ -146,21 +154,21 @@ def select_step(
         left = f - t
         there = by_room.get(left)
         if there:
-            heapq.heappush(there, r)
+            heappush(there, r)
         else:
             by_room[left] = [r]
             if left != capacity or fresh == end:
-                bisect.insort(rooms, left)
-        source.append(best)
-        pending.append(i)
-        taken.append(t)
-        ref_row.append(r)
+                insort(rooms, left)
+        add_source(best)
+        add_pending(i)
+        add_tokens(t)
+        add_row(r)
         scan[best] = i + 1
         placed[best] += t
         step_tokens += t
     mix.target += np.asarray(w) * step_tokens
     mix.placed[:] = placed
-    return Selection(source, pending, taken, ref_row)
+    return out
 
 
 def _peek(window: Window, i: int, toks: list[list[int]], s: int) -> int:
