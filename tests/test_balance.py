@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import rows_balanced_reference
 from windows import windows
 
 from overlord.plan.balance import (
+    _rows_balanced,
     assign,
     kk_partition,
     lower_bound,
@@ -131,3 +133,24 @@ def test_pigeonhole_bound_sees_that_one_rank_takes_two_of_dp_plus_one_chunks():
     cost = CostModel(1.0, 0.5).cost(tokens)
     assert lower_bound(cost, 4) == pytest.approx(cost.sum() / 4)
     assert pigeonhole_bound(tokens, cost, 4, 16 * 2) == pytest.approx(2 * cost[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    dp=st.integers(1, 40),
+    rpr=st.integers(1, 9),
+    kind=st.sampled_from(["uniform", "small integers", "nearly equal", "long tail, zeros"]),
+)
+def test_whole_rows_in_rounds_are_the_heap_rows(seed, dp, rpr, kind):
+    """Plain rounds with numpy, then the heap: the rows the heap alone gives, ties included."""
+    rng = np.random.default_rng(seed)
+    n = dp * rpr
+    cost = {
+        "uniform": rng.random(n),
+        "small integers": rng.integers(0, 4, n).astype(float),
+        "nearly equal": 1 + 0.05 * rng.random(n),
+        "long tail, zeros": np.where(rng.random(n) < 0.2, 0.0, rng.lognormal(0, 1, n)),
+    }[kind]
+    got = _rows_balanced(cost, dp, rpr)
+    assert got.tolist() == rows_balanced_reference(cost, dp, rpr).tolist()

@@ -331,21 +331,6 @@ def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
     return target
 
 
-def _rows_balanced_by_heap(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
-    """:func:`_rows_balanced` row by row: the rule itself (tests compare the two)."""
-    order = np.lexsort((np.arange(len(row_cost)), -row_cost))
-    target = np.empty(len(row_cost), dtype=np.int64)
-    heap = [(0.0, r) for r in range(dp)]
-    count = [0] * dp
-    for j in order.tolist():
-        load, r = heapq.heappop(heap)
-        target[j] = r * rpr + count[r]
-        count[r] += 1
-        if count[r] < rpr:
-            heapq.heappush(heap, (load + float(row_cost[j]), r))
-    return target
-
-
 def whole_rows(cost: np.ndarray, ref_row: np.ndarray, dp: int, rows_per_rank: int) -> np.ndarray:
     """The reference rows balanced whole: the global row of each item (always feasible).
 
