@@ -117,7 +117,7 @@ def select_step(
     by_room: dict[int, list[int]] = {}
     rooms: list[int] = [capacity] if rows else []
     step_tokens = 0.0
-    while rooms and (room := rooms[-1]) > 0 and live:
+    while live and rooms and (room := rooms[-1]) > 0:
         best, best_deficit = -1, -math.inf
         for s, goal, weight in live:
             d = goal + weight * step_tokens - placed[s]
@@ -127,8 +127,11 @@ def select_step(
             break
         i = scan[best]
         mine = toks[best]
-        t = mine[i] if i < len(mine) else _peek(windows[best], i, toks, best)
-        mine = toks[best]
+        if i < len(mine):
+            t = mine[i]
+        else:
+            t = _peek(windows[best], i, toks, best)
+            mine = toks[best]
         while t > room and skips[best] < lookahead:
             skips[best] += 1
             i += 1
@@ -144,13 +147,15 @@ def select_step(
         here = by_room.get(f)
         if here:
             r = heappop(here)
-            if not here:
+            if not here:  # no row has room f left, unless fresh rows do
                 del by_room[f]
+                if f != capacity or fresh == end:
+                    del rooms[k]
         else:
             r = fresh
             fresh += 1
-        if f not in by_room and (f != capacity or fresh == end):
-            del rooms[k]
+            if f != capacity or fresh == end:
+                del rooms[k]
         left = f - t
         there = by_room.get(left)
         if there:

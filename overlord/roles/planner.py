@@ -25,7 +25,7 @@ from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
 from overlord.metrics import Figures, MetricsServer, planner_figures
 from overlord.plan.balance import lower_bound, rank_costs
-from overlord.plan.columns import rank_sums
+from overlord.plan.columns import rank_sums, stable_order
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import assign_step, group_count, step_bound
 from overlord.plan.hybrid import assign_modules, module_costs
@@ -232,10 +232,12 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         sel = select_step(
             self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
         )
-        src = np.asarray(sel.source, dtype=np.int64)
-        tokens = np.asarray(sel.tokens, dtype=np.int64)
-        ref_row = np.asarray(sel.ref_row, dtype=np.int64)
-        cols = self._take(src, np.asarray(sel.pending_index, dtype=np.int64))
+        n = len(sel.source)
+        src, tokens, ref_row, pending = (
+            np.fromiter(x, dtype=np.int64, count=n)
+            for x in (sel.source, sel.tokens, sel.ref_row, sel.pending_index)
+        )
+        cols = self._take(src, pending)
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
@@ -254,7 +256,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             )
 
         row = assign_modules(p.balance.modules, llm, enc, dp, rpr, assign_by)
-        by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
+        by_row = stable_order(row)  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
             "tokens": tokens[by_row],
