@@ -12,12 +12,14 @@ from reference import rows_balanced_reference
 from windows import windows
 
 from overlord.plan.balance import (
+    _improve,
     _rows_balanced,
     assign,
     kk_partition,
     lower_bound,
     pigeonhole_bound,
     rank_costs,
+    whole_rows,
 )
 from overlord.plan.cost import CostModel
 from overlord.plan.select import MixState, select_step
@@ -154,3 +156,15 @@ def test_whole_rows_in_rounds_are_the_heap_rows(seed, dp, rpr, kind):
     }[kind]
     got = _rows_balanced(cost, dp, rpr)
     assert got.tolist() == rows_balanced_reference(cost, dp, rpr).tolist()
+
+
+def test_the_local_search_stops_at_its_budget():
+    """Counted work, not time: no budget changes nothing; more budget never does worse here."""
+    tokens, cost, ref = _step(1, 16, 2, 1024)
+    start = whole_rows(cost, ref, 16, 2)
+    spans = [
+        rank_costs(cost, _improve(start, tokens, cost, 16, 2, 1024, budget), 16, 2).max()
+        for budget in (0, 200, 10**9)
+    ]
+    assert spans[0] == rank_costs(cost, start, 16, 2).max()  # nothing examined: unchanged
+    assert spans[2] < spans[1] < spans[0]

@@ -136,12 +136,16 @@ def test_reference_rows_are_the_best_fit_of_the_chosen_items(seed, rows, cap, lo
     rows=st.integers(1, 300),
     cap=st.sampled_from([1, 7, 64, 512, 4096]),
     lookahead=st.integers(0, 16),
+    empty=st.sampled_from([0.0, 0.1]),
 )
-def test_selection_is_the_reference_selection(seed, n_sources, rows, cap, lookahead):
-    """The inlined loop chooses what the plain one (one call per item) chose, step after step."""
+def test_selection_is_the_reference_selection(seed, n_sources, rows, cap, lookahead, empty):
+    """The inlined loop chooses what the plain one (one call per item) chose, step after step
+    (items of no tokens too: the fast way for full-length items then steps aside)."""
     rng = np.random.default_rng(seed)
     lengths = [
-        np.clip(rng.lognormal(4 + s, 1.5, 3000).astype(int), 1, cap) for s in range(n_sources)
+        np.clip(rng.lognormal(4 + s, 1.5, 3000).astype(int), 1, cap)
+        * (rng.random(3000) >= empty)  # items of no tokens: a tenth of them, or none
+        for s in range(n_sources)
     ]
     weights = rng.dirichlet(np.ones(n_sources)) * (rng.random(n_sources) < 0.8)
     runs = [([ArrayWindow(x) for x in lengths], MixState.zeros(n_sources)) for _ in range(2)]
@@ -157,3 +161,12 @@ def test_selection_is_the_reference_selection(seed, n_sources, rows, cap, lookah
         for wins in (fast_wins, ref_wins):
             for s, w in enumerate(wins):
                 w.take([i for src, i in zip(fast.source, fast.pending_index) if src == s])
+
+
+def test_a_row_that_took_an_empty_item_comes_before_fresh_rows():
+    """An empty first item uses row 0 and leaves it all its room: a full-length one goes there."""
+    fast, ref = (
+        select([ArrayWindow(np.array([0, 5, 5, 5]))], np.array([1.0]), MixState.zeros(1), 3, 5, 0)
+        for select in (select_step, select_step_reference)
+    )
+    assert fast.ref_row == ref.ref_row == [0, 0, 1, 2]

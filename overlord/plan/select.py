@@ -117,6 +117,7 @@ def select_step(
     by_room: dict[int, list[int]] = {}
     rooms: list[int] = [capacity] if rows else []
     step_tokens = 0.0
+    empty_items = False  # an item of no tokens was placed
     while live and rooms and (room := rooms[-1]) > 0:
         best, best_deficit = -1, -math.inf
         for s, goal, weight in live:
@@ -141,6 +142,28 @@ def select_step(
             live = [x for x in live if x[0] != best]
             scan[best] = i
             continue
+        if t == capacity and not empty_items:
+            # a full-length item (most of them with short rows): the next fresh row, which
+            # it fills (only an empty item leaves a used row with all its room)
+            r = fresh
+            fresh += 1
+            if fresh == end:
+                rooms.pop()  # capacity, the largest room
+            full = by_room.get(0)
+            if full:
+                heappush(full, r)
+            else:
+                by_room[0] = [r]
+                insort(rooms, 0)
+            add_source(best)
+            add_pending(i)
+            add_tokens(t)
+            add_row(r)
+            scan[best] = i + 1
+            placed[best] += t
+            step_tokens += t
+            continue
+        empty_items = empty_items or t == 0
         # best fit: the least room that takes t; used rows (a heap per room) before fresh ones
         k = bisect_left(rooms, t)
         f = rooms[k]

@@ -155,8 +155,13 @@ class SourceCursor:
         self._placed_ahead += [
             (int(e), int(p), int(i)) for e, p, i in zip(*(cols[c][ahead].tolist() for c in _KEY))
         ]
-        self._pending = {c: v[keep] for c, v in cols.items()}
-        self.tokens = self._pending["tokens"].tolist()
+        if len(ahead):
+            left = keep[first_left:]
+            self._pending = {c: v[first_left:][left] for c, v in cols.items()}
+            self.tokens = self._pending["tokens"].tolist()
+        else:  # every item before the first left was taken, none after it: a slice
+            self._pending = {c: v[first_left:] for c, v in cols.items()}
+            self.tokens = self.tokens[first_left:]
         start = self._first()
         self._placed_ahead = sorted(
             k for k in self._placed_ahead if start is not None and k > start
