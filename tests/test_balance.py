@@ -8,14 +8,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import rows_balanced_reference
 from windows import windows
 
 from overlord.plan.balance import (
+    _improve,
+    _rows_balanced,
     assign,
     kk_partition,
     lower_bound,
     pigeonhole_bound,
     rank_costs,
+    whole_rows,
 )
 from overlord.plan.cost import CostModel
 from overlord.plan.select import MixState, select_step
@@ -131,3 +135,36 @@ def test_pigeonhole_bound_sees_that_one_rank_takes_two_of_dp_plus_one_chunks():
     cost = CostModel(1.0, 0.5).cost(tokens)
     assert lower_bound(cost, 4) == pytest.approx(cost.sum() / 4)
     assert pigeonhole_bound(tokens, cost, 4, 16 * 2) == pytest.approx(2 * cost[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    dp=st.integers(1, 40),
+    rpr=st.integers(1, 9),
+    kind=st.sampled_from(["uniform", "small integers", "nearly equal", "long tail, zeros"]),
+)
+def test_whole_rows_in_rounds_are_the_heap_rows(seed, dp, rpr, kind):
+    """Plain rounds with numpy, then the heap: the rows the heap alone gives, ties included."""
+    rng = np.random.default_rng(seed)
+    n = dp * rpr
+    cost = {
+        "uniform": rng.random(n),
+        "small integers": rng.integers(0, 4, n).astype(float),
+        "nearly equal": 1 + 0.05 * rng.random(n),
+        "long tail, zeros": np.where(rng.random(n) < 0.2, 0.0, rng.lognormal(0, 1, n)),
+    }[kind]
+    got = _rows_balanced(cost, dp, rpr)
+    assert got.tolist() == rows_balanced_reference(cost, dp, rpr).tolist()
+
+
+def test_the_local_search_stops_at_its_budget():
+    """Counted work, not time: no budget changes nothing; more budget never does worse here."""
+    tokens, cost, ref = _step(1, 16, 2, 1024)
+    start = whole_rows(cost, ref, 16, 2)
+    spans = [
+        rank_costs(cost, _improve(start, tokens, cost, 16, 2, 1024, budget), 16, 2).max()
+        for budget in (0, 200, 10**9)
+    ]
+    assert spans[0] == rank_costs(cost, start, 16, 2).max()  # nothing examined: unchanged
+    assert spans[2] < spans[1] < spans[0]

@@ -41,7 +41,7 @@ def test_a_source_cursor_resumes_from_its_state(tmp_path):
         cursor, _ = part
         cursor.peek(2)
         got = cursor.take([0, 2])  # item 1 stays pending: the state holds a skip run
-        return [[list(k) for k in got["key"]], got["tokens"]]
+        return [got["key"].tolist(), got["tokens"].tolist()]
 
     outputs = check_save_restore(
         Part(make, advance, lambda p: {"cursor": p[0].state()}, lambda p: p[1].close()), 12

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import select_step_reference
 from roundtrip import Part, check_save_restore
 from windows import ArrayWindow, windows
 
@@ -126,3 +127,46 @@ def test_reference_rows_are_the_best_fit_of_the_chosen_items(seed, rows, cap, lo
     wins = windows(rng, 3, cap)
     sel = select_step(wins, rng.dirichlet(np.ones(3)), MixState.zeros(3), rows, cap, lookahead)
     assert sel.ref_row == _best_fit_rows(sel.tokens, rows, cap)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    n_sources=st.integers(1, 5),
+    rows=st.integers(1, 300),
+    cap=st.sampled_from([1, 7, 64, 512, 4096]),
+    lookahead=st.integers(0, 16),
+    empty=st.sampled_from([0.0, 0.1]),
+)
+def test_selection_is_the_reference_selection(seed, n_sources, rows, cap, lookahead, empty):
+    """The inlined loop chooses what the plain one (one call per item) chose, step after step
+    (items of no tokens too: the fast way for full-length items then steps aside)."""
+    rng = np.random.default_rng(seed)
+    lengths = [
+        np.clip(rng.lognormal(4 + s, 1.5, 3000).astype(int), 1, cap)
+        * (rng.random(3000) >= empty)  # items of no tokens: a tenth of them, or none
+        for s in range(n_sources)
+    ]
+    weights = rng.dirichlet(np.ones(n_sources)) * (rng.random(n_sources) < 0.8)
+    runs = [([ArrayWindow(x) for x in lengths], MixState.zeros(n_sources)) for _ in range(2)]
+    for _ in range(3):
+        (fast_wins, fast_mix), (ref_wins, ref_mix) = runs
+        fast = select_step(fast_wins, weights, fast_mix, rows, cap, lookahead)
+        ref = select_step_reference(ref_wins, weights, ref_mix, rows, cap, lookahead)
+        assert (fast.source, fast.pending_index, fast.tokens, fast.ref_row) == (
+            ref.source, ref.pending_index, ref.tokens, ref.ref_row
+        )  # fmt: skip
+        assert fast_mix.target.tobytes() == ref_mix.target.tobytes()
+        assert fast_mix.placed.tobytes() == ref_mix.placed.tobytes()
+        for wins in (fast_wins, ref_wins):
+            for s, w in enumerate(wins):
+                w.take([i for src, i in zip(fast.source, fast.pending_index) if src == s])
+
+
+def test_a_row_that_took_an_empty_item_comes_before_fresh_rows():
+    """An empty first item uses row 0 and leaves it all its room: a full-length one goes there."""
+    fast, ref = (
+        select([ArrayWindow(np.array([0, 5, 5, 5]))], np.array([1.0]), MixState.zeros(1), 3, 5, 0)
+        for select in (select_step, select_step_reference)
+    )
+    assert fast.ref_row == ref.ref_row == [0, 0, 1, 2]

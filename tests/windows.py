@@ -13,6 +13,10 @@ class ArrayWindow:
         self.read = 0
         self.pending: list[int] = []
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.pending
+
     def peek(self, i: int) -> int:
         while i >= len(self.pending):
             self.pending.append(self.source[self.read % len(self.source)])

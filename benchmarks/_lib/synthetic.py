@@ -4,8 +4,9 @@ Four sources with long-tailed, lognormal lengths in tokens (median and sigma
 per source), split at ``max_seq_len`` the way ``long_docs: split`` does: a
 document longer than the row becomes full chunks of ``max_seq_len`` tokens and
 a remainder. Each source is served through a :class:`Window`, which has the
-``peek(i) -> int`` method that :func:`overlord.plan.select.select_step` reads,
-and a ``take`` that removes the chosen items, as the planner's cursor does.
+``tokens`` list and ``peek(i) -> int`` method that
+:func:`overlord.plan.select.select_step` reads, and a ``take`` that removes
+the chosen items, as the planner's cursor does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class Window:
     def _more(self) -> None:
         new = split_docs(doc_lengths(self.shape, self.block, self.rng), self.cap)
         self.pending += new.tolist()
+
+    @property
+    def tokens(self) -> list[int]:
+        """The pending items' tokens fetched so far (what the selector reads)."""
+        return self.pending
 
     def peek(self, i: int) -> int:
         while i >= len(self.pending):

@@ -192,6 +192,11 @@ KK_MIN_ITEMS = 256
 KK_MAX_DP = 512
 # a result further than this above the bound also tries placement keyed on attention cost
 ATTENTION_KEYED_ABOVE = 1.005
+# rows and items one local search examines at most (about 0.1-0.2 s of numpy): reached only
+# where a group's whole rows are far from the bound and its items many (DP 512 with rows of
+# 16K-64K: seconds a step unbounded); the other steps of benchmarks/planner_scale.py meet the
+# bound before any search, and smaller searches (DP 64 with 4M tokens: tens of ms) stay whole
+IMPROVE_BUDGET = 16_000_000
 
 
 def kk_rows(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -> np.ndarray | None:
@@ -233,25 +238,40 @@ def kk_rows(tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int) -
 
 
 def _improve(
-    row: np.ndarray, tokens: np.ndarray, cost: np.ndarray, dp: int, rpr: int, cap: int
+    row: np.ndarray,
+    tokens: np.ndarray,
+    cost: np.ndarray,
+    dp: int,
+    rpr: int,
+    cap: int,
+    budget: int | None = None,
 ) -> np.ndarray:
     """Local search on the most loaded rank: moves, then swaps, that lower it and fit the rows.
 
     Every accepted change lowers the most loaded rank and leaves every other rank
     below its old load, so the sorted loads decrease and the search ends.
+    It also ends once it examined ``budget`` rows and items (``IMPROVE_BUDGET``
+    by default; a row or an item looked at once is one unit): counted, not
+    timed, so that where it ends is a pure function of the step.
     """
+    budget = IMPROVE_BUDGET if budget is None else budget
+    used = 0
     row = row.copy()
     row_rank = np.arange(dp * rpr) // rpr
     rank = row // rpr
     loads = np.bincount(rank, weights=cost, minlength=dp)
     free = cap - np.bincount(row, weights=tokens, minlength=dp * rpr).astype(np.int64)
     for _ in range(min(4 * dp, 512)):
+        if used >= budget:
+            break
         top = int(np.argmax(loads))
         peak = loads[top]
         mine = np.flatnonzero(rank == top)
+        used += len(rank)
         mine = mine[np.argsort(-cost[mine], kind="stable")][:32]
         changed = False
         for i in mine.tolist():  # move an item to a row with room on a lighter rank
+            used += len(free)
             ok = (free >= tokens[i]) & (loads[row_rank] + cost[i] < peak) & (row_rank != top)
             if ok.any():
                 cand = np.flatnonzero(ok)
@@ -266,7 +286,9 @@ def _improve(
         if changed:
             continue
         others = np.flatnonzero(rank != top)
+        used += len(rank)
         for i in mine.tolist():  # swap it with a cheaper item of another rank
+            used += len(others)
             delta = cost[i] - cost[others]
             other_rank = rank[others]
             ok = (
@@ -295,12 +317,34 @@ def _improve(
 
 
 def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
-    """Whole rows to ranks, ``rpr`` each, costliest first to the least loaded rank."""
+    """Whole rows to ranks, ``rpr`` each, costliest first to the least loaded rank.
+
+    The rule is a heap of (load, rank) popped row by row; it runs a round of
+    ``dp`` rows at a time with numpy while a round is *plain*: every rank
+    popped once, in (load, rank) order, because each rank's new load exceeds
+    every load still waiting in the round (the last round pushes nothing back).
+    From the first round that is not plain on, the heap runs row by row.
+    """
     order = np.lexsort((np.arange(len(row_cost)), -row_cost))
     target = np.empty(len(row_cost), dtype=np.int64)
-    heap = [(0.0, r) for r in range(dp)]
-    count = [0] * dp
-    for j in order.tolist():
+    loads = np.zeros(dp)
+    ranks = np.arange(dp)
+    k = 0
+    while k < rpr:
+        by = np.lexsort((ranks, loads))  # the heap's pop order: least load, then lowest rank
+        before = loads[by]
+        after = before + row_cost[order[k * dp : (k + 1) * dp]]
+        if k < rpr - 1 and dp > 1 and not after[:-1].min() > before[-1]:
+            break
+        target[order[k * dp : (k + 1) * dp]] = by * rpr + k
+        loads[by] = after
+        k += 1
+    if k == rpr:
+        return target
+    heap = [(float(loads[r]), r) for r in range(dp)]
+    heapq.heapify(heap)
+    count = [k] * dp
+    for j in order[k * dp :].tolist():
         load, r = heapq.heappop(heap)
         target[j] = r * rpr + count[r]
         count[r] += 1

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from overlord.plan.columns import stable_order
+
 
 def lower_bound(cost: np.ndarray, dp: int) -> float:
     """``max(total / dp, largest item)``: no assignment does better.
@@ -32,6 +34,29 @@ def lower_bound(cost: np.ndarray, dp: int) -> float:
     if len(cost) == 0:
         return 0.0
     return float(max(cost.sum() / dp, cost.max()))
+
+
+def _small(tokens: np.ndarray) -> bool:
+    """Non-negative integers (lengths): :func:`stable_order` sorts them by radix."""
+    t = np.asarray(tokens)
+    return len(t) > 0 and t.dtype.kind in "iu" and int(t.min()) >= 0
+
+
+def costliest_first(tokens: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """``np.argsort(-cost, kind="stable")``, sorted by radix where cost grows with length.
+
+    The longest first (stably) is that order whenever it leaves the costs
+    non-increasing, equal costs in index order: checked, else sorted by cost.
+
+    >>> costliest_first(np.array([1, 3, 2, 3]), np.array([1.0, 9.0, 4.0, 9.0])).tolist()
+    [1, 3, 2, 0]
+    """
+    if _small(tokens):
+        order = stable_order(int(np.max(tokens)) - np.asarray(tokens, dtype=np.int64))
+        down, c = np.diff(order), np.diff(cost[order])
+        if bool(np.all((c < 0) | ((c == 0) & (down > 0)))):
+            return order
+    return np.argsort(-cost, kind="stable")
 
 
 def pigeonhole_bound(tokens: np.ndarray, cost: np.ndarray, dp: int, rank_capacity: int) -> float:
@@ -49,7 +74,7 @@ def pigeonhole_bound(tokens: np.ndarray, cost: np.ndarray, dp: int, rank_capacit
     """
     if len(cost) == 0:
         return 0.0
-    order = np.argsort(-cost, kind="stable")
+    order = costliest_first(tokens, cost)
     c, length = cost[order], tokens[order].astype(np.float64)
     per_token = float(np.min(c / np.maximum(length, 1)))
     j = np.arange(1, len(c) + 1)
@@ -129,7 +154,8 @@ def capacity_bound(
         return base
     length = np.asarray(tokens, dtype=np.float64)
     total = float(length.sum())
-    sq = np.sort(length * length)[::-1]
+    short_first = length[stable_order(tokens)] if _small(tokens) else np.sort(length)
+    sq = (short_first * short_first)[::-1]  # np.sort(length**2)[::-1]: lengths are >= 0
     prefix = np.concatenate(([0.0], np.cumsum(sq)))
     s2 = float(prefix[-1])
     q = float(rank_capacity)

@@ -32,6 +32,7 @@ import numpy as np
 
 from overlord.plan.balance import assign
 from overlord.plan.bounds import capacity_bound, pigeonhole_bound
+from overlord.plan.columns import stable_order
 from overlord.plan.spec import BalanceMethod
 
 # a group stops searching once its most loaded rank is within this share of the step's bound
@@ -87,17 +88,20 @@ def split_rows(cost: np.ndarray, ref_row: np.ndarray, rows: int, groups: int) ->
     per = rows // groups
     row_cost = np.bincount(ref_row, weights=cost, minlength=rows)
     by_cost = np.lexsort((np.arange(rows), -row_cost))
-    row_group = np.empty(rows, dtype=np.int64)
-    row_slot = np.empty(rows, dtype=np.int64)
+    dealt = by_cost[: per * groups]  # round k deals dealt[k * groups : (k + 1) * groups]
+    costs = row_cost[dealt].reshape(per, groups)
+    least = np.empty((per, groups), dtype=np.int64)
     loads = np.zeros(groups)
     for k in range(per):
-        block = by_cost[k * groups : (k + 1) * groups]
-        least = np.argsort(loads, kind="stable")
-        row_group[block] = least
-        row_slot[block] = k
-        loads[least] += row_cost[block]
+        order = loads.argsort(kind="stable")
+        loads[order] += costs[k]
+        least[k] = order
+    row_group = np.empty(rows, dtype=np.int64)
+    row_slot = np.empty(rows, dtype=np.int64)
+    row_group[dealt] = least.reshape(-1)
+    row_slot[dealt] = np.repeat(np.arange(per), groups)
     group = row_group[ref_row]
-    order = np.argsort(group, kind="stable")
+    order = stable_order(group)
     bounds = np.searchsorted(group[order], np.arange(groups + 1))
     return Split(groups, per, row_slot[ref_row], order, bounds)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,11 @@ import numpy as np
 
 class Window(Protocol):
     """A source's upcoming items, as the selector sees them."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens of the pending items fetched so far, in order (``peek`` fetches more)."""
+        ...
 
     def peek(self, i: int) -> int:
         """Tokens of the ``i``-th pending (not yet placed) item, fetching more if needed."""
@@ -68,40 +74,123 @@ def select_step(
 
     Each item goes to the row with the least free room that takes it (best
     fit; the lowest row among equals).
+
+    One Python pass over the step's items, so its body is written for speed:
+    the best fit is inlined, and a source's tokens are read from its window's
+    list, ``peek`` called only to fetch more.
+
+    The best fit keeps the rows bucketed by free room: ``by_room[f]`` is a
+    heap of the used rows with exactly ``f`` tokens free and ``rooms`` the
+    sorted rooms that some row has, at most ``min(rows, capacity + 1)`` of
+    them, so finding and updating the best fit moves far fewer entries than
+    a sorted list of (room, row) over every row would. Rows never used yet
+    are ``fresh..end``: they leave in order, without a heap, and come after
+    every used row of the same room (a fresh row has a higher index).
+
+    >>> from types import SimpleNamespace as W
+    >>> a, b = W(tokens=[6, 4, 9], peek=None), W(tokens=[5, 3, 9], peek=None)
+    >>> sel = select_step([a, b], np.array([0.5, 0.5]), MixState.zeros(2), 2, 10, 0)
+    >>> sel.source, sel.tokens, sel.ref_row
+    ([0, 1, 1, 0], [6, 5, 3, 4], [0, 1, 0, 1])
     """
     n = len(windows)
     w = [float(x) for x in weights]
     target = [float(x) for x in mix.target]
     placed = [float(x) for x in mix.placed]
-    blocked = [wi <= 0.0 for wi in w]
+    # the sources not blocked, in order (the first of equal deficits wins): (index, target,
+    # weight), so that the deficit of each is computed as one expression
+    live = [(s, target[s], w[s]) for s in range(n) if not w[s] <= 0.0]
     scan = [0] * n  # next pending index to look at, per source
     skips = [0] * n
-    free = _FreeRows(rows, capacity)
+    toks = [win.tokens for win in windows]
     out = Selection([], [], [], [])
+    # bound methods, looked up once: this loop runs once per item of the step
+    add_source, add_pending = out.source.append, out.pending_index.append
+    add_tokens, add_row = out.tokens.append, out.ref_row.append
+    bisect_left, insort, heappop, heappush = (
+        bisect.bisect_left,
+        bisect.insort,
+        heapq.heappop,
+        heapq.heappush,
+    )
+    fresh, end = 0, rows
+    by_room: dict[int, list[int]] = {}
+    rooms: list[int] = [capacity] if rows else []
     step_tokens = 0.0
-    while (room := free.most()) > 0:
-        best, best_deficit = -1, -np.inf
-        for s in range(n):
-            if not blocked[s]:
-                d = target[s] + w[s] * step_tokens - placed[s]
-                if d > best_deficit:
-                    best, best_deficit = s, d
+    empty_items = False  # an item of no tokens was placed
+    while live and rooms and (room := rooms[-1]) > 0:
+        best, best_deficit = -1, -math.inf
+        for s, goal, weight in live:
+            d = goal + weight * step_tokens - placed[s]
+            if d > best_deficit:
+                best, best_deficit = s, d
         if best < 0:
             break
-        win, i = windows[best], scan[best]
-        t = win.peek(i)
+        i = scan[best]
+        mine = toks[best]
+        if i < len(mine):
+            t = mine[i]
+        else:
+            t = _peek(windows[best], i, toks, best)
+            mine = toks[best]
         while t > room and skips[best] < lookahead:
             skips[best] += 1
             i += 1
-            t = win.peek(i)
+            t = mine[i] if i < len(mine) else _peek(windows[best], i, toks, best)
+            mine = toks[best]
         if t > room:
-            blocked[best] = True
+            live = [x for x in live if x[0] != best]
             scan[best] = i
             continue
-        out.source.append(best)
-        out.pending_index.append(i)
-        out.tokens.append(t)
-        out.ref_row.append(free.fit(t))
+        if t == capacity and not empty_items:
+            # a full-length item (most of them with short rows): the next fresh row, which
+            # it fills (only an empty item leaves a used row with all its room)
+            r = fresh
+            fresh += 1
+            if fresh == end:
+                rooms.pop()  # capacity, the largest room
+            full = by_room.get(0)
+            if full:
+                heappush(full, r)
+            else:
+                by_room[0] = [r]
+                insort(rooms, 0)
+            add_source(best)
+            add_pending(i)
+            add_tokens(t)
+            add_row(r)
+            scan[best] = i + 1
+            placed[best] += t
+            step_tokens += t
+            continue
+        empty_items = empty_items or t == 0
+        # best fit: the least room that takes t; used rows (a heap per room) before fresh ones
+        k = bisect_left(rooms, t)
+        f = rooms[k]
+        here = by_room.get(f)
+        if here:
+            r = heappop(here)
+            if not here:  # no row has room f left, unless fresh rows do
+                del by_room[f]
+                if f != capacity or fresh == end:
+                    del rooms[k]
+        else:
+            r = fresh
+            fresh += 1
+            if f != capacity or fresh == end:
+                del rooms[k]
+        left = f - t
+        there = by_room.get(left)
+        if there:
+            heappush(there, r)
+        else:
+            by_room[left] = [r]
+            if left != capacity or fresh == end:
+                insort(rooms, left)
+        add_source(best)
+        add_pending(i)
+        add_tokens(t)
+        add_row(r)
         scan[best] = i + 1
         placed[best] += t
         step_tokens += t
@@ -110,50 +199,8 @@ def select_step(
     return out
 
 
-class _FreeRows:
-    """The free room of a step's rows, bucketed by room, for best fit.
-
-    ``_rows[f]`` is a heap of the rows with exactly ``f`` tokens free and
-    ``_rooms`` the sorted rooms that some row has: at most ``min(rows,
-    capacity + 1)`` of them, so finding and updating the best fit moves far
-    fewer entries than a sorted list of (room, row) over every row would.
-
-    >>> free = _FreeRows(2, 10)
-    >>> [free.fit(6), free.fit(5), free.fit(4), free.most()]
-    [0, 1, 0, 5]
-    """
-
-    def __init__(self, rows: int, capacity: int):
-        # rows never used yet are those from _fresh on: they leave in order, without a heap
-        self._capacity, self._fresh, self._end = capacity, 0, rows
-        self._rows: dict[int, list[int]] = {}
-        self._rooms: list[int] = [capacity] if rows else []
-
-    def most(self) -> int:
-        """The largest room of any row (-1 with no rows)."""
-        return self._rooms[-1] if self._rooms else -1
-
-    def fit(self, t: int) -> int:
-        """Put ``t`` tokens in the row with the least room that takes them; that row."""
-        rooms = self._rooms
-        k = bisect.bisect_left(rooms, t)
-        f = rooms[k]
-        here = self._rows.get(f)
-        if here:  # rows used before come first: a fresh row has a higher index than any
-            r = heapq.heappop(here)
-            if not here:
-                del self._rows[f]
-        else:
-            r = self._fresh
-            self._fresh += 1
-        if f not in self._rows and (f != self._capacity or self._fresh == self._end):
-            del rooms[k]
-        left = f - t
-        there = self._rows.get(left)
-        if there:
-            heapq.heappush(there, r)
-        else:
-            self._rows[left] = [r]
-            if left != self._capacity or self._fresh == self._end:
-                bisect.insort(rooms, left)
-        return r
+def _peek(window: Window, i: int, toks: list[list[int]], s: int) -> int:
+    """Fetch window ``s``'s item ``i`` (and more); its tokens list, refreshed in ``toks``."""
+    t = window.peek(i)
+    toks[s] = window.tokens
+    return t

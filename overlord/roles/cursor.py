@@ -16,9 +16,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from overlord.errors import LoaderError, SourceError
 
 Key = tuple[int, int, int]
+_KEY = ("epoch", "shard_pos", "index")  # an item's position: its key's three parts
+_TAKEN = ("tokens", "loader", "file_index", "row", "chunk", "patches")  # and what take gives
+_PENDING = (*_KEY, *_TAKEN)  # the columns of the pending items
 
 
 class SourceCursor:
@@ -52,15 +57,11 @@ class SourceCursor:
         self._start_index = int(start.get("index", 0))
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
-        # pending items, in source order: key, tokens, slot, file index, record row, chunk,
-        # image patches
-        self.keys: list[Key] = []
+        # pending items, in source order: tokens as a list (the selector reads it item by
+        # item), every column as numpy arrays, one per block received (joined when taken)
         self.tokens: list[int] = []
-        self.loader: list[int] = []
-        self.file_index: list[int] = []
-        self.row: list[int] = []
-        self.chunk: list[int] = []
-        self.patches: list[int] = []
+        self._parts: list[dict[str, np.ndarray]] = []
+        self._pending = {c: np.zeros(0, dtype=np.int64) for c in _PENDING}
         # placed items that lie after the first pending one (kept for the checkpoint)
         self._placed_ahead: list[Key] = [
             (e, p, i + j) for e, p, i, c in start.get("skip", []) for j in range(c)
@@ -86,13 +87,20 @@ class SourceCursor:
                 "due: the loaders and the planner disagree on the source's order"
             )
         n = len(block["index"])
-        self.keys += [(epoch, pos, int(i)) for i in block["index"].tolist()]
         self.tokens += block["tokens"].tolist()
-        self.loader += [k] * n
-        self.file_index += [int(block["file_index"])] * n
-        self.row += block["row"].tolist()
-        self.chunk += block["chunk"].tolist()
-        self.patches += block["patches"].tolist()
+        self._parts.append(
+            {
+                "epoch": np.full(n, epoch, dtype=np.int64),
+                "shard_pos": np.full(n, pos, dtype=np.int64),
+                "index": block["index"],
+                "tokens": block["tokens"],
+                "loader": np.full(n, k, dtype=np.int64),
+                "file_index": np.full(n, int(block["file_index"]), dtype=np.int64),
+                "row": block["row"],
+                "chunk": block["chunk"],
+                "patches": block["patches"],
+            }
+        )
         self._epoch_items += n
         if not block["last"]:  # a piece of the shard: more follow
             self._start_index = int(block["stop"])
@@ -119,42 +127,59 @@ class SourceCursor:
                 return first + pos % count
         raise AssertionError("the first partition starts at the first shard")
 
-    def take(self, indices: list[int]) -> dict[str, list[Any]]:
-        """Remove pending items (by pending index) and return what the plan needs of them."""
-        if not indices:
-            return {
-                k: [] for k in ("key", "tokens", "loader", "file_index", "row", "chunk", "patches")
+    def _joined(self) -> dict[str, np.ndarray]:
+        """The pending items' columns, the blocks received since the last call joined in."""
+        if self._parts:
+            parts, self._parts = [self._pending, *self._parts], []
+            self._pending = {
+                c: np.concatenate([p[c] for p in parts]).astype(np.int64, copy=False)
+                for c in _PENDING
             }
-        taken = set(indices)
-        first_left = next((i for i in range(len(self.keys)) if i not in taken), len(self.keys))
-        out: dict[str, list[Any]] = {
-            "key": [self.keys[i] for i in indices],
-            "tokens": [self.tokens[i] for i in indices],
-            "loader": [self.loader[i] for i in indices],
-            "file_index": [self.file_index[i] for i in indices],
-            "row": [self.row[i] for i in indices],
-            "chunk": [self.chunk[i] for i in indices],
-            "patches": [self.patches[i] for i in indices],
-        }
-        self._placed_ahead += [self.keys[i] for i in indices if i > first_left]
-        keep = [j for j in range(len(self.keys)) if j not in taken]
-        self.keys = [self.keys[j] for j in keep]
-        self.tokens = [self.tokens[j] for j in keep]
-        self.loader = [self.loader[j] for j in keep]
-        self.file_index = [self.file_index[j] for j in keep]
-        self.row = [self.row[j] for j in keep]
-        self.chunk = [self.chunk[j] for j in keep]
-        self.patches = [self.patches[j] for j in keep]
-        start = self.keys[0] if self.keys else None
+        return self._pending
+
+    def take(self, indices: list[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Remove pending items (by pending index) and return what the plan needs of them.
+
+        Columns are int64 arrays in the order of ``indices``; ``key`` is ``(n, 3)``:
+        epoch, shard position, index.
+        """
+        cols = self._joined()
+        idx = np.asarray(indices, dtype=np.int64)
+        out = {c: cols[c][idx] for c in _TAKEN}
+        out["key"] = np.stack([cols[c][idx] for c in _KEY], axis=1)
+        n = len(self.tokens)
+        keep = np.ones(n, dtype=bool)
+        keep[idx] = False
+        first_left = int(np.argmax(keep)) if keep.any() else n
+        ahead = idx[idx > first_left]
+        self._placed_ahead += [
+            (int(e), int(p), int(i)) for e, p, i in zip(*(cols[c][ahead].tolist() for c in _KEY))
+        ]
+        if len(ahead):
+            left = keep[first_left:]
+            self._pending = {c: v[first_left:][left] for c, v in cols.items()}
+            self.tokens = self._pending["tokens"].tolist()
+        else:  # every item before the first left was taken, none after it: a slice
+            self._pending = {c: v[first_left:] for c, v in cols.items()}
+            self.tokens = self.tokens[first_left:]
+        start = self._first()
         self._placed_ahead = sorted(
             k for k in self._placed_ahead if start is not None and k > start
         )
         return out
 
+    def _first(self) -> Key | None:
+        """The key of the first pending item (None: nothing is pending)."""
+        if not self.tokens:
+            return None
+        cols = self._joined()
+        return (int(cols["epoch"][0]), int(cols["shard_pos"][0]), int(cols["index"][0]))
+
     def state(self) -> dict[str, Any]:
         """Where to restart this source: the first pending item and the runs placed after it."""
-        if self.keys:
-            e, p, i = self.keys[0]
+        first = self._first()
+        if first is not None:
+            e, p, i = first
         else:
             (e, p), i = self._expect, self._start_index
         runs: list[list[int]] = []

@@ -25,6 +25,7 @@ from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.journal import Journal
 from overlord.metrics import Figures, MetricsServer, planner_figures
 from overlord.plan.balance import lower_bound, rank_costs
+from overlord.plan.columns import rank_sums, stable_order
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import assign_step, group_count, step_bound
 from overlord.plan.hybrid import assign_modules, module_costs
@@ -49,6 +50,8 @@ TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
 _COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
 # what a rank's plan holds of the step's columns
 _RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
+# what a rank's plan sums of the step's columns, and where the step keeps every rank's sum
+_SUMS = {c: f"{c}_by_rank" for c in ("cost", "cost_llm", "cost_encoder")}
 
 
 def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
@@ -77,6 +80,9 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self.wait_for_ranks = wait_for_ranks
+        # asked at every rank's call for its plan: read once (a plan never changes)
+        self._dp, self._rows_per_rank = plan.world.dp, plan.rows_per_rank
+        self._ahead = plan.batch.prefetch_steps + 1
         self.names = plan.source_names
         self.schedule = Schedule(plan)
         self.cost = CostModel.from_spec(plan.balance.cost)
@@ -226,26 +232,12 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         sel = select_step(
             self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
         )
-        src = np.asarray(sel.source, dtype=np.int64)
-        tokens = np.asarray(sel.tokens, dtype=np.int64)
-        ref_row = np.asarray(sel.ref_row, dtype=np.int64)
-        # gather what the plan needs of every chosen item, source by source, then put the
-        # columns back in selection order
-        got: dict[str, list[Any]] = {c: [] for c in _COLUMNS}
-        order = np.empty(len(src), dtype=np.int64)
-        filled = 0
-        for s, cursor in enumerate(self.cursors):
-            mine = np.flatnonzero(src == s)
-            if len(mine):
-                taken = cursor.take([sel.pending_index[j] for j in mine.tolist()])
-                for c in _COLUMNS:
-                    got[c].extend(taken[c])
-                order[filled : filled + len(mine)] = mine
-                filled += len(mine)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        cols = {c: np.asarray(got[c], dtype=np.int64)[inverse] for c in _COLUMNS}
-        cols["key"] = cols["key"].reshape(-1, 3)
+        n = len(sel.source)
+        src, tokens, ref_row, pending = (
+            np.fromiter(x, dtype=np.int64, count=n)
+            for x in (sel.source, sel.tokens, sel.ref_row, sel.pending_index)
+        )
+        cols = self._take(src, pending)
 
         # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
         cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
@@ -265,7 +257,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             )
 
         row = assign_modules(p.balance.modules, llm, enc, dp, rpr, assign_by)
-        by_row = np.argsort(row, kind="stable")  # items grouped by rank, rows in order
+        by_row = stable_order(row)  # items grouped by rank, rows in order
         self.plans[step] = {
             "source": src[by_row],
             "tokens": tokens[by_row],
@@ -275,8 +267,12 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             "rec_row": cols["row"][by_row],
             "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rpr),
         }
+        cols = self.plans[step]
         if p.vision is not None:
-            self.plans[step].update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
+            cols.update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
+        for c in _SUMS:  # each rank's sums, computed at once: a rank's plan is then a slice
+            if c in cols:
+                cols[_SUMS[c]] = rank_sums(cols[c], cols["bounds"])
         per_rank = rank_costs(cost, row, dp, rpr)
         baseline = rank_costs(cost, ref_row, dp, rpr)
         self.figures.planned(step, time.perf_counter() - t0, per_rank)
@@ -310,35 +306,50 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             self._release(self.plans.pop(step))
             self._prune()
 
+    def _take(self, src: np.ndarray, pending: np.ndarray) -> dict[str, np.ndarray]:
+        """Take the chosen items from their cursors: what the plan needs, in selection order."""
+        cols = {c: np.empty(len(src), dtype=np.int64) for c in _COLUMNS if c != "key"}
+        cols["key"] = np.empty((len(src), 3), dtype=np.int64)
+        for s, cursor in enumerate(self.cursors):
+            mine = np.flatnonzero(src == s)
+            if len(mine):
+                taken = cursor.take(pending[mine])
+                for c in _COLUMNS:
+                    cols[c][mine] = taken[c]
+        return cols
+
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
 
         None means "ask again later": other ranks must consume first.
         """
-        dp = self.plan.world.dp
+        dp = self._dp
         if not 0 <= rank < dp:
             raise LoaderError(f"rank {rank} is outside the plan's world (dp={dp})")
         lag = self.done
-        ahead = self.plan.batch.prefetch_steps + 1
-        if step > lag + ahead:
+        if step > lag + self._ahead:
             if self.wait_for_ranks:
                 return None
             slow = self.consumed.index(lag)
             raise RanksApart(
                 f"rank {rank} asked for step {step} while rank {slow} has consumed only up to "
-                f"step {lag}: ranks may run at most batch.prefetch_steps+1={ahead} steps apart "
-                "(consume every rank's batch of a step before the next step)"
+                f"step {lag}: ranks may run at most batch.prefetch_steps+1={self._ahead} steps "
+                "apart (consume every rank's batch of a step before the next step)"
             )
         if step < self.start_step or step <= self.consumed[rank] and step not in self.plans:
             raise LoaderError(f"step {step} of rank {rank} was consumed already")
         while self.next_step <= step:
             self._plan_next()
         cols = self.plans[step]
-        lo, hi = int(cols["bounds"][rank]), int(cols["bounds"][rank + 1])
-        sums = ("cost", "cost_llm", "cost_encoder")
-        mine = {c: cols[c][lo:hi] for c in _RANK_COLUMNS}  # slices: nothing built ahead
-        return {"step": step, "rank": rank, "rows": self.plan.rows_per_rank,
-                **{c: float(cols[c][lo:hi].sum()) for c in sums if c in cols}, **mine}  # fmt: skip
+        bounds = cols["bounds"]
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        out: dict[str, Any] = {"step": step, "rank": rank, "rows": self._rows_per_rank}
+        for c, by_rank in _SUMS.items():
+            if by_rank in cols:
+                out[c] = float(cols[by_rank][rank])
+        for c in _RANK_COLUMNS:  # slices: nothing built ahead
+            out[c] = cols[c][lo:hi]
+        return out
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps without building batches; returns their statistics."""
