@@ -201,6 +201,41 @@ def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> Non
         loader.close()
 
 
+def test_a_loader_holds_two_windows_of_text_not_three(tmp_path: Path) -> None:
+    """Waiting on its budget, a loader holds the window being cut and one read ahead.
+
+    The window thread reads the next window only once the one read ahead is taken (it
+    used to read it and then wait holding it: three windows of text).
+    """
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "big.jsonl", "w") as f:
+        for _ in range(4000):
+            f.write(json.dumps({"text": "z" * 3000}) + "\n")
+    window = 4 << 20
+    plan = load_plan(
+        make_corpus(
+            tmp_path / "p",
+            {"web": {"files": {"data/web/a.jsonl": 1}}},
+            batch={"tokens_per_step": 4096, "max_seq_len": 2048, "prefetch_steps": 1},
+            shuffle={"block_bytes": 1 << 20, "window_blocks": 4},
+        )
+    )
+    files = job_files([("web", [str(tmp_path / "data" / "big.jsonl")])], str(plan.base_dir))
+    pool = pa.default_memory_pool()
+    loader = SourceLoader(plan, files["web"], "web", 0, 1)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while loader.stats()["waits_on"] != "budget" or not loader._windows:
+            assert time.monotonic() < deadline, loader.stats()
+            time.sleep(0.01)
+        time.sleep(0.3)  # a window thread that reads on would have read the next by now
+        # two windows and what the shard's reader keeps of its blocks (about 3 MiB here);
+        # three windows and that before
+        assert 1.5 * window < pool.bytes_allocated() < 3 * window
+    finally:
+        loader.close()
+
+
 def test_a_checkpoint_of_format_2_is_refused_naming_the_version(tmp_path: Path) -> None:
     plan_path = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": 20}}})
     with Loader(plan_path) as loader:
