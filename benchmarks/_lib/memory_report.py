@@ -65,6 +65,8 @@ def at_target(
     ]
     if not b or not o:
         return None
+    b = [p for p in b if p[0] == s] or b  # measured at the target's S: that, not a line
+    o = [p for p in o if p[0] == s] or o
 
     def how(pts: list[tuple[int, float]], rr: int) -> str:
         at = "S=" + " and ".join(str(p[0]) for p in sorted(pts))
