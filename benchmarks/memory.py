@@ -45,13 +45,13 @@ largest S that fits, or at two S and along the line through them; overlord at R=
 largest S that fits, or along the line through two S. The report says which figures are
 measured and which carried, and from what. The index-only target (8 x 2 x 16) is measured.
 
-Run (Ray must stay on loopback; about 15 minutes on 2 cores, ``--quick`` about 3)::
+Run (Ray must stay on loopback; about 30 minutes on 2 cores, ``--quick`` about 4)::
 
     tools/loopback .venv/bin/python -m benchmarks.memory [--quick] [--state index,shuffle:16MB]
         [--shadows 0,1] [--tokenizer bpe|bytes] [--json results.json]
 
 It prints Markdown tables and writes the plot ``benchmarks/memory.png`` (``--png``).
-Peak memory of one run: about 6 GiB (the baseline at 64 MB x 16 sources x 4 workers).
+Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby).
 """
 
 from __future__ import annotations
@@ -148,6 +148,13 @@ def plan_cells(
         cells.append(Cell("baseline", "index", ir, iw, is_))
         cells += [Cell("overlord", "index", ir, 0, is_, sh) for sh in shadows]
     return list(dict.fromkeys(cells))
+
+
+def _keys(c: Cell, target: tuple[int, int, int]) -> set[tuple[Any, ...]]:
+    """Runs that stand for cell ``c``: itself, or (carried) the same run at the target's S."""
+    own = c.state == "index" and (c.r, c.s) == (INDEX_TARGET[0], INDEX_TARGET[2])
+    sizes = {c.s} if own else {c.s, target[2]}
+    return {(c.kind, c.state, c.r, c.w, n, c.shadows) for n in sizes}
 
 
 # ---- plan -------------------------------------------------------------------------------------
@@ -508,7 +515,7 @@ def main() -> int:
             runs = json.loads(a.json.read_text())["runs"]
         done = {(x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) for x in runs}
         for c in cells:
-            if {(c.kind, c.state, c.r, c.w, n, c.shadows) for n in (c.s, target[2])} & done:
+            if _keys(c, target) & done:
                 continue  # measured already (--resume), at this S or at the target's
             src = root / f"sources-s{c.s}.json"
             src.write_text(json.dumps(sources[: c.s]))
@@ -533,7 +540,7 @@ def main() -> int:
                 f"{mib(m['total'])} MiB ({m['seconds']:.0f} s)",
                 flush=True,
             )
-    keep = {(c.kind, c.state, c.r, c.w, n, c.shadows) for c in cells for n in (c.s, target[2])}
+    keep = set().union(*(_keys(c, target) for c in cells))
     runs = [  # --resume: only this sweep's cells
         x for x in runs if (x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) in keep
     ]
