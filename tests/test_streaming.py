@@ -236,7 +236,7 @@ def test_a_loader_holds_two_windows_of_text_not_three(tmp_path: Path) -> None:
         time.sleep(0.3)  # a window thread that reads on would have read the next by now
         gc.collect()
         alive = [
-            o for o in gc.get_objects() if isinstance(o, Window) and o.name.endswith("three.jsonl")
+            o for o in gc.get_objects() if type(o) is Window and o.name.endswith("three.jsonl")
         ]
         assert len(alive) == 2, [w.number for w in alive]  # the one being cut, one ahead
     finally:
