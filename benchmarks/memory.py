@@ -1,52 +1,63 @@
-"""Loader memory: colocated per-rank DataLoaders against one overlord job on Ray, same work.
+"""Loader memory against colocated loaders, swept over the per-source state a loader holds.
 
 What is measured: the total proportional set size (PSS, ``/proc/PID/smaps_rollup``) of every
 process of a run, at steady state (the largest of several samples taken while the trainers
 iterate, after a warm-up). PSS splits each shared page among the processes that map it, so
 the sum over a run's processes is the memory the run takes, counted once.
 
-Both runs feed R trainer processes (plain Python processes standing in for DP ranks; they
+Both designs feed R trainer processes (plain Python processes standing in for DP ranks; they
 import torch, as trainers do), the same mixture of the same S sources, the same batch shape
-(rows of ``max_seq_len`` tokens per rank and step) and the same bytes tokenizer:
+(rows of ``max_seq_len`` tokens per rank and step) and the same tokenizer (``--tokenizer``:
+``bpe``, the byte-level BPE of 8,000 tokens that ``benchmarks/throughput_vs.py`` trains, a
+``tokenizers`` tokenizer; or ``bytes``):
 
-- **baseline**, the colocated design as people write it: each trainer iterates a
-  ``torch.utils.data.DataLoader(num_workers=W)`` (fork) over an IterableDataset whose every
-  worker opens every source: the source's files, kept open; a row index per file as numpy
-  arrays (the line offsets of each JSONL file, the row-group starts of each Parquet file);
-  a read-ahead/shuffle buffer (the tokens of the current shard, read whole and tokenized,
-  as overlord's SourceLoader also holds whole shards); the tokenizer. It mixes sources by
-  weight, document by document, and yields packed token batches.
+- **baseline**, the colocated design: each trainer iterates a
+  ``torch.utils.data.DataLoader(num_workers=W)`` (fork) whose every worker opens every
+  source and holds, per source, its open file, its line index and the per-source *state*
+  (``--state``, ``benchmarks/_lib/colocated.py``): ``index`` (nothing more: a document is
+  read by a seek), or ``shuffle:<N>MB`` (a shuffle buffer of N MiB of the source's records,
+  filled before the first document, as HuggingFace's ``shuffle(buffer_size)`` is). Each
+  worker loads one tokenizer; it mixes sources by weight and packs rows.
 - **overlord**: a driver process runs ``Loader(plan, runtime="ray", job=...)`` (a local Ray
-  instance, one SourceLoader actor per source, one Planner actor, batches built inside each
-  trainer: ``placement.constructors: trainer``); the R trainers call
-  ``overlord.connect(job, rank)``.
+  instance; all SourceLoaders in ``--loader-processes`` processes; one Planner; batches built
+  in each trainer: ``placement.constructors: trainer``; ``shadows`` from ``--shadows``); the
+  R trainers call ``overlord.connect(job, rank)``. It holds the same shuffle state once per
+  source: its window (``shuffle: {block_bytes, window_blocks}``) is N MiB of the same
+  records; a loader holds the window being cut and at most one read ahead, plus its
+  read-ahead of tokens (its budget, by the source's share of the mixture). At ``index``
+  its window is one block of 64 KiB (overlord has no window-free mode).
+
+Sources are clones of 4 base sources (the records of ``overlord demo``'s sources, repeated
+into one JSONL file each of at least 2 windows of the largest state): source k is a
+symlink to base file ``k % 4`` with that base's weight.
 
 Every process of a run is counted: the trainers, their DataLoader workers, the driver and all
 of Ray's processes (GCS, raylet, agents, idle workers, actors), found as descendants of the
 processes this script starts and as every process of the loopback network namespace the
 script runs in. A **bare** run (R trainers that import torch and train on random tokens, no
 loader) gives what the trainers cost without any loader; ``loader memory`` is a run's total
-less that. The paper's 13.5x is about loader memory; the total ratio is printed too.
+less that.
 
-Sources are clones of the 4 sources of ``overlord demo``'s corpus (Python's own files, 33 MB):
-source k is a folder of symlinks to the shards of demo source ``k % 4``, with that source's
-weight. Per-actor overhead (what one more SourceLoader process costs before it holds data)
-is measured on an idle actor with the same imports, after the samples of the overlord runs
-of the three required settings.
+The target is R x W x S = 8 x 4 x 32; what does not fit this machine (24 GiB shared) is
+measured smaller and carried there: the baseline is measured with one trainer (R=1; each
+trainer's DataLoader is independent, so R trainers cost R times its loader memory) at the
+largest S that fits, or at two S and along the line through them; overlord at R=8 and the
+largest S that fits, or along the line through two S. The report says which figures are
+measured and which carried, and from what. The index-only target (8 x 2 x 16) is measured.
 
-Run (Ray must stay on loopback; about 6 minutes on 2 cores, ``--quick`` under one)::
+Run (Ray must stay on loopback; about 30 minutes on 2 cores, ``--quick`` about 4)::
 
-    tools/loopback .venv/bin/python -m benchmarks.memory [--quick] [--json results.json]
+    tools/loopback .venv/bin/python -m benchmarks.memory [--quick] [--state index,shuffle:16MB]
+        [--shadows 0,1] [--tokenizer bpe|bytes] [--json results.json]
 
-It prints Markdown tables and a summary, and writes the plot ``benchmarks/memory.png``
-(``--png`` to choose another path). Peak memory: about 8 GiB (the 8x4x32 baseline).
+It prints Markdown tables and writes the plot ``benchmarks/memory.png`` (``--png``).
+Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
 import shutil
@@ -56,9 +67,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._lib.colocated import (
+    MiB,
+    State,
+    baseline_batches,
+    make_corpus,
+    overlord_shuffle,
+    parse_state,
+)
+from benchmarks._lib.memory_report import INDEX_TARGET, TARGET, mib, plot, report
 from benchmarks._lib.procfs import (
     CATEGORIES,
     classify,
@@ -70,79 +91,88 @@ from benchmarks._lib.procfs import (
 )
 from benchmarks._lib.timing import REPO, module_command
 
-# ---- the work -----------------------------------------------------------------------------
-
-BASES = ["stdlib", "tests", "docs", "licenses"]  # demo sources; source k clones BASES[k % 4]
-BASE_WEIGHT = {"stdlib": 4.0, "tests": 3.0, "docs": 2.0, "licenses": 1.0}
 SEQ = 8192  # max_seq_len
 ROWS = 4  # rows per rank and step: 32K tokens per trainer per step
-EOD, PAD = 256, 257  # the bytes tokenizer's end-of-document and padding ids
 PACE = 0.05  # seconds of simulated training per step
 WARM = 8  # steps every trainer takes before the first sample
 SAMPLES = 5  # PSS samples per run, SAMPLE_EVERY seconds apart; the largest total is reported
 SAMPLE_EVERY = 0.5
 
-REQUIRED = [(4, 2, 5), (8, 2, 16), (8, 4, 32)]  # (R, W, S)
-# curves over S (R=8, W=2) and over R (W=2, S=16); overlord runs are shared across W
-EXTRA = [(8, 2, 1), (8, 2, 32), (8, 2, 64), (2, 2, 16), (4, 2, 16)]
-
-MiB = 2**20
-
-
-# ---- corpus and plan ----------------------------------------------------------------------
+STATES = "index,shuffle:4MB,shuffle:16MB,shuffle:64MB"
+QUICK = (2, 2, 4)
+BASELINE_FITS = 4 * 2**30  # largest baseline state measured: W x S x state bytes
+OVERLORD_FITS = 9 * 2**29  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
+HELD_WINDOWS = 6  # what a loader process holds per source, in windows (measured: 5.6 at 16 MB)
 
 
-def make_corpus(root: Path, max_sources: int) -> list[dict[str, Any]]:
-    """Demo corpus in ``root/demo``, ``max_sources`` clones of its sources, their row indexes."""
-    import numpy as np
-    import pyarrow.parquet as pq
+@dataclass(frozen=True)
+class Cell:
+    """One measured run: a design on (R, W, S) at a state (W: 0 for overlord and bare)."""
 
-    from overlord.demo import build_corpus
-
-    build_corpus(root / "demo")
-    index = root / "index"
-    for base in BASES:  # one row index per file, as a loader's setup writes them
-        (index / base).mkdir(parents=True, exist_ok=True)
-        for f in sorted((root / "demo" / base).iterdir()):
-            if f.suffix == ".parquet":
-                md = pq.ParquetFile(f).metadata
-                rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-                offsets = np.concatenate(([0], np.cumsum(rows))).astype(np.int64)
-            else:
-                raw = f.read_bytes()
-                raw = gzip.decompress(raw) if f.name.endswith(".gz") else raw
-                nl = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) == 10)
-                offsets = np.concatenate(([0], nl + 1)).astype(np.int64)
-            np.save(index / base / (f.name + ".npy"), offsets)
-    sources = []
-    for k in range(max_sources):
-        base = BASES[k % len(BASES)]
-        folder = root / "sources" / f"s{k:03d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        files = []
-        for f in sorted((root / "demo" / base).iterdir()):
-            link = folder / f.name
-            if not link.exists():
-                link.symlink_to(f)
-            files.append(str(link))
-        parquet = base == "docs"
-        sources.append(
-            {
-                "name": f"s{k:03d}",
-                "base": base,
-                "files": files,
-                "index": [str(index / base / (Path(f).name + ".npy")) for f in files],
-                "format": "parquet" if parquet else "jsonl",
-                "text_field": "content" if parquet else "text",
-                "weight": BASE_WEIGHT[base],
-            }
-        )
-    return sources
+    kind: str  # "bare" | "baseline" | "overlord"
+    state: str
+    r: int
+    w: int
+    s: int
+    shadows: int = 0
 
 
-def write_plan(root: Path, sources: list[dict[str, Any]], dp: int) -> Path:
-    """The one plan both designs follow: sources, mixture, batch shape, tokenizer."""
+def fit_sources(target: int, per_source: int, fits: int) -> list[int]:
+    """Sources to measure at: ``[target]`` when it fits, else the two largest that do.
+
+    ``per_source`` bytes of state per source; ``fits`` bytes the run may hold. Halving
+    from ``target``: the largest S that fits and half of it (a line to carry to ``target``).
+    """
+    if per_source * target <= fits:
+        return [target]
+    s = target
+    while s > 1 and per_source * s > fits:
+        s //= 2
+    return [max(1, s // 2), s] if s > 1 else [1, 2]
+
+
+def plan_cells(
+    states: list[State], shadows: list[int], target: tuple[int, int, int], quick: bool
+) -> list[Cell]:
+    """Every run the sweep makes, bare runs first."""
+    r, w, s = target
+    cells = [Cell("bare", "", 1, 0, 0), Cell("bare", "", r, 0, 0)]
+    for st in states:
+        for n in fit_sources(s, w * st.bytes, BASELINE_FITS):
+            cells.append(Cell("baseline", st.label, 1, w, n))
+        for sh in shadows:
+            for n in fit_sources(s, (1 + sh) * HELD_WINDOWS * st.bytes, OVERLORD_FITS):
+                cells.append(Cell("overlord", st.label, r, 0, n, sh))
+    if not quick and any(st.kind == "index" for st in states):
+        ir, iw, is_ = INDEX_TARGET
+        cells.append(Cell("baseline", "index", ir, iw, is_))
+        cells += [Cell("overlord", "index", ir, 0, is_, sh) for sh in shadows]
+    return list(dict.fromkeys(cells))
+
+
+def _keys(c: Cell, target: tuple[int, int, int]) -> set[tuple[Any, ...]]:
+    """Runs that stand for cell ``c``: itself, or (carried) the same run at the target's S."""
+    own = c.state == "index" and (c.r, c.s) == (INDEX_TARGET[0], INDEX_TARGET[2])
+    sizes = {c.s} if own else {c.s, target[2]}
+    return {(c.kind, c.state, c.r, c.w, n, c.shadows) for n in sizes}
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+def write_plan(
+    root: Path,
+    sources: list[dict[str, Any]],
+    dp: int,
+    state: State,
+    tokenizer: str | None,
+    shadows: int,
+    loader_processes: int | None,
+) -> Path:
+    """The plan overlord follows: the baseline's sources, mixture, batch and tokenizer."""
     import yaml
+
+    from benchmarks._lib.colocated import EOS
 
     plan = {
         "seed": 7,
@@ -150,114 +180,29 @@ def write_plan(root: Path, sources: list[dict[str, Any]], dp: int) -> Path:
             {
                 "name": s["name"],
                 "path": f"sources/{s['name']}/*",
-                "format": s["format"],
-                "text_field": s["text_field"],
+                "format": "jsonl",
+                "shadows": shadows,
             }
             for s in sources
         ],
-        "tokenizer": {"kind": "bytes"},
+        "tokenizer": {"kind": "hf", "path": tokenizer, "eos": EOS}
+        if tokenizer
+        else {"kind": "bytes"},
         "mixture": {
             "schedule": [{"step": 0, "weights": {s["name"]: s["weight"] for s in sources}}]
         },
         "batch": {"tokens_per_step": dp * ROWS * SEQ, "max_seq_len": SEQ},
         "world": {"dp": dp},
-        "placement": {"constructors": "trainer", **LOADER_PLACEMENT},
+        "shuffle": overlord_shuffle(state),
+        "placement": {
+            "constructors": "trainer",
+            **({"loader_processes": loader_processes} if loader_processes else {}),
+        },
         "on_error": "skip",
     }
-    path = root / f"plan-dp{dp}-s{len(sources)}.yaml"
+    path = root / f"plan-dp{dp}-s{len(sources)}-{state.kind}{state.bytes}-sh{shadows}.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
-    (root / f"sources-s{len(sources)}.json").write_text(json.dumps(sources))
     return path
-
-
-# ---- the baseline's dataset (runs in DataLoader workers) ---------------------------------
-
-
-class SourceReader:
-    """One source as a colocated worker holds it.
-
-    Its files stay open; a row index per file (numpy); the tokens of the current shard, read
-    whole, tokenized and shuffled (the read-ahead/shuffle buffer); the next document to give.
-    """
-
-    def __init__(self, spec: dict[str, Any], seed: list[int]):
-        import numpy as np
-
-        self.spec = spec
-        self.handles = [open(f, "rb") for f in spec["files"]]  # noqa: SIM115 (held open)
-        self.index = [np.load(p) for p in spec["index"]]
-        self.rng = np.random.default_rng(seed)
-        self.order = self.rng.permutation(len(self.handles))
-        self.pos = 0
-        self._next_shard()
-
-    def _texts(self, i: int) -> list[str]:
-        fh, field = self.handles[i], self.spec["text_field"]
-        fh.seek(0)
-        if self.spec["format"] == "parquet":
-            import pyarrow.parquet as pq
-
-            return [t for t in pq.read_table(fh, columns=[field]).column(field).to_pylist() if t]
-        raw = fh.read()
-        if self.spec["files"][i].endswith(".gz"):
-            raw = gzip.decompress(raw)
-        off = self.index[i].tolist()
-        texts = []
-        for a, b in zip(off[:-1], off[1:]):
-            if b - a > 1:
-                texts.append(json.loads(raw[a:b])[field])
-        return texts
-
-    def _next_shard(self) -> None:
-        import numpy as np
-
-        if self.pos == len(self.order):
-            self.order, self.pos = self.rng.permutation(len(self.handles)), 0
-        encoded = [t.encode("utf-8", "replace") for t in self._texts(int(self.order[self.pos]))]
-        self.pos += 1
-        lengths = np.array([len(e) + 1 for e in encoded], dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        for e, s, n in zip(encoded, starts.tolist(), lengths.tolist()):
-            tokens[s : s + n - 1] = np.frombuffer(e, dtype=np.uint8)
-            tokens[s + n - 1] = EOD
-        self.tokens, self.starts, self.lengths = tokens, starts, lengths
-        self.doc_order, self.next = self.rng.permutation(len(lengths)), 0
-
-    def next_doc(self) -> Any:
-        if self.next == len(self.doc_order):
-            self._next_shard()
-        j = int(self.doc_order[self.next])
-        self.next += 1
-        return self.tokens[self.starts[j] : self.starts[j] + self.lengths[j]]
-
-
-def baseline_batches(sources: list[dict[str, Any]], rank: int, seed: int) -> Iterator[Any]:
-    """What each DataLoader worker runs: open every source, mix by weight, pack rows."""
-    import numpy as np
-    import torch
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    wid = info.id if info is not None else 0
-    readers = [SourceReader(s, [seed, rank, wid, k]) for k, s in enumerate(sources)]
-    weights = np.array([s["weight"] for s in sources], dtype=np.float64)
-    p = weights / weights.sum()
-    rng = np.random.default_rng([seed, rank, wid])
-    need = ROWS * SEQ
-    carry = np.zeros(0, dtype=np.int32)
-    while True:
-        parts, have = [carry], len(carry)
-        while have < need:  # concatenate documents and cut rows: GPT-style packing
-            doc = readers[int(rng.choice(len(readers), p=p))].next_doc()
-            parts.append(doc)
-            have += len(doc)
-        flat = np.concatenate(parts)
-        carry = flat[need:].copy()
-        ids = torch.from_numpy(flat[:need].astype(np.int64)).view(ROWS, SEQ)
-        labels = torch.roll(ids, -1, dims=1)
-        positions = torch.arange(SEQ, dtype=torch.int32).expand(ROWS, SEQ).contiguous()
-        yield {"input_ids": ids, "labels": labels, "position_ids": positions, "tokens": need}
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -277,14 +222,16 @@ def trainer_main(a: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     loader: Any = None
     if a.mode == "baseline":
-        import pyarrow.parquet  # noqa: F401 (the dataset module's imports, before the fork)
         from torch.utils.data import DataLoader, IterableDataset
 
+        import benchmarks._lib.colocated  # noqa: F401 (the dataset module, before the fork)
+
         sources = json.loads(Path(a.sources).read_text())
+        state, tok = parse_state(a.state), a.tokenizer or None
 
         class Mixed(IterableDataset):
             def __iter__(self) -> Iterator[Any]:
-                return baseline_batches(sources, rank, a.seed)
+                return baseline_batches(sources, state, tok, ROWS, SEQ, rank, a.seed)
 
         loader = DataLoader(Mixed(), batch_size=None, num_workers=a.workers, prefetch_factor=2)
         batches: Iterator[Any] = iter(loader)
@@ -314,21 +261,10 @@ def trainer_main(a: argparse.Namespace) -> int:
         if (d / "stop").exists():
             break
         time.sleep(PACE)
+    if a.mode == "overlord":
+        os._exit(0)  # measured already: not waiting for the client's goodbye to the job
     del batches, loader  # joins the DataLoader's workers
     return 0
-
-
-class _Probe:
-    """An actor with a SourceLoader's imports and nothing else: the cost of one more actor."""
-
-    def __init__(self) -> None:
-        import numpy  # noqa: F401
-        import pyarrow  # noqa: F401
-
-        import overlord.roles.source_loader  # noqa: F401
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 def driver_main(a: argparse.Namespace) -> int:
@@ -336,7 +272,6 @@ def driver_main(a: argparse.Namespace) -> int:
     import ray
 
     from overlord import Loader, load_plan
-    from overlord.roles.source_loader import SourceLoader
 
     d = Path(a.dir)
     plan = load_plan(a.plan)
@@ -349,13 +284,6 @@ def driver_main(a: argparse.Namespace) -> int:
                 keep = ("source", "held_tokens", "held_shards", "budget_tokens", "shards")
                 (d / "stats.tmp").write_text(json.dumps([{k: s[k] for k in keep} for s in stats]))
                 os.replace(d / "stats.tmp", d / "stats.json")
-            if (d / "probe-req").exists() and not (d / "probe").exists():
-                actor = (
-                    ray.remote(_Probe)
-                    .options(num_cpus=0, max_concurrency=SourceLoader.CONCURRENCY)
-                    .remote()
-                )
-                (d / "probe").write_text(str(ray.get(actor.pid.remote())))
             time.sleep(0.1)
     return 0
 
@@ -411,17 +339,23 @@ def snapshot(trainers: set[int], driver: int | None) -> dict[str, Any]:
     return {"total": total, "parts": parts, "kinds": kinds, "count": count, "procs": procs}
 
 
-def measure(
-    kind: str, root: Path, r: int, w: int, s: int, plan: Path, job: str, probe: bool = False
-) -> dict[str, Any]:
-    """Run one design on (R, W, S); return its steady-state PSS.
+def measure(cell: Cell, root: Path, plan: Path | None, extra: list[str]) -> dict[str, Any]:
+    """Run one design on (R, W, S) at a state; return its steady-state PSS.
 
-    With ``probe`` (overlord), also the PSS of one more idle actor, started after the samples.
+    ``extra``: the trainers' arguments for the dataset (sources, state, tokenizer).
     """
+    kind, r, w, s = cell.kind, cell.r, cell.w, cell.s
     t0 = time.monotonic()
     d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=root))
     me = module_command("memory")  # run from REPO, where ``benchmarks`` imports
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # one thread per tokenizer in every process of both designs (the tokenizers docs'
+    # advice for forked workers): no thread pools counted on either side
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     logs = []
 
     def start(args: list[str]) -> subprocess.Popen[bytes]:
@@ -429,27 +363,28 @@ def measure(
         logs.append(log)
         return subprocess.Popen(me + args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
+    job = f"mem-{os.getpid()}-{d.name}"
     common = ["--dir", str(d), "--job", job, "--seed", "7"]
     driver = None
     procs: list[subprocess.Popen[bytes]] = []
-    out: dict[str, Any] = {"kind": kind, "R": r, "W": w, "S": s}
+    out: dict[str, Any] = {"kind": kind, "R": r, "W": w, "S": s, "state": cell.state}
+    out["shadows"] = cell.shadows
     try:
         if kind == "overlord":
             driver = start(["--child", "driver", "--plan", str(plan), *common])
             procs.append(driver)
-            _wait("the overlord job", (d / "ready").exists, procs, 300)
+            _wait("the overlord job", (d / "ready").exists, procs, 600)
             env["RAY_ADDRESS"] = (d / "ready").read_text()
             out["t_ready"] = time.monotonic() - t0
-        src = str(root / f"sources-s{s}.json")
         for rank in range(r):
             args = ["--child", "trainer", "--mode", kind, "--rank", str(rank), "--workers", str(w)]
-            procs.append(start([*args, "--sources", src, *common]))
+            procs.append(start([*args, *extra, *common]))
         trainers = {p.pid for p in procs if p is not driver}
         _wait(
             f"{WARM} steps on every rank",
             lambda: min(st for st, _ in _progress(d, r)) >= WARM,
             procs,
-            300,
+            900,
         )
         out["t_warm"] = time.monotonic() - t0
         before = _progress(d, r)
@@ -468,15 +403,6 @@ def measure(
             (d / "stats-req").touch()
             _wait("the loaders' stats", (d / "stats.json").exists, procs, 60)
             out["loaders"] = json.loads((d / "stats.json").read_text())
-        if kind == "overlord" and probe:
-            (d / "probe-req").touch()
-            _wait("the probe actor", (d / "probe").exists, procs, 120)
-            pid = int((d / "probe").read_text())
-            seen = []
-            for _ in range(3):
-                time.sleep(SAMPLE_EVERY)
-                seen.append(rollup(pid) or {"pss": 0, "uss": 0})
-            out["probe"] = max(seen, key=lambda x: x["pss"])
     except Exception as e:
         for i, _ in enumerate(logs):
             tail = (d / f"log-{i}.txt").read_text(errors="replace")[-3000:]
@@ -486,7 +412,7 @@ def measure(
     finally:
         out["t_stop"] = time.monotonic() - t0
         (d / "stop").touch()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 20
         for p in procs:
             try:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -510,243 +436,51 @@ def measure(
     return out
 
 
-# ---- report -----------------------------------------------------------------------------------
-
-
-def mib(x: float) -> str:
-    return f"{x / MiB:,.0f}"
-
-
-def table(results: list[dict[str, Any]], bare: dict[int, dict[str, Any]]) -> str:
-    lines = [
-        "| R | W | S | baseline PSS MiB | overlord PSS MiB | ratio | baseline loader MiB "
-        "| overlord loader MiB | loader ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for x in results:
-        b, o, t = x["baseline"], x["overlord"], bare[x["R"]]["total"]
-        lb, lo = b["total"] - t, o["total"] - t
-        lines.append(
-            f"| {x['R']} | {x['W']} | {x['S']} | {mib(b['total'])} | {mib(o['total'])} "
-            f"| {b['total'] / o['total']:.2f}x | {mib(lb)} | {mib(lo)} | {lb / lo:.2f}x |"
-        )
-    lines += [
-        "",
-        "Breakdown (PSS MiB; process count in brackets). Bare trainers: R processes that import",
-        "torch and train on random tokens, no loader; loader = run total - bare.",
-        "",
-        "| R | W | S | design | trainers | loader workers | driver | Ray system | actors "
-        "| total | bare trainers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for x in results:
-        for kind in ("baseline", "overlord"):
-            y = x[kind]
-            cells = [f"{mib(y['parts'][c])} [{y['count'][c]}]" for c in CATEGORIES]
-            lines.append(
-                f"| {x['R']} | {x['W']} | {x['S']} | {kind} | {' | '.join(cells)} "
-                f"| {mib(y['total'])} | {mib(bare[x['R']]['total'])} |"
-            )
-    return "\n".join(lines)
-
-
-def plot(results: list[dict[str, Any]], bare: dict[int, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    _, probe_uss = _probe_uss(results)
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-
-    def curve(ax: Any, pts: list[dict[str, Any]], key: str, title: str) -> None:
-        pts = sorted(pts, key=lambda x: x[key])
-        xs = [x[key] for x in pts]
-        tb = [bare[x["R"]]["total"] / MiB for x in pts]
-        for kind, color in (("baseline", "tab:red"), ("overlord", "tab:blue")):
-            tot = [x[kind]["total"] / MiB for x in pts]
-            ax.plot(
-                xs, [a - b for a, b in zip(tot, tb)], "o-", color=color, label=f"{kind}: loader"
-            )
-            ax.plot(xs, tot, "s--", color=color, alpha=0.45, label=f"{kind}: total")
-        proj = [grouped(x, probe_uss) / MiB - b for x, b in zip(pts, tb)]
-        ax.plot(
-            xs,
-            proj,
-            "^:",
-            color="tab:blue",
-            label="overlord: loader, one loader process\nfor all sources (projected)",
-        )
-        ax.plot(xs, tb, "k:", alpha=0.6, label="bare trainers (no loader)")
-        ax.set_xlabel(key)
-        ax.set_ylabel("PSS, MiB (loader = total - bare trainers)")
-        ax.set_title(title)
-        ax.set_xticks(xs)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-
-    by_s = [x for x in results if x["R"] == 8 and x["W"] == 2]
-    by_r = [x for x in results if x["S"] == 16 and x["W"] == 2]
-    if len(by_s) > 1:
-        curve(axes[0], by_s, "S", "growth with sources S (R=8 trainers, W=2 workers)")
-    if len(by_r) > 1:
-        curve(axes[1], by_r, "R", "growth with trainers R (W=2 workers, S=16 sources)")
-    ax = axes[2]
-    req = [x for x in results if (x["R"], x["W"], x["S"]) in REQUIRED] or results
-    colors = ["0.65", "tab:red", "tab:green", "tab:purple", "tab:blue"]
-    labels, bars = [], []
-    for x in req:
-        for kind in ("baseline", "overlord"):
-            labels.append(f"{x['R']}x{x['W']}x{x['S']}\n{kind}")
-            bars.append([x[kind]["parts"][c] / MiB for c in CATEGORIES])
-    bottoms = [0.0] * len(bars)
-    for i, c in enumerate(CATEGORIES):
-        vals = [b[i] for b in bars]
-        ax.bar(range(len(bars)), vals, bottom=bottoms, color=colors[i], label=c)
-        bottoms = [a + v for a, v in zip(bottoms, vals)]
-    for j, x in enumerate(req):
-        t = bare[x["R"]]["total"]
-        ax.hlines(t / MiB, 2 * j - 0.4, 2 * j + 1.4, colors="k", linestyles=":")
-        ratio = (x["baseline"]["total"] - t) / (x["overlord"]["total"] - t)
-        ax.annotate(
-            f"loader {ratio:.2f}x\ntotal {x['baseline']['total'] / x['overlord']['total']:.2f}x",
-            (2 * j + 0.5, max(bottoms[2 * j], bottoms[2 * j + 1])),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
-    ax.set_xticks(range(len(bars)), labels, fontsize=7)
-    ax.set_ylim(0, max(bottoms) * 1.15)
-    ax.set_ylabel("PSS, MiB (dotted: bare trainers)")
-    ax.set_title("where the memory goes (R x W x S)")
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(
-        "Loader memory (PSS of every process): colocated DataLoaders (baseline) vs one "
-        "overlord job on Ray, same plan and batches"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _probe_uss(results: list[dict[str, Any]]) -> tuple[float, float]:
-    """Median PSS and USS of the idle probe actors: what one more actor process costs."""
-    probes = [x["overlord"]["probe"] for x in results if x["overlord"].get("probe")]
-    if not probes:
-        return 0.0, 0.0
-    mid = len(probes) // 2
-    return sorted(p["pss"] for p in probes)[mid], sorted(p["uss"] for p in probes)[mid]
-
-
-def grouped(x: dict[str, Any], probe_uss: float) -> float:
-    """Projected overlord total with every source in one loader process (not measured).
-
-    One process less per loader process beyond the first, each costing what an idle actor
-    with a SourceLoader's imports costs privately (USS); the state the loaders hold is kept.
-    """
-    kinds = ("ray::SourceLoader", "ray::LoaderGroup")
-    loaders = sum(1 for p in x["overlord"]["procs"] if p["name"].startswith(kinds)) or x["S"]
-    return float(x["overlord"]["total"] - (loaders - 1) * probe_uss)
-
-
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((a - mx) ** 2 for a in xs)
-    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / var
-    return slope, my - slope * mx
-
-
-def summary(results: list[dict[str, Any]], bare: dict[int, dict[str, Any]]) -> str:
-    """Where overlord's memory goes, what each source costs, and what grouping would save."""
-    probe_pss, probe_uss = _probe_uss(results)
-    lines = [
-        f"Per-actor overhead (an idle actor with a SourceLoader's imports and concurrency, "
-        f"median of the runs): PSS {mib(probe_pss)} MiB, private (USS) {mib(probe_uss)} MiB.",
-        "",
-    ]
-    for x in results:
-        if (x["R"], x["W"], x["S"]) not in REQUIRED:
-            continue
-        o, b, t = x["overlord"], x["baseline"], bare[x["R"]]["total"]
-        n, held = o["count"]["actors"], o.get("loaders", [])
-        untaken = sum(h["held_tokens"] for h in held) * 4
-        state = o["parts"]["actors"] - n * probe_pss
-        ray = ", ".join(
-            f"{p['name']} {mib(p['pss'])}" for p in o["procs"] if p["category"] == "ray system"
-        )
-        nw = b["count"]["loader workers"]
-        lines += [
-            f"R={x['R']} W={x['W']} S={x['S']}:",
-            f"  baseline loader {mib(b['total'] - t)} MiB: {nw} DataLoader workers of "
-            f"{mib((b['total'] - t) / nw)} MiB (loader memory per worker, fork included).",
-            f"  overlord loader {mib(o['total'] - t)} MiB: {n} actors {mib(o['parts']['actors'])}"
-            f" = {n} x {mib(probe_pss)} per-actor overhead + {mib(state)} of state and allocator "
-            f"retention ({mib(state / max(1, len(held)))} per loader, planner included; "
-            f"untaken tokens {untaken / MiB / max(1, len(held)):.1f}; budget "
-            f"{(held[0]['budget_tokens'] * 4 / MiB) if held else 0:.1f} per loader); "
-            f"trainers {mib((o['parts']['trainers'] - t) / x['R'])} each above bare "
-            f"(Ray's core worker and imports); Ray system {mib(o['parts']['ray system'])} "
-            f"({ray}); driver {mib(o['parts']['driver'])}.",
-            f"  projected, all sources in one SourceLoader process (not measured): overlord "
-            f"loader {mib(grouped(x, probe_uss) - t)} MiB, loader ratio "
-            f"{(b['total'] - t) / (grouped(x, probe_uss) - t):.2f}x.",
-        ]
-    per_step = {k: [x[k]["tokens_per_step"] for x in results] for k in ("baseline", "overlord")}
-    lines += [
-        "",
-        f"Tokens per trainer and step: {ROWS} rows of {SEQ} in both designs; real tokens "
-        f"(padding excluded) {min(per_step['baseline']):,.0f} in the baseline (rows cut from "
-        f"concatenated documents), {min(per_step['overlord']):,.0f} to "
-        f"{max(per_step['overlord']):,.0f} with overlord (whole documents packed, padded). "
-        f"Every run kept iterating while sampled (at least "
-        f"{min(x[k]['steps_while_sampling'] for x in results for k in per_step)} steps per "
-        "trainer during the samples).",
-    ]
-    curve = sorted((x for x in results if x["R"] == 8 and x["W"] == 2), key=lambda x: x["S"])
-    if len(curve) >= 2:
-        t = bare[8]["total"]
-        xs = [float(x["S"]) for x in curve]
-        bs, bi = _fit(xs, [(x["baseline"]["total"] - t) / MiB for x in curve])
-        os_, oi = _fit(xs, [(x["overlord"]["total"] - t) / MiB for x in curve])
-        lines += [
-            "",
-            f"Loader memory against S at R=8, W=2 (least squares over S = "
-            f"{', '.join(str(x['S']) for x in curve)}): baseline {bi:,.0f} + {bs:,.1f} MiB per "
-            f"source ({bs / 16:.1f} per source per worker); overlord {oi:,.0f} + {os_:,.1f} MiB "
-            f"per source. A source costs overlord less than the colocated loaders only where "
-            f"R x W > {os_ / (bs / 16):.0f}.",
-        ]
-    return "\n".join(lines)
-
-
-LOADER_PLACEMENT: dict[str, Any] = {}  # set from --loader-processes
+# ---- main -------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="only R x W x S = 4 x 2 x 5")
-    ap.add_argument("--no-extra", action="store_true", help="only the three required settings")
-    ap.add_argument("--png", type=Path, default=Path(__file__).with_suffix(".png"))
-    ap.add_argument("--json", type=Path, help="also write every sample's numbers here")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"R x W x S = {' x '.join(map(str, QUICK))}, index and shuffle:4MB",
+    )
+    ap.add_argument("--state", default=None, help=f"comma-separated states (default {STATES})")
+    ap.add_argument("--shadows", default="0,1", help="overlord's shadows per source: 0, 1 or 0,1")
+    ap.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     ap.add_argument(
         "--loader-processes",
         type=int,
-        help="overlord: SourceLoaders in this many processes (placement.loader_processes)",
+        default=1,
+        help="overlord: SourceLoaders in this many processes (0: one per source)",
+    )
+    ap.add_argument("--png", type=Path, default=Path(__file__).with_suffix(".png"))
+    ap.add_argument("--json", type=Path, help="also write every run's numbers here (as it goes)")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the runs --json holds; measure the others"
     )
     ap.add_argument("--child", choices=["trainer", "driver"], help=argparse.SUPPRESS)
-    for opt in ("--mode", "--dir", "--job", "--plan", "--sources"):
+    for opt in ("--mode", "--dir", "--job", "--plan", "--sources", "--tok"):
         ap.add_argument(opt, help=argparse.SUPPRESS)
     for opt in ("--rank", "--workers", "--seed"):
         ap.add_argument(opt, type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.loader_processes:
-        LOADER_PLACEMENT["loader_processes"] = a.loader_processes
     if a.child == "trainer":
+        a.tokenizer = a.tok
         return trainer_main(a)
     if a.child == "driver":
         return driver_main(a)
+    try:
+        states = [
+            parse_state(t)
+            for t in (a.state or ("index,shuffle:4MB" if a.quick else STATES)).split(",")
+        ]
+        shadows = sorted({int(x) for x in a.shadows.split(",")})
+    except ValueError as e:
+        ap.error(str(e))
+    if any(sh not in (0, 1) for sh in shadows):
+        ap.error(f"--shadows {a.shadows!r}: expected 0, 1 or 0,1")
 
     if private_netns() is None:
         print(
@@ -758,51 +492,65 @@ def main() -> int:
     if stale:
         print(f"error: processes of an earlier run are still alive: {sorted(stale)}")
         return 1
-    settings = REQUIRED[:1] if a.quick else REQUIRED + ([] if a.no_extra else EXTRA)
+    target = QUICK if a.quick else TARGET
+    cells = plan_cells(states, shadows, target, a.quick)
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overlord-memory-") as tmp:
         root = Path(tmp)
-        sources = make_corpus(root, max(s for _, _, s in settings))
-        plans = {}
-        for r, _, s in settings:
-            if (r, s) not in plans:
-                plans[(r, s)] = write_plan(root, sources[:s], r)
+        biggest = max(st.bytes for st in states)
+        sources = make_corpus(root, max(c.s for c in cells), max(8 * MiB, 2 * biggest + MiB))
+        tok = None
+        if a.tokenizer == "bpe":
+            from benchmarks._lib.corpus import train_bpe
+
+            tok = str(train_bpe({"all": [root / "train.jsonl"]}, root / "bpe.json", 8000))
         print(
-            f"{os.cpu_count()} CPU cores; {len(settings)} settings; rows of {SEQ} tokens, "
-            f"{ROWS} per rank and step\n",
+            f"{os.cpu_count()} CPU cores; {len(cells)} runs; tokenizer {a.tokenizer}; rows of "
+            f"{SEQ} tokens, {ROWS} per rank and step; overlord's SourceLoaders in "
+            f"{a.loader_processes or 'one per source'} process(es)\n",
             flush=True,
         )
-        bare: dict[int, dict[str, Any]] = {}
-        done_overlord: dict[tuple[int, int], dict[str, Any]] = {}
-        results = []
-        for r, w, s in settings:
-            if r not in bare:
-                bare[r] = measure("bare", root, r, 0, s, plans[(r, s)], "none")
-            base = measure("baseline", root, r, w, s, plans[(r, s)], "none")
-            if (r, s) not in done_overlord:
-                job = f"mem-{r}-{s}-{os.getpid()}"
-                probe = (r, w, s) in REQUIRED
-                done_overlord[(r, s)] = measure(
-                    "overlord", root, r, 0, s, plans[(r, s)], job, probe
+        runs: list[dict[str, Any]] = []
+        if a.resume and a.json and a.json.exists():
+            runs = json.loads(a.json.read_text())["runs"]
+        done = {(x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) for x in runs}
+        for c in cells:
+            if _keys(c, target) & done:
+                continue  # measured already (--resume), at this S or at the target's
+            src = root / f"sources-s{c.s}.json"
+            src.write_text(json.dumps(sources[: c.s]))
+            extra = ["--sources", str(src), "--tok", tok or "", "--state", c.state or "index"]
+            plan = None
+            if c.kind == "overlord":
+                plan = write_plan(
+                    root,
+                    sources[: c.s],
+                    c.r,
+                    parse_state(c.state),
+                    tok,
+                    c.shadows,
+                    a.loader_processes or None,
                 )
-            o = done_overlord[(r, s)]
-            results.append({"R": r, "W": w, "S": s, "baseline": base, "overlord": o})
-            tb = bare[r]["total"]
+            m = measure(c, root, plan, extra)
+            runs.append(m)
+            if a.json:  # as it goes: a sweep cut short keeps what it measured (--resume)
+                a.json.write_text(json.dumps({"runs": runs}, indent=1))
             print(
-                f"R={r} W={w} S={s}: baseline {mib(base['total'])} MiB ({base['seconds']:.0f} s),"
-                f" overlord {mib(o['total'])} MiB ({o['seconds']:.0f} s), bare {mib(tb)} MiB: "
-                f"total {base['total'] / o['total']:.2f}x, loader "
-                f"{(base['total'] - tb) / (o['total'] - tb):.2f}x",
+                f"{c.kind} {c.state or '-'} shadows {c.shadows} R={c.r} W={c.w} S={c.s}: "
+                f"{mib(m['total'])} MiB ({m['seconds']:.0f} s)",
                 flush=True,
             )
+    keep = set().union(*(_keys(c, target) for c in cells))
+    runs = [  # --resume: only this sweep's cells
+        x for x in runs if (x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) in keep
+    ]
+    text, rows = report(runs, states, shadows, target)
     print()
-    print(table(results, bare))
-    print()
-    print(summary(results, bare))
-    plot(results, bare, a.png)
+    print(text)
+    plot(rows, target, a.png)
     written = [str(a.png)]
     if a.json:
-        a.json.write_text(json.dumps({"bare": bare, "results": results}, indent=1))
+        a.json.write_text(json.dumps({"runs": runs, "target": rows}, indent=1))
         written.append(str(a.json))
     print(f"\nwrote {' and '.join(written)}; {time.monotonic() - t_start:.0f} s in all")
     return 0

@@ -297,3 +297,25 @@ def test_groups_balanced_on_assigner_actors_give_the_embedded_stream(ray_session
         actors = loader.runtime.job_actors()  # type: ignore[attr-defined]
     assert {"t-assign.assigner-0", "t-assign.assigner-1"} <= set(actors)
     assert out.getvalue() == _dump(plan, 8, "inline")  # there, the planner balances the groups
+
+
+def test_allocators_are_made_lean_in_actors_only(ray_session):
+    import pyarrow as pa
+
+    from overlord.runtime.threads import in_ray_actor, lean_allocators
+
+    pool = pa.default_memory_pool().backend_name
+    assert not in_ray_actor() and not lean_allocators()  # the driver: the user's process
+    assert pa.default_memory_pool().backend_name == pool
+
+    class _Probe:  # local: pickled by value, the workers cannot import this module
+        def lean(self) -> tuple[bool, str]:
+            import pyarrow as pa
+
+            from overlord.runtime.threads import lean_allocators
+
+            return lean_allocators(), pa.default_memory_pool().backend_name
+
+    actor = ray_session.remote(_Probe).options(num_cpus=0).remote()
+    assert ray_session.get(actor.lean.remote()) == (True, "system")
+    ray_session.kill(actor)

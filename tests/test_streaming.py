@@ -6,6 +6,7 @@ lines that start in each ``block_bytes`` of it), not from the reader's code.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import threading
@@ -25,7 +26,13 @@ from overlord.roles.source_loader import SourceLoader
 from overlord.sources import shard as shard_module
 from overlord.sources.catalog import job_files
 from overlord.sources.formats import line_index
-from overlord.sources.shard import block_order, load_shard_items, shard_windows, window_order
+from overlord.sources.shard import (
+    Window,
+    block_order,
+    load_shard_items,
+    shard_windows,
+    window_order,
+)
 from overlord.sources.tokenizers import BytesTokenizer
 
 HANG_GUARD_S = 30.0  # only a hang takes this long
@@ -197,6 +204,41 @@ def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> Non
         assert s["shards"] == 0 and not s["done_reading"]
         # Arrow holds the windows' text: two windows of 512 KiB, not the 12 MB shard
         assert pool.bytes_allocated() < 4 << 20
+    finally:
+        loader.close()
+
+
+def test_a_loader_holds_two_windows_of_text_not_three(tmp_path: Path) -> None:
+    """Waiting on its budget, a loader holds the window being cut and one read ahead.
+
+    The window thread reads the next window only once the one read ahead is taken (it
+    used to read it and then wait holding it: three windows of text).
+    """
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "three.jsonl", "w") as f:
+        for _ in range(4000):
+            f.write(json.dumps({"text": "z" * 3000}) + "\n")
+    plan = load_plan(
+        make_corpus(
+            tmp_path / "p",
+            {"web": {"files": {"data/web/a.jsonl": 1}}},
+            batch={"tokens_per_step": 4096, "max_seq_len": 2048, "prefetch_steps": 1},
+            shuffle={"block_bytes": 1 << 20, "window_blocks": 4},
+        )
+    )
+    files = job_files([("web", [str(tmp_path / "data" / "three.jsonl")])], str(plan.base_dir))
+    loader = SourceLoader(plan, files["web"], "web", 0, 1)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while loader.stats()["waits_on"] != "budget" or not loader._windows:
+            assert time.monotonic() < deadline, loader.stats()
+            time.sleep(0.01)
+        time.sleep(0.3)  # a window thread that reads on would have read the next by now
+        gc.collect()
+        alive = [
+            o for o in gc.get_objects() if type(o) is Window and o.name.endswith("three.jsonl")
+        ]
+        assert len(alive) == 2, [w.number for w in alive]  # the one being cut, one ahead
     finally:
         loader.close()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from overlord.plan.spec import Plan
 from overlord.roles.source_loader import SourceLoader
+from overlord.runtime.threads import lean_allocators
 from overlord.sources.catalog import SourceFiles
 
 
@@ -30,6 +31,7 @@ class LoaderGroup:
         keep_payloads: bool = True,
         shadow: bool = False,
     ):
+        lean_allocators()  # one process, many sources' threads: see the function
         # members: (member name, source, loader index, loaders of the source, start)
         self.loaders = {
             name: SourceLoader(plan, files[source], source, k, n, start, keep_payloads, shadow)

@@ -1,43 +1,37 @@
 """SourceLoader: holds one source's state once, reads ahead, serves metadata and payloads.
 
-Loader ``k`` of ``n`` for a source owns the shards at positions ``p`` with
-``p % n == k`` in each epoch's shard order. A shard streams: one thread reads
-it a *window* at a time (:mod:`overlord.sources.shard`: a few blocks of
-records, permuted), and the window's records are tokenized a *piece* at a
-time, ``loading.threads`` pieces at once. The tokens are kept until a
-DataConstructor takes them. The planner receives metadata only: one block per
-piece, with each item's position and token count, and one closing block
-(``last``) per shard.
+Loader ``k`` of ``n`` for a source owns the shards at positions ``p`` with ``p % n ==
+k`` in each epoch's shard order. A shard streams: one thread reads it a *window* at a
+time (:mod:`overlord.sources.shard`: a few blocks of records, permuted), and the
+window's records are tokenized a *piece* at a time, ``loading.threads`` pieces at once.
+The tokens are kept until a DataConstructor takes them. The planner receives metadata
+only: one block per piece, with each item's position and token count, and one closing
+block (``last``) per shard.
 
-Memory is bounded whatever the shards' sizes. The pieces held and those being
-tokenized stay within a token budget derived from the plan (the steps planned
-ahead plus the lookahead, times the source's peak share of the mixture),
-divided among the loaders of the source's partition, so a source reads the
-same distance ahead with one loader or many, and more threads add
-throughput, not read-ahead. A piece's tokens are
-estimated from its text bytes before it is tokenized (the source's measured
-tokens per byte). Besides the budget a loader holds the window being cut and
-at most one window read ahead. A caller that waits for an item not published
-yet (the planner in ``metadata``, a constructor in ``take``) lets one piece at
-a time past the budget: the planner can never wait on a loader whose budget
-is full of items it has planned but not released (see
-:func:`overlord.plan.budget.token_budget`). A new loader reads ahead
-1/32 of its budget, or twice the tokens the planner took from it if more: at
-start-up the pieces the first steps need are not slowed by every loader
-filling its whole read-ahead at once.
+Memory is bounded whatever the shards' sizes. The pieces held and those being tokenized
+stay within a token budget derived from the plan (the steps planned ahead plus the
+lookahead, times the source's peak share of the mixture), divided among the loaders of
+the source's partition, so a source reads the same distance ahead with one loader or
+many, and more threads add throughput, not read-ahead. A piece's tokens are estimated
+from its text bytes before it is tokenized (the source's measured tokens per byte).
+Besides the budget a loader holds the window being cut and at most one window read
+ahead. A caller that waits for an item not published yet (the planner in ``metadata``, a
+constructor in ``take``) lets one piece at a time past the budget: the planner can never
+wait on a loader whose budget is full of items it has planned but not released (see
+:func:`overlord.plan.budget.token_budget`). A new loader reads ahead 1/32 of its budget,
+or twice the tokens the planner took from it if more: at start-up the pieces the first
+steps need are not slowed by every loader filling its whole read-ahead at once.
 
-Payloads live until the planner *releases* them, when every rank has consumed
-their step; ``take`` only reads. So a DataConstructor that is restarted, or a
-call that is retried, can take the same items again, and a *shadow* (a hot
-standby started with ``shadow=True``) that reads the same shards and receives
-the same releases holds exactly what the primary holds. When the primary dies,
-the planner promotes the shadow: it starts serving metadata after the last
-block the planner received, and constructors take from it instead. A loader
-can also be *rewound* to a planner state (a restarted planner resumes there):
-it serves again the metadata of every held item from that point on.
+Payloads live until the planner *releases* them, when every rank has consumed their
+step; ``take`` only reads. So a DataConstructor that is restarted, or a call that is
+retried, can take the same items again, and a *shadow* (a hot standby started with
+``shadow=True``) that reads the same shards and receives the same releases holds exactly
+what the primary holds. When the primary dies, the planner promotes the shadow: it
+starts serving metadata after the last block the planner received, and constructors take
+from it instead. A loader can also be *rewound* to a planner state (a restarted planner
+resumes there): it serves again the metadata of every held item from that point on.
 
-Messages are plain dicts of numpy arrays and ints: no pickle is needed to
-decode them.
+Messages are plain dicts of numpy arrays and ints: no pickle is needed to decode them.
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
 from overlord.roles.read_stats import ReadStats, rss
-from overlord.runtime.threads import in_daemon_thread
+from overlord.runtime.threads import in_daemon_thread, lean_allocators
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardIO, ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import make_tokenizer
@@ -114,6 +108,7 @@ class SourceLoader:
         shadow: bool = False,
         limit: list[int] | None = None,
     ):
+        lean_allocators()  # threads per source and per piece: see the function
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan, self.files = plan, files  # the job's files, listed once when it started
         self.spec = next(s for s in self.plan.sources if s.name == source)
@@ -177,13 +172,20 @@ class SourceLoader:
                 file = shard_file(self.plan, self.spec, files, *at)
                 self._reading = file.name
                 file_index = files.index(file)
-                for window in shard_windows(self.plan, self.spec, files, *at, self._cache):
-                    if not self._put(window):
-                        return
-                if not self._put(_Task(at, file_index, end=True)):
+                windows = shard_windows(self.plan, self.spec, files, *at, self._cache)
+                while self._room() and (window := next(windows, None)) is not None:
+                    self._put(window)  # read once the last one read is taken: 2 windows held
+                if self._closed or not self._put(_Task(at, file_index, end=True)):
                     return
         except BaseException as e:  # published in order, after what was read before it
             self._put(e)
+
+    def _room(self) -> bool:
+        """Wait until no window read waits to be cut; False once closed."""
+        with self._lock:
+            while self._windows and not self._closed:
+                self._lock.wait(0.5)
+            return not self._closed
 
     def _put(self, what: Window | _Task | BaseException) -> bool:
         """Hand a window to the reader, waiting while one waits already; False once closed."""

@@ -1,0 +1,124 @@
+"""The pure helpers of ``benchmarks/memory.py``: states, what overlord holds, extrapolation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks._lib.colocated import (
+    INDEX_BLOCK,
+    MiB,
+    SourceReader,
+    State,
+    linear,
+    overlord_shuffle,
+    parse_state,
+)
+from benchmarks._lib.memory_report import at_target, crossover
+from benchmarks.memory import Cell, fit_sources, plan_cells
+
+
+def test_parse_state() -> None:
+    assert parse_state("index") == State("index")
+    assert parse_state(" Shuffle:16MB") == State("shuffle", 16 * MiB)
+    assert parse_state("shuffle:64MiB").label == "shuffle:64MB"
+    for bad in ("shuffle", "shuffle:0MB", "shuffle:1.5MB", "shuffle:4GB", "images", ""):
+        with pytest.raises(ValueError, match="expected 'index' or 'shuffle:<N>MB'"):
+            parse_state(bad)
+
+
+def test_overlord_holds_the_same_window() -> None:
+    assert overlord_shuffle(parse_state("shuffle:64MB")) == {
+        "block_bytes": MiB,
+        "window_blocks": 64,
+    }
+    assert overlord_shuffle(State("index")) == {"block_bytes": INDEX_BLOCK, "window_blocks": 1}
+
+
+def test_linear() -> None:
+    assert linear([(32.0, 100.0)], 32) == 100.0
+    assert linear([(8.0, 10.0), (16.0, 18.0)], 32) == pytest.approx(34.0)
+    assert linear([(8.0, 10.0), (16.0, 18.0), (16.0, 20.0)], 16) == pytest.approx(
+        linear([(8.0, 10.0), (16.0, 19.0)], 16)
+    )
+    with pytest.raises(ValueError, match="cannot give a line"):
+        linear([(8.0, 10.0)], 32)
+    with pytest.raises(ValueError, match="no points"):
+        linear([], 1)
+
+
+def test_crossover() -> None:
+    assert crossover([(0.0, 0.5), (4.0, 1.5)]) == pytest.approx(2.0)
+    assert crossover([(4.0, 1.5), (0.0, 0.5)]) == pytest.approx(2.0)  # any order
+    assert crossover([(0.0, 1.2), (4.0, 3.0)]) == 0.0
+    assert crossover([(0.0, 0.2), (4.0, 0.9)]) is None
+
+
+def test_fit_sources() -> None:
+    assert fit_sources(32, 4 * 16 * MiB, 3 * 2**30) == [32]  # 2 GiB fits
+    assert fit_sources(32, 4 * 64 * MiB, 3 * 2**30) == [4, 8]  # 8 GiB does not: S=8 (2 GiB)
+    assert fit_sources(32, 4 * 64 * MiB, 4 * 2**30) == [8, 16]
+    assert fit_sources(32, 0, 1) == [32]
+
+
+def test_plan_cells_measures_what_fits_and_the_index_target() -> None:
+    cells = plan_cells(
+        [parse_state("index"), parse_state("shuffle:64MB")], [0, 1], (8, 4, 32), False
+    )
+    assert cells[:2] == [Cell("bare", "", 1, 0, 0), Cell("bare", "", 8, 0, 0)]
+    assert Cell("baseline", "index", 1, 4, 32) in cells
+    assert Cell("baseline", "shuffle:64MB", 1, 4, 32) not in cells
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 32, 0) not in cells  # 12 GiB of windows
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 8, 0) in cells
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 4, 1) in cells  # a shadow: twice that
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 8, 1) not in cells
+    assert Cell("baseline", "index", 8, 2, 16) in cells
+    assert Cell("overlord", "index", 8, 0, 16, 1) in cells
+    assert len(cells) == len(set(cells))
+
+
+def _run(kind: str, r: int, s: int, total: float, shadows: int = 0, w: int = 4) -> dict:
+    return {"kind": kind, "state": "x", "R": r, "W": w, "S": s, "shadows": shadows, "total": total}
+
+
+def test_at_target_carries_the_baseline_by_rank_and_by_source() -> None:
+    bare = {1: {"total": 100.0}, 8: {"total": 800.0}}
+    runs = [
+        _run("baseline", 1, 8, 100.0 + 80),  # one trainer's loader: 10 per source
+        _run("baseline", 1, 16, 100.0 + 160),
+        _run("overlord", 8, 32, 800.0 + 500),
+        _run("overlord", 8, 32, 800.0 + 999, shadows=1),
+    ]
+    got = at_target(runs, bare, "x", 0, (8, 4, 32))
+    assert got is not None
+    assert got["baseline_loader"] == pytest.approx(8 * 320)
+    assert got["overlord_loader"] == pytest.approx(500)
+    assert got["ratio"] == pytest.approx(8 * 320 / 500)
+    assert got["total_ratio"] == pytest.approx((8 * 320 + 800) / 1300)
+    assert got["baseline_how"] == "R=1 S=8 and 16, line to S=32, x8"
+    assert got["overlord_how"] == "R=8 S=32"
+    assert at_target(runs, bare, "other", 0, (8, 4, 32)) is None
+
+
+def test_shuffle_reader_holds_its_buffer(tmp_path) -> None:
+    lines = [
+        json.dumps({"text": f"doc {i} " + "x" * (i % 50)}).encode() + b"\n" for i in range(400)
+    ]
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"".join(lines))
+    raw = np.frombuffer(path.read_bytes(), np.uint8)
+    np.save(tmp_path / "a.npy", np.concatenate(([0], np.flatnonzero(raw == 10) + 1)))
+    spec = {"file": str(path), "index": str(tmp_path / "a.npy")}
+    reader = SourceReader(spec, State("shuffle", 4096), [1])
+    held = sum(len(x) for x in reader.buffer)
+    assert 4096 <= held < 4096 + max(len(x) for x in lines)
+    texts = [reader.next_text() for _ in range(1000)]  # wraps around the file
+    assert all(t.startswith("doc ") for t in texts)
+    assert sum(len(x) for x in reader.buffer) < 2 * 4096
+    reader.close()
+    index = SourceReader(spec, State("index"), [1])
+    seen = {index.next_text() for _ in range(400)}  # one epoch: every document once
+    index.close()
+    assert seen == {json.loads(x)["text"] for x in lines}
