@@ -41,14 +41,14 @@ added padding's) ``(k*d, d)``, the same on each of its ``d`` ranks; ``(i,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from overlord.batch import Batch
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_degrees, dynamic_lengths, place_documents
-from overlord.roles.cp_slice import PAD_VALUES, local_cu_seqlens
+from overlord.roles.cp_slice import local_batch, local_cu_seqlens
 from overlord.world import DYNAMIC
 
 
@@ -157,26 +157,6 @@ def dynamic_slices(
     p = placement(cu, is_tail, cp_max, per_rank, model)
     out = []
     for rank, (gpos, keys, groups) in enumerate(dynamic_index(cu, is_tail, p, cp_max)):
-        added = gpos < 0
-        at = np.where(added, 0, gpos)
-        f: dict[str, np.ndarray] = {}
-        for name, values in flat.items():
-            local = values[at]
-            local[added] = PAD_VALUES.get(name, pad_id)
-            f[name] = local.reshape(1, -1)
-        out.append(
-            replace(
-                batch,
-                input_ids=f["input_ids"],
-                labels=f["labels"],
-                position_ids=f["position_ids"],
-                segment_ids=f["segment_ids"],
-                cu_seqlens=local_cu_seqlens(keys),
-                global_positions=gpos.astype(np.int32).reshape(1, -1),
-                cp_layout=DYNAMIC,
-                cp_rank=rank,
-                cp_size=cp_max,
-                cp_groups=groups,
-            )
-        )
+        one_row = gpos.reshape(1, -1)
+        out.append(local_batch(batch, flat, one_row, keys, pad_id, DYNAMIC, rank, cp_max, groups))
     return out

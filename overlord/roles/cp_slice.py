@@ -146,25 +146,44 @@ def cp_slices(batch: Batch, cp: int, layout: CPLayout, pad_id: int) -> list[Batc
             keys = seg_of[gpos]
         else:
             gpos, keys = per_document_index(cu, is_tail, rows, seq_len, cp, rank)
-        added = gpos < 0
-        at = np.where(added, 0, gpos)
-        f: dict[str, np.ndarray] = {}
-        for name, values in flat.items():
-            local = values[at]
-            local[added] = PAD_VALUES.get(name, pad_id)
-            f[name] = local
-        out.append(
-            replace(
-                batch,
-                input_ids=f["input_ids"],
-                labels=f["labels"],
-                position_ids=f["position_ids"],
-                segment_ids=f["segment_ids"],
-                cu_seqlens=local_cu_seqlens(keys),
-                global_positions=gpos.astype(np.int32),
-                cp_layout=layout.value,
-                cp_rank=rank,
-                cp_size=cp,
-            )
-        )
+        out.append(local_batch(batch, flat, gpos, keys, pad_id, layout.value, rank, cp))
     return out
+
+
+def local_batch(
+    batch: Batch,
+    flat: dict[str, np.ndarray],
+    gpos: np.ndarray,
+    keys: np.ndarray,
+    pad_id: int,
+    layout: str,
+    rank: int,
+    size: int,
+    cp_groups: np.ndarray | None = None,
+) -> Batch:
+    """CP rank ``rank``'s batch: every field of ``flat`` taken at ``gpos`` (its shape).
+
+    ``flat`` holds the DP rank's arrays flattened; a position of ``-1`` is
+    padding added for CP (:data:`PAD_VALUES`, ``pad_id`` for the ids), and
+    ``keys`` mark the local segments ``cu_seqlens`` splits.
+    """
+    added = gpos < 0
+    at = np.where(added, 0, gpos)
+    f: dict[str, np.ndarray] = {}
+    for name, values in flat.items():
+        local = values[at]
+        local[added] = PAD_VALUES.get(name, pad_id)
+        f[name] = local
+    return replace(
+        batch,
+        input_ids=f["input_ids"],
+        labels=f["labels"],
+        position_ids=f["position_ids"],
+        segment_ids=f["segment_ids"],
+        cu_seqlens=local_cu_seqlens(keys),
+        global_positions=gpos.astype(np.int32),
+        cp_layout=layout,
+        cp_rank=rank,
+        cp_size=size,
+        cp_groups=cp_groups,
+    )
