@@ -16,8 +16,13 @@ import torch, as trainers do), the same mixture of the same S sources, the same 
   source and holds, per source, its open file, its line index and the per-source *state*
   (``--state``, ``benchmarks/_lib/colocated.py``): ``index`` (nothing more: a document is
   read by a seek), or ``shuffle:<N>MB`` (a shuffle buffer of N MiB of the source's records,
-  filled before the first document, as HuggingFace's ``shuffle(buffer_size)`` is). Each
-  worker loads one tokenizer; it mixes sources by weight and packs rows.
+  filled before the first document, as HuggingFace's ``shuffle(buffer_size)`` is), or
+  ``images[:<N>MB]`` (the sources are image-text WebDataset tars of generated JPEGs of mixed
+  sizes; a read-ahead buffer of N MiB, default 16, of decoded samples: each image decoded
+  by plain Pillow, resized by the vision rule, cut into float32 normalized patches, with its
+  caption). Each worker loads one tokenizer; it mixes sources by weight and packs rows (at
+  ``images``: image tokens, one per 4 patches, then the caption; a batch carries its
+  samples' float32 ``pixel_values``; 1 row per rank and step, ``IMAGE_ROWS``).
 - **overlord**: a driver process runs ``Loader(plan, runtime="ray", job=...)`` (a local Ray
   instance; all SourceLoaders in ``--loader-processes`` processes; one Planner; batches built
   in each trainer: ``placement.constructors: trainer``; ``shadows`` from ``--shadows``); the
@@ -25,7 +30,9 @@ import torch, as trainers do), the same mixture of the same S sources, the same 
   source: its window (``shuffle: {block_bytes, window_blocks}``) is N MiB of the same
   records; a loader holds the window being cut and at most one read ahead, plus its
   read-ahead of tokens (its budget, by the source's share of the mixture). At ``index``
-  its window is one block of 64 KiB (overlord has no window-free mode).
+  its window is one block of 64 KiB (overlord has no window-free mode). At ``images`` the
+  plan has a ``vision:`` section and a window of about as many images as a worker's buffer
+  (``images_shuffle``; held encoded), and the read-ahead holds uint8 patches.
 
 Sources are clones of 4 base sources (the records of ``overlord demo``'s sources, repeated
 into one JSONL file each of at least 2 windows of the largest state): source k is a
@@ -51,7 +58,9 @@ Run (Ray must stay on loopback; about 30 minutes on 2 cores, ``--quick`` about 4
         [--shadows 0,1] [--tokenizer bpe|bytes] [--json results.json]
 
 It prints Markdown tables and writes the plot ``benchmarks/memory.png`` (``--png``).
-Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby).
+Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby);
+at ``images``, 5.2 GiB (the baseline at images:64MB, S=16). ``--state images,images:64MB``
+takes about 8 minutes.
 """
 
 from __future__ import annotations
