@@ -16,8 +16,13 @@ import torch, as trainers do), the same mixture of the same S sources, the same 
   source and holds, per source, its open file, its line index and the per-source *state*
   (``--state``, ``benchmarks/_lib/colocated.py``): ``index`` (nothing more: a document is
   read by a seek), or ``shuffle:<N>MB`` (a shuffle buffer of N MiB of the source's records,
-  filled before the first document, as HuggingFace's ``shuffle(buffer_size)`` is). Each
-  worker loads one tokenizer; it mixes sources by weight and packs rows.
+  filled before the first document, as HuggingFace's ``shuffle(buffer_size)`` is), or
+  ``images[:<N>MB]`` (the sources are image-text WebDataset tars of generated JPEGs of mixed
+  sizes; a read-ahead buffer of N MiB, default 16, of decoded samples: each image decoded
+  by plain Pillow, resized by the vision rule, cut into float32 normalized patches, with its
+  caption). Each worker loads one tokenizer; it mixes sources by weight and packs rows (at
+  ``images``: image tokens, one per 4 patches, then the caption; a batch carries its
+  samples' float32 ``pixel_values``; 1 row per rank and step, ``IMAGE_ROWS``).
 - **overlord**: a driver process runs ``Loader(plan, runtime="ray", job=...)`` (a local Ray
   instance; all SourceLoaders in ``--loader-processes`` processes; one Planner; batches built
   in each trainer: ``placement.constructors: trainer``; ``shadows`` from ``--shadows``); the
@@ -25,7 +30,9 @@ import torch, as trainers do), the same mixture of the same S sources, the same 
   source: its window (``shuffle: {block_bytes, window_blocks}``) is N MiB of the same
   records; a loader holds the window being cut and at most one read ahead, plus its
   read-ahead of tokens (its budget, by the source's share of the mixture). At ``index``
-  its window is one block of 64 KiB (overlord has no window-free mode).
+  its window is one block of 64 KiB (overlord has no window-free mode). At ``images`` the
+  plan has a ``vision:`` section and a window of about as many images as a worker's buffer
+  (``images_shuffle``; held encoded), and the read-ahead holds uint8 patches.
 
 Sources are clones of 4 base sources (the records of ``overlord demo``'s sources, repeated
 into one JSONL file each of at least 2 windows of the largest state): source k is a
@@ -51,7 +58,9 @@ Run (Ray must stay on loopback; about 30 minutes on 2 cores, ``--quick`` about 4
         [--shadows 0,1] [--tokenizer bpe|bytes] [--json results.json]
 
 It prints Markdown tables and writes the plot ``benchmarks/memory.png`` (``--png``).
-Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby).
+Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby);
+at ``images``, 5.2 GiB (the baseline at images:64MB, S=16). ``--state images,images:64MB``
+takes about 8 minutes.
 """
 
 from __future__ import annotations
@@ -72,10 +81,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._lib.colocated import (
+    IMAGE_ID,
     MiB,
     State,
     baseline_batches,
+    image_batches,
+    images_shuffle,
     make_corpus,
+    make_image_corpus,
     overlord_shuffle,
     parse_state,
 )
@@ -93,6 +106,17 @@ from benchmarks._lib.timing import REPO, module_command
 
 SEQ = 8192  # max_seq_len
 ROWS = 4  # rows per rank and step: 32K tokens per trainer per step
+# at ``images``: 1 row of 8K tokens per rank and step in both designs (a row holds about
+# 5,000 image tokens, 20,000 float32 patches: 50 MB of pixel_values; 4 rows would have each
+# trainer decode 600 images a step, and hold 200 MB per batch in flight, on 2 cores)
+IMAGE_ROWS = 1
+
+
+def rows_of(state: str) -> int:
+    """Rows per rank and step at a state."""
+    return IMAGE_ROWS if state.startswith("images") else ROWS
+
+
 PACE = 0.05  # seconds of simulated training per step
 WARM = 8  # steps every trainer takes before the first sample
 SAMPLES = 5  # PSS samples per run, SAMPLE_EVERY seconds apart; the largest total is reported
@@ -140,8 +164,11 @@ def plan_cells(
     for st in states:
         for n in fit_sources(s, w * st.bytes, BASELINE_FITS):
             cells.append(Cell("baseline", st.label, 1, w, n))
+        # at ``images`` overlord holds the images encoded in its window and uint8 patches
+        # (a quarter of the workers' float32) in its read-ahead: less than one buffer
+        held = st.bytes if st.kind == "images" else HELD_WINDOWS * st.bytes
         for sh in shadows:
-            for n in fit_sources(s, (1 + sh) * HELD_WINDOWS * st.bytes, OVERLORD_FITS):
+            for n in fit_sources(s, (1 + sh) * held, OVERLORD_FITS):
                 cells.append(Cell("overlord", st.label, r, 0, n, sh))
     if not quick and any(st.kind == "index" for st in states):
         ir, iw, is_ = INDEX_TARGET
@@ -174,13 +201,15 @@ def write_plan(
 
     from benchmarks._lib.colocated import EOS
 
-    plan = {
+    images = state.kind == "images"
+    plan: dict[str, Any] = {
         "seed": 7,
         "sources": [
             {
                 "name": s["name"],
-                "path": f"sources/{s['name']}/*",
-                "format": "jsonl",
+                "path": f"{'isources' if images else 'sources'}/{s['name']}/*",
+                "format": "webdataset" if images else "jsonl",
+                **({"text_field": "txt"} if images else {}),
                 "shadows": shadows,
             }
             for s in sources
@@ -191,15 +220,23 @@ def write_plan(
         "mixture": {
             "schedule": [{"step": 0, "weights": {s["name"]: s["weight"] for s in sources}}]
         },
-        "batch": {"tokens_per_step": dp * ROWS * SEQ, "max_seq_len": SEQ},
+        "batch": {"tokens_per_step": dp * rows_of(state.label) * SEQ, "max_seq_len": SEQ},
         "world": {"dp": dp},
-        "shuffle": overlord_shuffle(state),
+        "shuffle": images_shuffle(
+            state,
+            sum(s["decoded_bytes"] for s in sources) / len(sources),
+            sum(s["sample_bytes"] for s in sources) / len(sources),
+        )
+        if images
+        else overlord_shuffle(state),
         "placement": {
             "constructors": "trainer",
             **({"loader_processes": loader_processes} if loader_processes else {}),
         },
         "on_error": "skip",
     }
+    if images:
+        plan["vision"] = {"image_token_id": IMAGE_ID}
     path = root / f"plan-dp{dp}-s{len(sources)}-{state.kind}{state.bytes}-sh{shadows}.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
@@ -229,9 +266,11 @@ def trainer_main(a: argparse.Namespace) -> int:
         sources = json.loads(Path(a.sources).read_text())
         state, tok = parse_state(a.state), a.tokenizer or None
 
+        make = image_batches if state.kind == "images" else baseline_batches
+
         class Mixed(IterableDataset):
             def __iter__(self) -> Iterator[Any]:
-                return baseline_batches(sources, state, tok, ROWS, SEQ, rank, a.seed)
+                return make(sources, state, tok, rows_of(a.state), SEQ, rank, a.seed)
 
         loader = DataLoader(Mixed(), batch_size=None, num_workers=a.workers, prefetch_factor=2)
         batches: Iterator[Any] = iter(loader)
@@ -497,8 +536,13 @@ def main() -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overlord-memory-") as tmp:
         root = Path(tmp)
-        biggest = max(st.bytes for st in states)
+        biggest = max([st.bytes for st in states if st.kind != "images"] + [0])
         sources = make_corpus(root, max(c.s for c in cells), max(8 * MiB, 2 * biggest + MiB))
+        image_sources = (
+            make_image_corpus(root, max(c.s for c in cells))
+            if any(st.kind == "images" for st in states)
+            else []
+        )
         tok = None
         if a.tokenizer == "bpe":
             from benchmarks._lib.corpus import train_bpe
@@ -506,7 +550,8 @@ def main() -> int:
             tok = str(train_bpe({"all": [root / "train.jsonl"]}, root / "bpe.json", 8000))
         print(
             f"{os.cpu_count()} CPU cores; {len(cells)} runs; tokenizer {a.tokenizer}; rows of "
-            f"{SEQ} tokens, {ROWS} per rank and step; overlord's SourceLoaders in "
+            f"{SEQ} tokens, {ROWS} per rank and step ({IMAGE_ROWS} at images); overlord's "
+            "SourceLoaders in "
             f"{a.loader_processes or 'one per source'} process(es)\n",
             flush=True,
         )
@@ -517,14 +562,15 @@ def main() -> int:
         for c in cells:
             if _keys(c, target) & done:
                 continue  # measured already (--resume), at this S or at the target's
-            src = root / f"sources-s{c.s}.json"
-            src.write_text(json.dumps(sources[: c.s]))
+            src = root / f"sources-{c.state.split(':')[0] or 'index'}-s{c.s}.json"
+            these = (image_sources if c.state.startswith("images") else sources)[: c.s]
+            src.write_text(json.dumps(these))
             extra = ["--sources", str(src), "--tok", tok or "", "--state", c.state or "index"]
             plan = None
             if c.kind == "overlord":
                 plan = write_plan(
                     root,
-                    sources[: c.s],
+                    these,
                     c.r,
                     parse_state(c.state),
                     tok,

@@ -8,11 +8,16 @@ import numpy as np
 import pytest
 
 from benchmarks._lib.colocated import (
+    IMAGE_BLOCK,
     INDEX_BLOCK,
+    ImageReader,
     MiB,
     SourceReader,
     State,
+    decode_patches,
+    images_shuffle,
     linear,
+    make_image_corpus,
     overlord_shuffle,
     parse_state,
 )
@@ -24,9 +29,23 @@ def test_parse_state() -> None:
     assert parse_state("index") == State("index")
     assert parse_state(" Shuffle:16MB") == State("shuffle", 16 * MiB)
     assert parse_state("shuffle:64MiB").label == "shuffle:64MB"
-    for bad in ("shuffle", "shuffle:0MB", "shuffle:1.5MB", "shuffle:4GB", "images", ""):
-        with pytest.raises(ValueError, match="expected 'index' or 'shuffle:<N>MB'"):
+    assert parse_state("images") == State("images", 16 * MiB)
+    assert parse_state("Images:4MB").label == "images:4MB"
+    for bad in ("shuffle", "shuffle:0MB", "shuffle:1.5MB", "shuffle:4GB", "images:0MB", "img", ""):
+        with pytest.raises(ValueError, match="expected 'index', 'shuffle:<N>MB', 'images'"):
             parse_state(bad)
+
+
+def test_images_shuffle_holds_about_as_many_images() -> None:
+    st = parse_state("images:16MB")
+    # 16 MiB of 1.25 MiB decoded images: 13 of them, 30 KiB each encoded: 390 KiB, 7 blocks
+    got = images_shuffle(st, 1.25 * MiB, 30 * 1024)
+    assert got == {"block_bytes": IMAGE_BLOCK, "window_blocks": 7}
+    assert images_shuffle(st, 64 * MiB, 1000) == {"block_bytes": IMAGE_BLOCK, "window_blocks": 1}
+    with pytest.raises(ValueError, match="an images state"):
+        images_shuffle(parse_state("shuffle:16MB"), MiB, 1024)
+    with pytest.raises(ValueError, match="positive sizes"):
+        images_shuffle(st, 0, 1024)
 
 
 def test_overlord_holds_the_same_window() -> None:
@@ -77,6 +96,10 @@ def test_plan_cells_measures_what_fits_and_the_index_target() -> None:
     assert Cell("baseline", "index", 8, 2, 16) in cells
     assert Cell("overlord", "index", 8, 0, 16, 1) in cells
     assert len(cells) == len(set(cells))
+    images = plan_cells([parse_state("images:16MB")], [0, 1], (8, 4, 32), False)
+    assert Cell("baseline", "images:16MB", 1, 4, 32) in images  # 2 GiB of buffers: fits
+    assert Cell("overlord", "images:16MB", 8, 0, 32, 1) in images
+    assert Cell("baseline", "index", 8, 2, 16) not in images
 
 
 def _run(kind: str, r: int, s: int, total: float, shadows: int = 0, w: int = 4) -> dict:
@@ -122,3 +145,33 @@ def test_shuffle_reader_holds_its_buffer(tmp_path) -> None:
     seen = {index.next_text() for _ in range(400)}  # one epoch: every document once
     index.close()
     assert seen == {json.loads(x)["text"] for x in lines}
+
+
+def test_image_reader_decodes_as_overlord_and_holds_its_buffer(tmp_path) -> None:
+    pytest.importorskip("PIL")
+    from overlord.plan.vision import VisionSpec
+    from overlord.sources.images import image_patches, normalize
+
+    sources = make_image_corpus(tmp_path, 5, per_base=24)
+    assert [s["name"] for s in sources] == ["s000", "s001", "s002", "s003", "s004"]
+    assert sources[4]["file"] != sources[0]["file"]
+    assert (tmp_path / "isources" / "s004" / "part-0.tar").resolve() == (
+        tmp_path / "ibase" / "stdlib.tar"
+    )
+    v = VisionSpec()
+    import tarfile
+
+    with tarfile.open(sources[1]["file"]) as tar:
+        jpgs = [m for m in tar.getmembers() if m.name.endswith(".jpg")][:3]
+        datas = [tar.extractfile(m).read() for m in jpgs]  # type: ignore[union-attr]
+    for data in datas:  # the colocated worker's plain Pillow gives overlord's patches
+        u8 = image_patches(data, v)
+        assert np.array_equal(decode_patches(data, v), normalize(u8.reshape(-1, u8.shape[-1]), v))
+    state = State("images", 2 * MiB)
+    reader = ImageReader(sources[1], state, [3], v)
+    assert 2 * MiB <= reader.held() < 2 * MiB + max(len(x[0]) * 588 * 4 for x in reader.buffer)
+    for _ in range(sources[1]["images"] + 5):  # wraps around the tar
+        patches, text = reader.next_sample()
+        assert patches.dtype == np.float32 and patches.shape[1] == 3 * 14 * 14
+        assert text.startswith("image ")
+    assert sources[1]["decoded_bytes"] > 0 and sources[1]["sample_bytes"] > 0

@@ -10,15 +10,25 @@ source's open file and its line index (``parse_state``):
   from the file (HuggingFace's ``shuffle(buffer_size)`` and webdataset's ``shuffle``,
   sized in bytes). overlord holds the same shuffle state once per source: its window is
   ``block_bytes x window_blocks`` = N MiB of the same records (``overlord_shuffle``).
+- ``images`` or ``images:<N>MB`` (default 16): the sources are image-text WebDataset tars
+  (``make_image_corpus``) and the worker holds a read-ahead (shuffle) buffer of N MiB of
+  *decoded* samples per source: each image decoded, converted to RGB, resized by the vision
+  rule and cut into float32 normalized patches (``decode_patches``: plain Pillow, the same
+  operations as ``overlord.sources.images``; the test checks they give the same array),
+  with its caption. overlord holds the same sources with the plan's ``vision:`` section and
+  a shuffle window of about as many images (``images_shuffle``), encoded; its read-ahead
+  holds uint8 patches.
 
-Pure helpers (``parse_state``, ``overlord_shuffle``, ``linear``) are unit-tested in
-``tests/test_bench_memory.py``.
+Pure helpers (``parse_state``, ``overlord_shuffle``, ``images_shuffle``, ``linear``) are
+unit-tested in ``tests/test_bench_memory.py``.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import math
 import random
 import re
 from collections.abc import Iterator
@@ -31,32 +41,40 @@ BASES = ["stdlib", "tests", "docs", "licenses"]  # demo sources; source k clones
 BASE_WEIGHT = {"stdlib": 4.0, "tests": 3.0, "docs": 2.0, "licenses": 1.0}
 EOS = "<|endoftext|>"  # the BPE tokenizer's end-of-document token
 INDEX_BLOCK = 64 * 1024  # overlord's window at ``index`` state: one block of 64 KiB
+IMAGE_BLOCK = 64 * 1024  # overlord's block of an image tar at ``images`` state
+IMAGE_ID = 258  # the image token of both designs (the bytes tokenizer's; any id of the BPE's)
+IMAGE_DEFAULT_MB = 16  # ``images`` alone: 16 MiB of decoded float32 patches per source
 
 
 @dataclass(frozen=True)
 class State:
     """Per-source state of a colocated worker: ``kind`` and, for ``shuffle``, its bytes."""
 
-    kind: str  # "index" | "shuffle"
+    kind: str  # "index" | "shuffle" | "images"
     bytes: int = 0
 
     @property
     def label(self) -> str:
-        return self.kind if self.kind == "index" else f"shuffle:{self.bytes // MiB}MB"
+        return self.kind if self.kind == "index" else f"{self.kind}:{self.bytes // MiB}MB"
 
 
 def parse_state(text: str) -> State:
-    """``index`` or ``shuffle:<N>MB`` (N a positive whole number of MiB) as a ``State``."""
+    """``index``, ``shuffle:<N>MB``, ``images`` or ``images:<N>MB`` as a ``State``.
+
+    N is a positive whole number of MiB; ``images`` alone is ``images:16MB``.
+    """
     t = text.strip().lower()
     if t == "index":
         return State("index")
-    m = re.fullmatch(r"shuffle:(\d+)\s*mi?b", t)
-    if m is None or int(m.group(1)) == 0:
+    if t == "images":
+        return State("images", IMAGE_DEFAULT_MB * MiB)
+    m = re.fullmatch(r"(shuffle|images):(\d+)\s*mi?b", t)
+    if m is None or int(m.group(2)) == 0:
         raise ValueError(
-            f"--state {text!r}: expected 'index' or 'shuffle:<N>MB' with N a positive "
-            "whole number of MiB (e.g. shuffle:16MB)"
+            f"--state {text!r}: expected 'index', 'shuffle:<N>MB', 'images' or "
+            "'images:<N>MB' with N a positive whole number of MiB (e.g. shuffle:16MB)"
         )
-    return State("shuffle", int(m.group(1)) * MiB)
+    return State(m.group(1), int(m.group(2)) * MiB)
 
 
 def overlord_shuffle(state: State) -> dict[str, int]:
@@ -68,6 +86,21 @@ def overlord_shuffle(state: State) -> dict[str, int]:
     if state.kind == "index":
         return {"block_bytes": INDEX_BLOCK, "window_blocks": 1}
     return {"block_bytes": MiB, "window_blocks": max(1, state.bytes // MiB)}
+
+
+def images_shuffle(state: State, decoded_bytes: float, sample_bytes: float) -> dict[str, int]:
+    """overlord's ``shuffle`` section holding about as many images as a worker's buffer.
+
+    A colocated worker's buffer of ``state.bytes`` holds ``state.bytes / decoded_bytes``
+    images (``decoded_bytes``: a sample's mean float32 patches); overlord's window holds
+    them encoded, ``sample_bytes`` each (the mean tar bytes of a sample), in blocks of
+    ``IMAGE_BLOCK``: at least one image and one block.
+    """
+    if state.kind != "images" or decoded_bytes <= 0 or sample_bytes <= 0:
+        raise ValueError(f"images_shuffle: an images state and positive sizes, not {state}")
+    images = max(1, round(state.bytes / decoded_bytes))
+    blocks = max(1, math.ceil(images * sample_bytes / IMAGE_BLOCK))
+    return {"block_bytes": IMAGE_BLOCK, "window_blocks": blocks}
 
 
 def linear(points: list[tuple[float, float]], x: float) -> float:
@@ -264,3 +297,191 @@ def baseline_batches(
         labels = torch.roll(ids, -1, dims=1)
         positions = torch.arange(seq, dtype=torch.int32).expand(rows, seq).contiguous()
         yield {"input_ids": ids, "labels": labels, "position_ids": positions, "tokens": need}
+
+
+# ---- images ---------------------------------------------------------------------------------
+
+IMAGES_PER_BASE = 160  # samples per base tar (at least two of the largest buffer's images)
+IMAGE_SIDES = (48, 640)  # generated images' shorter..longer sides, log-uniform; aspect 1:2..2:1
+
+
+def decode_patches(data: bytes, v: Any) -> Any:
+    """A colocated worker's image: plain Pillow, float32 normalized patches ``(n, 3*p*p)``.
+
+    Open, RGB, resize to the vision rule's size (``resized``) with BICUBIC, ``/ 255``,
+    ``(x - mean) / std`` per channel, patches row-major in ``(channel, y, x)`` order: the
+    operations of ``overlord.sources.images`` (``image_patches`` then ``normalize``),
+    written the obvious way (``benchmarks/vision.py``'s ``plain_pillow``).
+    """
+    import numpy as np
+    from PIL import Image
+
+    from overlord.plan.vision import resized
+
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    h1, w1 = resized(img.height, img.width, v)
+    x = np.asarray(img.resize((w1, h1), Image.BICUBIC), dtype=np.float32) / np.float32(255)
+    x = (x - np.asarray(v.mean, np.float32)) / np.asarray(v.std, np.float32)
+    p = v.patch_size
+    x = x.reshape(h1 // p, p, w1 // p, p, 3).transpose(0, 2, 4, 1, 3)
+    return np.ascontiguousarray(x.reshape(-1, 3 * p * p))
+
+
+def make_image_corpus(
+    root: Path, max_sources: int, per_base: int = IMAGES_PER_BASE
+) -> list[dict[str, Any]]:
+    """S image-text sources over 4 WebDataset tars of ``per_base`` generated JPEGs each.
+
+    Base tar k holds JPEGs drawn by ``overlord.sources.vision_data`` (gradients, stripes,
+    noise) of mixed sizes (sides log-uniform in ``IMAGE_SIDES``, seeded by k) with their
+    captions (``key.jpg`` + ``key.txt``); source k is a folder ``isources/sNNN`` holding a
+    symlink to base tar ``k % 4``. Built once per run of the benchmark, in its work dir;
+    each source carries ``decoded_bytes`` (its mean float32 patches per sample, by the
+    vision rule) and ``sample_bytes`` (its tar's bytes per sample).
+    """
+    import numpy as np
+
+    from overlord.plan.vision import VisionSpec, resized
+    from overlord.sources.vision_data import draw, encode, image_text_tar
+
+    v = VisionSpec()
+    base_dir = root / "ibase"
+    base_dir.mkdir(parents=True, exist_ok=True)
+    stats = []
+    for k, base in enumerate(BASES):
+        path = base_dir / f"{base}.tar"
+        rng = np.random.default_rng(100 + k)
+        images, decoded = [], 0
+        for _ in range(per_base):
+            side = int(np.exp(rng.uniform(np.log(IMAGE_SIDES[0]), np.log(IMAGE_SIDES[1]))))
+            h, w = side, max(8, int(side * rng.uniform(0.5, 2.0)))
+            images.append(("jpg", encode(draw(rng, h, w), "jpg")))
+            h1, w1 = resized(h, w, v)
+            decoded += h1 * w1 * 3 * 4
+        if not path.exists():
+            image_text_tar(path, images, json_every=0)
+        stats.append((decoded / len(images), path.stat().st_size / len(images)))
+    sources = []
+    for k in range(max_sources):
+        b = k % len(BASES)
+        folder = root / "isources" / f"s{k:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / "part-0.tar"
+        if not link.exists():
+            link.symlink_to(base_dir / f"{BASES[b]}.tar")
+        sources.append(
+            {
+                "name": f"s{k:03d}",
+                "file": str(link),
+                "images": per_base,
+                "weight": BASE_WEIGHT[BASES[b]],
+                "decoded_bytes": stats[b][0],
+                "sample_bytes": stats[b][1],
+            }
+        )
+    return sources
+
+
+class ImageReader:
+    """One image source as a colocated worker holds it: its tar stream and decoded buffer.
+
+    The buffer holds ``state.bytes`` of decoded samples (float32 patches and caption),
+    filled before the first sample; a sample comes from a random slot, refilled with the
+    next sample of the tar (read as a stream, from a random sample on; wraps around).
+    """
+
+    def __init__(self, spec: dict[str, Any], state: State, seed: list[int], v: Any):
+        import numpy as np
+
+        self.path, self.v = spec["file"], v
+        self.rng = np.random.default_rng(seed)
+        self._samples = self._stream()
+        for _ in range(int(self.rng.integers(spec["images"]))):
+            next(self._samples)
+        self.buffer: list[tuple[Any, str]] = []
+        held = 0
+        while held < state.bytes:
+            got = self._decoded()
+            self.buffer.append(got)
+            held += got[0].nbytes
+
+    def _stream(self) -> Iterator[tuple[bytes, str]]:
+        import tarfile
+
+        while True:
+            with tarfile.open(self.path, "r|") as tar:
+                image, key = b"", None
+                for info in tar:
+                    k, _, ext = info.name.partition(".")
+                    f = tar.extractfile(info)
+                    data = f.read() if f is not None else b""
+                    if ext == "jpg":
+                        image, key = data, k
+                    elif ext == "txt" and k == key:
+                        yield image, data.decode()
+
+    def _decoded(self) -> tuple[Any, str]:
+        data, text = next(self._samples)
+        return decode_patches(data, self.v), text
+
+    def next_sample(self) -> tuple[Any, str]:
+        slot = int(self.rng.integers(len(self.buffer)))
+        got, self.buffer[slot] = self.buffer[slot], self._decoded()
+        return got
+
+    def held(self) -> int:
+        return sum(int(x[0].nbytes) for x in self.buffer)
+
+
+def image_batches(
+    sources: list[dict[str, Any]],
+    state: State,
+    tokenizer: str | None,
+    rows: int,
+    seq: int,
+    rank: int,
+    seed: int,
+) -> Iterator[Any]:
+    """What each DataLoader worker runs at ``images``: every source's decoded buffer, mixed.
+
+    A sample is its image's tokens (``IMAGE_ID``, one per ``merge_size**2`` patches), then
+    its caption's and the end token; samples are packed into rows as text documents are,
+    and a batch carries the float32 patches of the samples that start in it.
+    """
+    import numpy as np
+    import torch
+    from torch.utils.data import get_worker_info
+
+    from overlord.plan.vision import VisionSpec
+
+    v = VisionSpec()
+    info = get_worker_info()
+    wid = info.id if info is not None else 0
+    encode = Encoder(tokenizer)
+    readers = [ImageReader(s, state, [seed, rank, wid, k], v) for k, s in enumerate(sources)]
+    weights = np.array([s["weight"] for s in sources], dtype=np.float64)
+    p = weights / weights.sum()
+    rng = np.random.default_rng([seed, rank, wid])
+    need, merge = rows * seq, v.merge_size**2
+    carry = np.zeros(0, dtype=np.int32)
+    while True:
+        parts, have, pixels = [carry], len(carry), []
+        while have < need:
+            patches, text = readers[int(rng.choice(len(readers), p=p))].next_sample()
+            image = np.full(len(patches) // merge, IMAGE_ID, np.int32)
+            doc = np.concatenate([image, encode(text)])
+            parts.append(doc)
+            pixels.append(patches)
+            have += len(doc)
+        flat = np.concatenate(parts)
+        carry = flat[need:].copy()
+        ids = torch.from_numpy(flat[:need].astype(np.int64)).view(rows, seq)
+        labels = torch.roll(ids, -1, dims=1)
+        positions = torch.arange(seq, dtype=torch.int32).expand(rows, seq).contiguous()
+        yield {
+            "input_ids": ids,
+            "labels": labels,
+            "position_ids": positions,
+            "pixel_values": torch.from_numpy(np.concatenate(pixels)),
+            "tokens": need,
+        }

@@ -186,8 +186,10 @@ def report(
             (float(st.bytes), y["ratio"])
             for st in states
             for y in rows
-            if y["state"] == st.label and y["shadows"] == sh
+            if y["state"] == st.label and y["shadows"] == sh and st.kind != "images"
         ]
+        if not pts:
+            continue  # images only: no line of text states to cross
         x = crossover(pts)
         where = (
             "at no state swept"
