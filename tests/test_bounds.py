@@ -98,6 +98,14 @@ def test_capacity_bound_falls_back_to_lower_bound_without_a_quadratic_model():
     assert capacity_bound(np.zeros(0, np.int64), np.zeros(0), 1.0, 1.0, 2, 6) == 0.0
 
 
+def test_capacity_bound_returns_outside_its_preconditions_instead_of_searching_forever():
+    tok = np.array([3, 2, 2])
+    # items that do not fit the ranks (7 tokens, 2 ranks of 3): no makespan passes the test
+    assert capacity_bound(tok, tok + tok**2.0, 1.0, 1.0, 2, 3) == lower_bound(tok + tok**2.0, 2)
+    # items that cost nothing: a zero bound that doubling never moves
+    assert capacity_bound(tok, np.zeros(3), 1.0, 1.0, 2, 4) == 0.0
+
+
 def test_balance_still_exports_the_bounds_it_uses():
     assert balance.lower_bound is lower_bound
     assert balance.pigeonhole_bound is pigeonhole_bound

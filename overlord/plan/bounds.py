@@ -168,7 +168,9 @@ def capacity_bound(
             excess = max(excess, float(prefix[big]) - min(big, dp) * s_star)
         return total <= dp * q - beta / alpha * max(excess, 0.0)
 
-    if feasible(base):
+    if feasible(base) or base <= 0 or total > dp * q:
+        # no makespan passes when the items do not fit the ranks at all, and doubling a
+        # zero bound never ends: outside the preconditions, lower_bound is the answer
         return base
     lo, hi = base, 2.0 * base
     while not feasible(hi):
