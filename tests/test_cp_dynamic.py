@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cp_slice import PAD, dp_batch, reassemble
+from test_cp_slice import PAD, dp_batch, packed_rows, reassemble
 
 from overlord.batch import Batch
 from overlord.plan.cost import CostModel
@@ -21,17 +21,8 @@ MODEL = CostModel(alpha=1.0, beta=0.01)
 def packed(draw: st.DrawFn) -> tuple[Batch, int, int]:
     cp_max = draw(st.sampled_from([2, 4, 8]))
     seq_len = draw(st.integers(1, 40))
-    rows = draw(st.integers(1, 3))
     per_rank = draw(st.integers(1, 12))
-    lengths, rows_of = [], []
-    for r in range(rows):
-        free = seq_len
-        while free and draw(st.booleans()):
-            n = draw(st.integers(1, free))
-            lengths.append(n)
-            rows_of.append(r)
-            free -= n
-    return dp_batch(lengths, rows_of, rows, seq_len), cp_max, per_rank
+    return packed_rows(draw, seq_len), cp_max, per_rank
 
 
 def documents(batch: Batch) -> list[tuple[int, int]]:

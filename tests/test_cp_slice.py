@@ -24,7 +24,11 @@ def dp_batch(lengths: list[int], rows_of: list[int], rows: int, seq_len: int) ->
 @st.composite
 def packed(draw: st.DrawFn) -> tuple[Batch, int]:
     cp = draw(st.sampled_from([2, 3, 4]))
-    seq_len = 2 * cp * draw(st.integers(1, 6))
+    return packed_rows(draw, 2 * cp * draw(st.integers(1, 6))), cp
+
+
+def packed_rows(draw: st.DrawFn, seq_len: int) -> Batch:
+    """A DP rank's batch of 1-3 rows of ``seq_len``, each holding random documents."""
     rows = draw(st.integers(1, 3))
     lengths, rows_of = [], []
     for r in range(rows):
@@ -34,7 +38,7 @@ def packed(draw: st.DrawFn) -> tuple[Batch, int]:
             lengths.append(n)
             rows_of.append(r)
             free -= n
-    return dp_batch(lengths, rows_of, rows, seq_len), cp
+    return dp_batch(lengths, rows_of, rows, seq_len)
 
 
 def reassemble(batch: Batch, slices: list[Batch]) -> dict[str, np.ndarray]:
