@@ -155,38 +155,31 @@ def select_step(
             else:
                 by_room[0] = [r]
                 insort(rooms, 0)
-            add_source(best)
-            add_pending(i)
-            add_tokens(t)
-            add_row(r)
-            scan[best] = i + 1
-            placed[best] += t
-            step_tokens += t
-            continue
-        empty_items = empty_items or t == 0
-        # best fit: the least room that takes t; used rows (a heap per room) before fresh ones
-        k = bisect_left(rooms, t)
-        f = rooms[k]
-        here = by_room.get(f)
-        if here:
-            r = heappop(here)
-            if not here:  # no row has room f left, unless fresh rows do
-                del by_room[f]
+        else:
+            empty_items = empty_items or t == 0
+            # best fit: the least room that takes t; used rows (a heap per room) before fresh
+            k = bisect_left(rooms, t)
+            f = rooms[k]
+            here = by_room.get(f)
+            if here:
+                r = heappop(here)
+                if not here:  # no row has room f left, unless fresh rows do
+                    del by_room[f]
+                    if f != capacity or fresh == end:
+                        del rooms[k]
+            else:
+                r = fresh
+                fresh += 1
                 if f != capacity or fresh == end:
                     del rooms[k]
-        else:
-            r = fresh
-            fresh += 1
-            if f != capacity or fresh == end:
-                del rooms[k]
-        left = f - t
-        there = by_room.get(left)
-        if there:
-            heappush(there, r)
-        else:
-            by_room[left] = [r]
-            if left != capacity or fresh == end:
-                insort(rooms, left)
+            left = f - t
+            there = by_room.get(left)
+            if there:
+                heappush(there, r)
+            else:
+                by_room[left] = [r]
+                if left != capacity or fresh == end:
+                    insort(rooms, left)
         add_source(best)
         add_pending(i)
         add_tokens(t)
