@@ -126,7 +126,7 @@ STATES = "index,shuffle:4MB,shuffle:16MB,shuffle:64MB"
 QUICK = (2, 2, 4)
 BASELINE_FITS = 4 * 2**30  # largest baseline state measured: W x S x state bytes
 OVERLORD_FITS = 9 * 2**29  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
-HELD_WINDOWS = 6  # what a loader process holds per source, in windows (measured: 5.6 at 16 MB)
+HELD_WINDOWS = 2  # what a loader process holds per source, in windows (see the README)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from conftest import make_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord import CheckpointError, Loader, load_plan
+from overlord import CheckpointError, Loader, Plan, load_plan
 from overlord.roles import source_loader as source_loader_module
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources import shard as shard_module
@@ -218,37 +218,98 @@ def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> Non
         loader.close()
 
 
-def test_a_loader_holds_two_windows_of_text_not_three(tmp_path: Path) -> None:
-    """Waiting on its budget, a loader holds the window being cut and one read ahead.
+def _wait_on_budget(loader: SourceLoader, ahead: bool) -> None:
+    """Wait until ``loader`` waits on its budget (with a window read ahead, if ``ahead``)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while loader.stats()["waits_on"] != "budget" or (ahead and not loader._windows):
+        assert time.monotonic() < deadline, loader.stats()
+        time.sleep(0.01)
+    time.sleep(0.3)  # a window thread that reads on would have read the next by now
 
-    The window thread reads the next window only once the one read ahead is taken (it
-    used to read it and then wait holding it: three windows of text).
-    """
+
+def _lines_file(tmp_path: Path, name: str) -> Path:
     (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "three.jsonl", "w") as f:
-        for _ in range(4000):
-            f.write(json.dumps({"text": "z" * 3000}) + "\n")
-    plan = load_plan(
+    with open(tmp_path / "data" / name, "w") as f:
+        for i in range(4000):
+            f.write(json.dumps({"text": f"{i} " + "z" * 3000}) + "\n")
+    return tmp_path / "data" / name
+
+
+def _one_source_plan(tmp_path: Path, tokens_per_step: int) -> Plan:
+    return load_plan(
         make_corpus(
             tmp_path / "p",
             {"web": {"files": {"data/web/a.jsonl": 1}}},
-            batch={"tokens_per_step": 4096, "max_seq_len": 2048, "prefetch_steps": 1},
+            batch={"tokens_per_step": tokens_per_step, "max_seq_len": 2048, "prefetch_steps": 1},
             shuffle={"block_bytes": 1 << 20, "window_blocks": 4},
         )
     )
-    files = job_files([("web", [str(tmp_path / "data" / "three.jsonl")])], str(plan.base_dir))
+
+
+def _windows_alive(name: str) -> list[Window]:
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is Window and o.name.endswith(name)]
+
+
+def test_the_next_window_is_read_once_half_the_one_being_cut_has_started(tmp_path: Path) -> None:
+    """Until then a loader holds one window (the one being cut); then one more, never three.
+
+    The window thread used to read the next window as soon as the one read ahead was
+    taken, and once to read it and wait holding it (three windows of text).
+    """
+    path = _lines_file(tmp_path, "three.jsonl")
+    plan = _one_source_plan(tmp_path, 4096)
+    files = job_files([("web", [str(path)])], str(plan.base_dir))
     loader = SourceLoader(plan, files["web"], "web", 0, 1)
     try:
-        deadline = time.monotonic() + HANG_GUARD_S
-        while loader.stats()["waits_on"] != "budget" or not loader._windows:
-            assert time.monotonic() < deadline, loader.stats()
-            time.sleep(0.01)
-        time.sleep(0.3)  # a window thread that reads on would have read the next by now
-        gc.collect()
-        alive = [
-            o for o in gc.get_objects() if type(o) is Window and o.name.endswith("three.jsonl")
-        ]
-        assert len(alive) == 2, [w.number for w in alive]  # the one being cut, one ahead
+        _wait_on_budget(loader, ahead=False)
+        with loader._lock:
+            assert loader._cut is not None
+            window, left = loader._cut
+            assert window.mostly_left(left) and not loader._windows  # a few pieces started
+        assert len(_windows_alive("three.jsonl")) == 1
+        with loader._lock:  # a budget of 3/4 of a window (bytes tokens): the next one is read
+            loader._budget = 3 * window.text_bytes(0, len(window)) // 4
+            loader._served = loader._budget // 2
+            loader._lock.notify_all()
+        _wait_on_budget(loader, ahead=True)
+        assert len(_windows_alive("three.jsonl")) == 2  # the one being cut, one ahead
+    finally:
+        loader.close()
+
+
+def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:
+    """The window being cut holds its pieces not cut yet; Arrow holds no more than that.
+
+    A window's pieces are arrays of their own, released as each is tokenized, so a
+    loader holds what is left of the window being cut and the one read ahead.
+    """
+    path = _lines_file(tmp_path, "pieces.jsonl")
+    plan = _one_source_plan(tmp_path, 1 << 21)
+    files = job_files([("web", [str(path)])], str(plan.base_dir))
+    pool = pa.default_memory_pool()
+    loader = SourceLoader(plan, files["web"], "web", 0, 1)
+    try:
+        _wait_on_budget(loader, ahead=False)
+        with loader._lock:
+            assert loader._cut is not None and not loader._pending
+            window, left = loader._cut
+            started = len(window.cut) - len(left)
+            released = [p is None for p in window.parts]
+            held = window.text_bytes(left[0][0], len(window)) if left else 0
+            ahead = loader._windows[0] if loader._windows else None
+            arrow = pool.bytes_allocated()
+        assert started >= 3  # 16, 32, 64 KiB and more: the first pieces are cut ...
+        assert released == [k < started for k in range(len(window.cut))]  # ... and gone
+        with pytest.raises(RuntimeError, match="released"):
+            window.part(0, 1)
+        assert held < window.text_bytes(0, len(window)) - (100 << 10)
+        whole = 0
+        if ahead is not None:  # read once the last half of the window being cut started
+            assert isinstance(ahead, Window) and not window.mostly_left(left)
+            whole = ahead.text_bytes(0, len(ahead))
+        # the uncut pieces and any window ahead, with their offsets; not the whole window
+        assert arrow < held + whole + (256 << 10), (arrow, held, whole)
     finally:
         loader.close()
 

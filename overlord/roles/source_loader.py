@@ -8,19 +8,19 @@ The tokens are kept until a DataConstructor takes them. The planner receives met
 only: one block per piece, with each item's position and token count, and one closing
 block (``last``) per shard.
 
-Memory is bounded whatever the shards' sizes. The pieces held and those being tokenized
-stay within a token budget derived from the plan (the steps planned ahead plus the
-lookahead, times the source's peak share of the mixture), divided among the loaders of
-the source's partition, so a source reads the same distance ahead with one loader or
-many, and more threads add throughput, not read-ahead. A piece's tokens are estimated
-from its text bytes before it is tokenized (the source's measured tokens per byte).
-Besides the budget a loader holds the window being cut and at most one window read
-ahead. A caller that waits for an item not published yet (the planner in ``metadata``, a
-constructor in ``take``) lets one piece at a time past the budget: the planner can never
-wait on a loader whose budget is full of items it has planned but not released (see
-:func:`overlord.plan.budget.token_budget`). A new loader reads ahead 1/32 of its budget,
-or twice the tokens the planner took from it if more: at start-up the pieces the first
-steps need are not slowed by every loader filling its whole read-ahead at once.
+Memory is bounded whatever the shards' sizes. The pieces held and being tokenized stay
+within a token budget from the plan (the steps planned ahead plus the lookahead, times
+the source's peak share of the mixture), split among the source's loaders: a source
+reads as far ahead with one loader as with many. A piece's tokens are estimated from its
+text bytes (the source's measured tokens per byte). Besides the budget a loader holds
+what is left of the window being cut (a piece's text goes once it is cut) and at most
+one window ahead, read once the window being cut started on its last half. A caller
+waiting for an item not published yet (the planner in ``metadata``, a constructor in
+``take``) lets one piece at a time past the budget, so the planner never waits on a
+loader full of items it planned but has not released
+(:func:`overlord.plan.budget.token_budget`). A new loader reads ahead 1/32 of its budget,
+or twice the tokens the planner took from it if more: at start-up every loader does not
+fill its whole read-ahead at once.
 
 Payloads live until the planner *releases* them, when every rank has consumed their
 step; ``take`` only reads. So a DataConstructor that is restarted, or a call that is
@@ -85,16 +85,14 @@ class _Task:
 class SourceLoader:
     """Reads one source's shards ahead and holds their tokens until taken.
 
-    ``start`` is where to begin: ``{"epoch", "shard_pos", "index"}`` of the
-    first item, and ``skip``, runs ``[epoch, shard_pos, index, count]`` of
-    items after it that were already consumed (from a checkpoint). A
-    ``shadow`` reads and holds the same items but serves no metadata until it
-    is promoted. ``limit`` (``[epoch, shard_pos]``) ends the loader's shards
-    there: another partition of the source reads from it on.
+    ``start`` is where to begin: ``{"epoch", "shard_pos", "index"}`` of the first
+    item, and ``skip``, runs ``[epoch, shard_pos, index, count]`` of items after it
+    consumed already (from a checkpoint). A ``shadow`` reads and holds the same items
+    but serves no metadata until promoted. ``limit`` (``[epoch, shard_pos]``) ends
+    the loader's shards there: another partition of the source reads from it on.
     """
 
-    # calls served at once: the planner (which may wait for data) and constructors
-    CONCURRENCY = 16
+    CONCURRENCY = 16  # calls served at once: the planner (may wait for data), constructors
 
     def __init__(
         self,
@@ -174,16 +172,22 @@ class SourceLoader:
                 file_index = files.index(file)
                 windows = shard_windows(self.plan, self.spec, files, *at, self._cache)
                 while self._room() and (window := next(windows, None)) is not None:
-                    self._put(window)  # read once the last one read is taken: 2 windows held
+                    self._put(window)
                 if self._closed or not self._put(_Task(at, file_index, end=True)):
                     return
         except BaseException as e:  # published in order, after what was read before it
             self._put(e)
 
     def _room(self) -> bool:
-        """Wait until no window read waits to be cut; False once closed."""
+        """Wait until the next window may be read; False once closed.
+
+        None waits to be cut, and the window being cut started on its last half:
+        with each piece let go once cut, a loader holds about one window of text.
+        """
         with self._lock:
-            while self._windows and not self._closed:
+            while not self._closed and (
+                self._windows or (self._cut is not None and self._cut[0].mostly_left(self._cut[1]))
+            ):
                 self._lock.wait(0.5)
             return not self._closed
 
@@ -228,8 +232,7 @@ class SourceLoader:
     def _next_task(self) -> _Task | None:
         """Start the next task if the budget and the threads allow it (lock held).
 
-        A window read ahead is taken (letting the window thread read the next
-        one) only when its first piece may start.
+        A window read ahead is taken only when its first piece may start.
         """
         if self._cut is not None and not self._cut[1]:
             self._cut = None
@@ -261,6 +264,7 @@ class SourceLoader:
         if not estimate:
             return None
         pieces.pop(0)
+        self._lock.notify_all()  # the window thread may read the next window now
         piece = in_daemon_thread(self._tokenize, window, lo, hi)
         piece.add_done_callback(self._wake)
         task = _Task((window.epoch, window.shard_pos), window.file_index, window, lo, hi, piece)
@@ -293,7 +297,8 @@ class SourceLoader:
         """One piece's items, and the CPU seconds (this thread's) it took."""
         c0 = time.thread_time()
         items = cut_items(self.plan, self.tokenizer, window, lo, hi)
-        if hi == len(window.texts):  # the window's text is gone: hand Arrow's pages back
+        window.release(lo, hi)  # a piece's text goes once cut: a window is held as it is left
+        if window.released:  # and once all of it is gone, Arrow hands its pages back
             pa.default_memory_pool().release_unused()
         return items, time.thread_time() - c0
 
@@ -550,12 +555,10 @@ class SourceLoader:
         return os.getpid()
 
     def stats(self) -> dict[str, Any]:
-        """What this loader did so far: shards, items, tokens, read time, records.
+        """What this loader did so far (:class:`~overlord.roles.read_stats.ReadStats`).
 
-        The counts are :class:`~overlord.roles.read_stats.ReadStats`'s. ``epochs``
-        is how many epochs of the source it has begun (from epoch 0: the epoch
-        of the last shard it read, plus 1; an epoch is begun when its first
-        shard of this loader is read, not when a trainer reaches it).
+        ``epochs`` is how many epochs of the source it began: one is begun when its
+        first shard of this loader is read, not when a trainer reaches it.
         """
         with self._lock:
             return {

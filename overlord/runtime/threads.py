@@ -68,7 +68,9 @@ class Builder:
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter: how many malloc arenas the process may have
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: blocks from this size are mapped apart
 LOADER_ARENAS = 2
+LOADER_MMAP_BYTES = 128 << 10  # glibc's default, held there (glibc raises it as blocks are freed)
 
 
 def in_ray_actor() -> bool:
@@ -87,7 +89,10 @@ def lean_allocators(arenas: int = LOADER_ARENAS) -> bool:
     pool (mimalloc) heaps of their own, each keeping what was freed in it: a process
     serving 32 sources at small windows grew by 519 MiB with both, 445 MiB with the
     arenas capped and 92 MiB with Arrow on the system allocator as well (2 cores;
-    ``benchmarks/memory.py``, README *Loader memory*). Returns whether it changed them:
+    ``benchmarks/memory.py``, README *Loader memory*). Blocks of 128 KiB and more (a
+    window's pieces) are mapped apart and handed back when freed: glibc would otherwise
+    raise that threshold to the size of each mapped block freed, up to 32 MiB, and keep
+    freed pieces in its heap. Returns whether it changed them:
     only in a Ray actor's process (an embedded loader runs in the user's process, whose
     allocators are the user's business), and the arena cap only with glibc.
     """
@@ -99,6 +104,7 @@ def lean_allocators(arenas: int = LOADER_ARENAS) -> bool:
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(M_ARENA_MAX, arenas)
+        libc.mallopt(M_MMAP_THRESHOLD, LOADER_MMAP_BYTES)
     except (OSError, AttributeError):
         pass  # not glibc (musl, macOS): no per-thread arenas to cap
     return True

@@ -25,7 +25,7 @@ from overlord.errors import PlanError, SourceError
 from overlord.plan.vision import BYTES_IMAGE_ID, IMAGE_PAD, VisionSpec, image_tokens, resized
 
 if TYPE_CHECKING:
-    from overlord.sources.shard import Window
+    from overlord.sources.shard import Part, Window
 
 
 def _pillow() -> Any:
@@ -107,7 +107,7 @@ class Fused:
 def fuse_images(
     window: Window,
     lo: int,
-    hi: int,
+    part: Part,
     tokens: np.ndarray,
     offsets: np.ndarray,
     v: VisionSpec,
@@ -115,21 +115,21 @@ def fuse_images(
     max_seq_len: int,
     skip: bool,
 ) -> Fused:
-    """Decode the images of records ``[lo, hi)`` and prepend their tokens to their texts.
+    """Decode the images of ``part`` (records ``lo`` on of ``window``) and prepend their tokens.
 
     A record whose image cannot be decoded, or whose image tokens alone exceed
     ``max_seq_len``, is a bad record (``SourceError`` naming the file, the row
     and the tar member; skipped and counted under ``on_error: skip``).
     """
-    assert window.images is not None
+    assert part.images is not None
     text_len = np.diff(offsets)
     n = len(text_len)
     n_img = np.zeros(n, dtype=np.int64)
     ok = np.ones(n, dtype=bool)
     patches: list[np.ndarray | None] = [None] * n
     skipped: list[SourceError] = []
-    images = window.images.slice(lo, hi - lo)
-    keys = window.keys.slice(lo, hi - lo).to_pylist() if window.keys is not None else None
+    images = part.images
+    keys = part.keys.to_pylist() if part.keys is not None else None
     for i in range(n):
         if text_len[i] == 0:
             continue  # empty: not a sample, its image is not decoded

@@ -32,11 +32,11 @@ records are taken out.
 
 from __future__ import annotations
 
-import functools
+import bisect
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -86,60 +86,109 @@ def window_order(
     return _rng(seed, _name_key(source), epoch, 0xB2, file_index, window).permutation(n)
 
 
+class Part(NamedTuple):
+    """The records of one piece of a window, in arrays of their own."""
+
+    texts: pa.Array  # large_string
+    images: pa.Array | None = None  # large_binary per record: image-text sources only
+    keys: pa.Array | None = None  # large_string per record: a tar's image members
+
+
 @dataclass
 class Window:
-    """The records of one window, in the source's order: transformed, not blank, permuted."""
+    """The records of one window, in the source's order: transformed, not blank, permuted.
+
+    Its records are held a piece (:attr:`cut`) at a time, each piece in arrays of
+    its own, so that a loader lets go of a piece's text (and images) once it is
+    cut (:meth:`release`): a window being cut holds what is left of it, not all
+    of it.
+    """
 
     epoch: int
     shard_pos: int
     file_index: int
     number: int
     rows: np.ndarray  # int64: the row of each record in its file
-    texts: pa.Array  # large_string
+    offsets: np.ndarray  # int64, one more than records: where each record's bytes start
+    cut: list[tuple[int, int]]  # the pieces, :meth:`pieces` of ``PIECE_BYTES``
+    parts: list[Part | None]  # per piece of ``cut``; None once released
     skipped: list[SourceError] = field(default_factory=list)
     records: int = 0  # records its blocks hold: good, empty and bad
     empty: int = 0  # blank texts: not samples
-    images: pa.Array | None = None  # large_binary per record: image-text sources only
-    keys: pa.Array | None = None  # large_string per record: a tar's image members
+    has_images: bool = False  # an image-text source's window
     source: str = ""
     name: str = ""  # the file, for errors
 
-    @functools.cached_property
-    def _offsets(self) -> np.ndarray:
-        """Where each record starts in the window's bytes (its text's, and its image's)."""
-        offs = _array_offsets(self.texts)
-        if self.images is not None:  # a piece's work is mostly its images' decoding
-            offs = offs - offs[0] + _array_offsets(self.images)
-        return offs
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def text_bytes(self, lo: int, hi: int) -> int:
-        """Bytes of text of records ``[lo, hi)``."""
-        offs = self._offsets
-        return int(offs[hi] - offs[lo])
-
-    @functools.cached_property
-    def cut(self) -> list[tuple[int, int]]:
-        """:meth:`pieces` of ``PIECE_BYTES``, computed once."""
-        return self.pieces()
+        """Bytes of records ``[lo, hi)``: their text's, and their images'."""
+        return int(self.offsets[hi] - self.offsets[lo])
 
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
-        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` of text each.
+        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` each.
 
         The first pieces are smaller (from ``FIRST_PIECE_BYTES``, doubling): the
         window's first items are ready soon after it is read.
         """
-        n = len(self.texts)
-        if n == 0:
-            return []
-        offs = self._offsets - self._offsets[0]
-        size, at, targets = min(FIRST_PIECE_BYTES, piece_bytes), 0, []
-        while at + size < offs[-1]:
-            at += size
-            targets.append(at)
-            size = min(2 * size, piece_bytes)
-        cuts = np.searchsorted(offs, np.asarray(targets, dtype=np.int64))
-        bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
-        return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        return _pieces(self.offsets, piece_bytes)
+
+    def part(self, lo: int, hi: int) -> Part:
+        """The arrays of records ``[lo, hi)``, from the pieces not released."""
+        first = bisect.bisect_right(self.cut, (lo, len(self.rows) + 1)) - 1
+        got: list[Part] = []
+        for k in range(max(first, 0), len(self.cut)):
+            a, b = self.cut[k]
+            if a >= hi:
+                break
+            part = self.parts[k]
+            if part is None:
+                raise RuntimeError(
+                    f"records {a}-{b} of window {self.number} of {self.name} were released"
+                )
+            s, e = max(lo, a) - a, min(hi, b) - a
+            got.append(Part(*(None if x is None else x.slice(s, e - s) for x in part)))
+        if len(got) == 1:
+            return got[0]
+        if not got:
+            return Part(_EMPTY_TEXTS, *((_EMPTY_BINARY, _EMPTY_TEXTS) if self.has_images else ()))
+        return Part(*(None if x[0] is None else pa.concat_arrays(list(x)) for x in zip(*got)))
+
+    def release(self, lo: int, hi: int) -> None:
+        """Let go of the pieces wholly inside records ``[lo, hi)``."""
+        for k, (a, b) in enumerate(self.cut):
+            if lo <= a and b <= hi:
+                self.parts[k] = None
+
+    def mostly_left(self, left: list[tuple[int, int]]) -> bool:
+        """Whether its last pieces ``left`` hold more than half its bytes."""
+        return bool(left) and 2 * self.text_bytes(left[0][0], len(self)) > self.offsets[-1]
+
+    @property
+    def released(self) -> bool:
+        """Whether every piece was let go (the window holds no records' bytes)."""
+        return all(p is None for p in self.parts)
+
+
+_EMPTY_TEXTS = pa.array([], pa.large_string())
+_EMPTY_BINARY = pa.array([], pa.large_binary())
+
+
+def _pieces(offsets: np.ndarray, piece_bytes: int) -> list[tuple[int, int]]:
+    """:meth:`Window.pieces` over the records' byte ``offsets``."""
+    n = len(offsets) - 1
+    if n <= 0:
+        return []
+    offs = offsets - offsets[0]
+    size, at, targets = min(FIRST_PIECE_BYTES, piece_bytes), 0, []
+    while at + size < offs[-1]:
+        at += size
+        targets.append(at)
+        size = min(2 * size, piece_bytes)
+    cuts = np.searchsorted(offs, np.asarray(targets, dtype=np.int64))
+    bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
 @dataclass
@@ -284,32 +333,44 @@ def _window(
     block = RecordBlock(
         number,
         np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
-        pa.concat_arrays([b.texts for b in blocks]) if blocks else pa.array([], pa.large_string()),
+        pa.concat_arrays([b.texts for b in blocks]) if blocks else _EMPTY_TEXTS,
         [e for b in blocks for e in b.skipped],
         images=_concat([b.images for b in blocks], pa.large_binary()),
         keys=_concat([b.keys for b in blocks], pa.large_string()),
     )
+    blocks.clear()  # the blocks' own arrays go: a window is built from one copy of them
     if spec.transform is not None:
         block = _transform(spec, name, block, skip)
-    rows, texts, empty, keep = _without_blank(block.rows, block.texts)
-    perm = window_order(plan.seed, spec.name, epoch, file_index, number, len(rows))
-    order = pa.array(perm)
-    images, keys = (
-        None if a is None else (a.filter(keep) if keep is not None else a).take(order)
-        for a in (block.images, block.keys)
-    )
+    kept, empty = _not_blank(block.texts)
+    # the window's records, as indexes into the block's: the kept ones, permuted
+    order = kept[window_order(plan.seed, spec.name, epoch, file_index, number, len(kept))]
+    size = np.diff(_array_offsets(block.texts))
+    if block.images is not None:  # a piece's work is mostly its images' decoding
+        size = size + np.diff(_array_offsets(block.images))
+    offsets = np.concatenate(([0], np.cumsum(size[order], dtype=np.int64)))
+    cut = _pieces(offsets, PIECE_BYTES)
+    parts: list[Part | None] = [
+        Part(
+            *(
+                None if a is None else a.take(pa.array(order[lo:hi]))
+                for a in (block.texts, block.images, block.keys)
+            )
+        )
+        for lo, hi in cut
+    ]
     return Window(
         epoch=epoch,
         shard_pos=shard_pos,
         file_index=file_index,
         number=number,
-        rows=rows[perm],
-        texts=texts.take(pa.array(perm)),
+        rows=block.rows[order],
+        offsets=offsets,
+        cut=cut,
+        parts=parts,
         skipped=block.skipped,
         records=records,
         empty=empty,
-        images=images,
-        keys=keys,
+        has_images=block.images is not None,
         source=spec.name,
         name=name,
     )
@@ -317,14 +378,15 @@ def _window(
 
 def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int) -> ShardItems:
     """Tokenize records ``[lo, hi)`` of a window and cut them into items, in order."""
-    texts = window.texts.slice(lo, hi - lo)
+    part = window.part(lo, hi)
+    texts = part.texts
     tokens, offsets = tokenizer.encode(texts)
     cap = plan.batch.max_seq_len
     fused = None
-    if window.images is not None:  # image tokens go before each text (overlord.plan.vision)
+    if part.images is not None:  # image tokens go before each text (overlord.plan.vision)
         assert plan.vision is not None
         fused = fuse_images(
-            *(window, lo, hi, tokens, offsets, plan.vision),
+            *(window, lo, part, tokens, offsets, plan.vision),
             image_token_id(plan.vision, tokenizer),
             cap,
             plan.on_error is OnError.SKIP,
@@ -374,7 +436,7 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         kept = np.flatnonzero(keep)
         items.text_bytes = window.text_bytes(lo, hi)  # images too: what tokens_per_byte sees
         items.skipped = fused.skipped
-        keys = None if window.keys is None else window.keys.slice(lo, hi - lo).to_pylist()
+        keys = None if part.keys is None else part.keys.to_pylist()
         width = 3 * plan.vision.patch_size**2 if plan.vision is not None else 0
         image_payload(items, [fused.patches[i] for i in kept], doc_of, k, keys, kept, width)
     return items
@@ -437,16 +499,11 @@ def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
-def _without_blank(
-    rows: np.ndarray, texts: pa.Array
-) -> tuple[np.ndarray, pa.Array, int, pa.Array | None]:
-    """The records whose text is not blank, how many were, and the mask (None: all kept)."""
+def _not_blank(texts: pa.Array) -> tuple[np.ndarray, int]:
+    """The indexes of the records whose text is not blank, and how many are blank."""
     blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
-    n = int(pc.sum(blank).as_py() or 0)
-    if n == 0:
-        return rows, texts, 0, None
-    keep = pc.invert(blank)
-    return rows[np.asarray(keep, dtype=bool)], texts.filter(keep), n, keep
+    kept = np.flatnonzero(~np.asarray(blank, dtype=bool))
+    return kept, len(texts) - len(kept)
 
 
 def _array_offsets(a: pa.Array) -> np.ndarray:
