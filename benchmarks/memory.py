@@ -125,7 +125,7 @@ SAMPLE_EVERY = 0.5
 STATES = "index,shuffle:4MB,shuffle:16MB,shuffle:64MB"
 QUICK = (2, 2, 4)
 BASELINE_FITS = 4 * 2**30  # largest baseline state measured: W x S x state bytes
-OVERLORD_FITS = 9 * 2**29  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
+OVERLORD_FITS = 8 * 2**30  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
 HELD_WINDOWS = 2  # what a loader process holds per source, in windows (see the README)
 
 

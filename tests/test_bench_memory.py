@@ -89,10 +89,12 @@ def test_plan_cells_measures_what_fits_and_the_index_target() -> None:
     assert cells[:2] == [Cell("bare", "", 1, 0, 0), Cell("bare", "", 8, 0, 0)]
     assert Cell("baseline", "index", 1, 4, 32) in cells
     assert Cell("baseline", "shuffle:64MB", 1, 4, 32) not in cells
-    assert Cell("overlord", "shuffle:64MB", 8, 0, 32, 0) not in cells  # 12 GiB of windows
-    assert Cell("overlord", "shuffle:64MB", 8, 0, 8, 0) in cells
-    assert Cell("overlord", "shuffle:64MB", 8, 0, 4, 1) in cells  # a shadow: twice that
-    assert Cell("overlord", "shuffle:64MB", 8, 0, 8, 1) not in cells
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 32, 0) in cells  # 4 GiB of windows
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 32, 1) in cells  # a shadow: twice that
+    assert Cell("overlord", "shuffle:64MB", 8, 0, 16, 1) not in cells
+    wide = plan_cells([parse_state("shuffle:64MB")], [1], (8, 4, 128), False)
+    # 32 GiB of windows at S=128 does not fit: S=32 (8 GiB) and 16, carried along their line
+    assert [c.s for c in wide if c.kind == "overlord"] == [16, 32]
     assert Cell("baseline", "index", 8, 2, 16) in cells
     assert Cell("overlord", "index", 8, 0, 16, 1) in cells
     assert len(cells) == len(set(cells))
