@@ -217,9 +217,9 @@ _compiled: list[Callable[..., int] | None] = []  # the kernel once compiled (Non
 def kernel() -> Callable[..., int] | None:
     """The compiled loop (None where numba does not import); compiled at the first call.
 
-    Compiling takes about 1.3 s; numba caches it (``cache=True``: beside this
+    Compiling takes about 1.2 s; numba caches it (``cache=True``: beside this
     module, else in the user's cache directory), and a later process loads
-    it in about 0.15 s, besides 0.15 s to import numba.
+    it in about 0.15 s, besides 0.14 s to import numba.
     """
     with _lock:
         if not _compiled:
