@@ -376,14 +376,14 @@ class Parts:
     @contextlib.contextmanager
     def installed(self, planner: Planner) -> Iterator[Parts]:
         """Time ``planner``'s parts: its cursors' fetches and takes, its cost model, and the
-        planner module's ``select_step`` and ``assign_step`` and every group (restored on exit)."""
+        planner module's ``select_items`` and ``assign_step`` and every group (restored on exit)."""
         cursors, cost = planner.cursors, planner.cost
         fetches = [c.fetch for c in cursors]
         for c in cursors:  # instance attributes: the cursors' own peek runs unwrapped
             c.fetch = self.timed(c.fetch, "ingest")
             c.take = self.timed(c.take, "take")  # type: ignore[method-assign]
         planner.cost = TimedCost(cost, self)  # type: ignore[assignment]
-        names = {"select_step": "select", "assign_step": "assign"}
+        names = {"select_items": "select", "assign_step": "assign"}
         saved = {name: getattr(planner_mod, name) for name in names}
         for name, part in names.items():
             setattr(planner_mod, name, self.timed(saved[name], part))

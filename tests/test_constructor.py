@@ -29,7 +29,7 @@ def test_the_embedded_runtime_plans_and_packs_off_the_trainers_thread(job_plan, 
     planned: set[str] = set()
     packed: set[str] = set()
     monkeypatch.setattr(
-        planner_module, "select_step", recording(planned, planner_module.select_step)
+        planner_module, "select_items", recording(planned, planner_module.select_items)
     )
     monkeypatch.setattr(constructor_module, "pack", recording(packed, constructor_module.pack))
     plan = load_plan(job_plan).with_dp(2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -190,6 +191,64 @@ def select_step(
     mix.target += np.asarray(w) * step_tokens
     mix.placed[:] = placed
     return out
+
+
+def select_step_fast(
+    windows: Sequence[Window],
+    weights: np.ndarray,
+    mix: MixState,
+    rows: int,
+    capacity: int,
+    lookahead: int,
+) -> Selection:
+    """:func:`select_step` with its loop compiled (:mod:`overlord.plan.select_fast`; numba).
+
+    The same Selection and ``mix`` update, bit for bit, and the same peeks.
+
+    >>> from types import SimpleNamespace as W
+    >>> a, b = W(tokens=[6, 4, 9], peek=None), W(tokens=[5, 3, 9], peek=None)
+    >>> sel = select_step_fast([a, b], np.array([0.5, 0.5]), MixState.zeros(2), 2, 10, 0)
+    >>> sel.source, sel.tokens, sel.ref_row
+    ([0, 1, 1, 0], [6, 5, 3, 4], [0, 1, 0, 1])
+    """
+    from overlord.plan import select_fast
+
+    got = select_fast.run(windows, weights, mix.target, mix.placed, rows, capacity, lookahead)
+    return Selection(*got)
+
+
+def select_items(
+    windows: Sequence[Window],
+    weights: np.ndarray,
+    mix: MixState,
+    rows: int,
+    capacity: int,
+    lookahead: int,
+) -> Selection:
+    """:func:`select_step` as the planner runs it: compiled where numba imports.
+
+    The environment variable ``OVERLORD_SELECT``, read at each call, chooses:
+    ``auto`` (or unset: :func:`select_step_fast` where numba imports, else
+    :func:`select_step`), ``python`` or ``numba`` (an error without numba).
+    Both give the same Selection.
+    """
+    how = os.environ.get("OVERLORD_SELECT") or "auto"
+    if how not in ("auto", "python", "numba"):
+        raise ValueError(
+            f"OVERLORD_SELECT is {how!r}; expected 'auto', 'python' or 'numba' (how the "
+            "planner selects a step's items: compiled with numba, or its Python loop)"
+        )
+    if how != "python":
+        from overlord.plan import select_fast
+
+        if select_fast.kernel() is not None:
+            return select_step_fast(windows, weights, mix, rows, capacity, lookahead)
+        if how == "numba":
+            raise ImportError(
+                "OVERLORD_SELECT=numba but numba does not import: pip install 'overlord[fast]', "
+                "or unset OVERLORD_SELECT to use the Python loop"
+            )
+    return select_step(windows, weights, mix, rows, capacity, lookahead)
 
 
 def _peek(window: Window, i: int, toks: list[list[int]], s: int) -> int:

@@ -31,7 +31,7 @@ from overlord.plan.hierarchy import assign_step, group_count, step_bound
 from overlord.plan.hybrid import assign_modules, module_costs
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.schedule import Schedule
-from overlord.plan.select import MixState, select_step
+from overlord.plan.select import MixState, select_items
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.roles.api import LoaderRole, PlannerRole
 from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
@@ -229,7 +229,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         step = self.next_step
         t0 = time.perf_counter()
         weights = self.schedule.weights(step)
-        sel = select_step(
+        sel = select_items(
             self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
         )
         n = len(sel.source)
