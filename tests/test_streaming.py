@@ -266,7 +266,7 @@ def test_the_next_window_is_read_once_half_the_one_being_cut_has_started(tmp_pat
         with loader._lock:
             assert loader._cut is not None
             window, left = loader._cut
-            assert window.mostly_left(left) and not loader._windows  # a few pieces started
+            assert window.holds_over(left, 0.5) and not loader._windows  # a few pieces started
         assert len(_windows_alive("three.jsonl")) == 1
         with loader._lock:  # a budget of 3/4 of a window (bytes tokens): the next one is read
             loader._budget = 3 * window.text_bytes(0, len(window)) // 4
@@ -274,6 +274,32 @@ def test_the_next_window_is_read_once_half_the_one_being_cut_has_started(tmp_pat
             loader._lock.notify_all()
         _wait_on_budget(loader, ahead=True)
         assert len(_windows_alive("three.jsonl")) == 2  # the one being cut, one ahead
+    finally:
+        loader.close()
+
+
+def test_a_shadow_reads_its_next_window_once_all_of_the_one_being_cut_has_started(
+    tmp_path: Path,
+) -> None:
+    """A standby serves nothing: it holds about half a window, not one (until promoted)."""
+    path = _lines_file(tmp_path, "shadow.jsonl")
+    plan = _one_source_plan(tmp_path, 4096)
+    files = job_files([("web", [str(path)])], str(plan.base_dir))
+    loader = SourceLoader(plan, files["web"], "web", 0, 1, shadow=True)
+    try:
+        _wait_on_budget(loader, ahead=False)
+        with loader._lock:  # 3/4 of the window may start: a primary would read the next
+            assert loader._cut is not None
+            window = loader._cut[0]
+            loader._budget = 3 * window.text_bytes(0, len(window)) // 4
+            loader._served = loader._budget // 2
+            loader._lock.notify_all()
+        _wait_on_budget(loader, ahead=False)
+        with loader._lock:
+            assert loader._cut is not None and loader._cut[0] is window
+            assert not window.holds_over(loader._cut[1], 0.5) and not loader._windows
+        loader.promote(None)  # promoted, it reads ahead as a primary does
+        _wait_on_budget(loader, ahead=True)
     finally:
         loader.close()
 
@@ -306,7 +332,7 @@ def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:
         assert held < window.text_bytes(0, len(window)) - (100 << 10)
         whole = 0
         if ahead is not None:  # read once the last half of the window being cut started
-            assert isinstance(ahead, Window) and not window.mostly_left(left)
+            assert isinstance(ahead, Window) and not window.holds_over(left, 0.5)
             whole = ahead.text_bytes(0, len(ahead))
         # the uncut pieces and any window ahead, with their offsets; not the whole window
         assert arrow < held + whole + (256 << 10), (arrow, held, whole)

@@ -14,13 +14,12 @@ the source's peak share of the mixture), split among the source's loaders: a sou
 reads as far ahead with one loader as with many. A piece's tokens are estimated from its
 text bytes (the source's measured tokens per byte). Besides the budget a loader holds
 what is left of the window being cut (a piece's text goes once it is cut) and at most
-one window ahead, read once the window being cut started on its last half. A caller
-waiting for an item not published yet (the planner in ``metadata``, a constructor in
-``take``) lets one piece at a time past the budget, so the planner never waits on a
-loader full of items it planned but has not released
-(:func:`overlord.plan.budget.token_budget`). A new loader reads ahead 1/32 of its budget,
-or twice the tokens the planner took from it if more: at start-up every loader does not
-fill its whole read-ahead at once.
+one window ahead (see ``_room``). A caller waiting for an item not published yet (the
+planner in ``metadata``, a constructor in ``take``) lets one piece at a time past the
+budget, so the planner never waits on a loader full of items it planned but has not
+released (:func:`overlord.plan.budget.token_budget`). A new loader reads ahead 1/32 of
+its budget, or twice the tokens the planner took from it if more: at start-up every
+loader does not fill its whole read-ahead at once.
 
 Payloads live until the planner *releases* them, when every rank has consumed their
 step; ``take`` only reads. So a DataConstructor that is restarted, or a call that is
@@ -181,12 +180,13 @@ class SourceLoader:
     def _room(self) -> bool:
         """Wait until the next window may be read; False once closed.
 
-        None waits to be cut, and the window being cut started on its last half:
-        with each piece let go once cut, a loader holds about one window of text.
+        None waits to be cut, and the window being cut started on its last half (a
+        shadow's: all of it): a loader holds about one window of text, a shadow half.
         """
         with self._lock:
             while not self._closed and (
-                self._windows or (self._cut is not None and self._cut[0].mostly_left(self._cut[1]))
+                self._windows
+                or (self._cut and self._cut[0].holds_over(self._cut[1], 0.5 * self._serving))
             ):
                 self._lock.wait(0.5)
             return not self._closed

@@ -161,9 +161,9 @@ class Window:
             if lo <= a and b <= hi:
                 self.parts[k] = None
 
-    def mostly_left(self, left: list[tuple[int, int]]) -> bool:
-        """Whether its last pieces ``left`` hold more than half its bytes."""
-        return bool(left) and 2 * self.text_bytes(left[0][0], len(self)) > self.offsets[-1]
+    def holds_over(self, left: list[tuple[int, int]], share: float) -> bool:
+        """Whether its last pieces ``left`` hold more than ``share`` of its bytes."""
+        return bool(left) and self.text_bytes(left[0][0], len(self)) > share * self.offsets[-1]
 
     @property
     def released(self) -> bool:
