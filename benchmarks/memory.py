@@ -5,9 +5,10 @@ process of a run, at steady state (the largest of several samples taken while th
 iterate, after a warm-up). PSS splits each shared page among the processes that map it, so
 the sum over a run's processes is the memory the run takes, counted once.
 
-Three designs (``--designs``, default all three) feed R trainer processes (plain Python processes standing in for DP ranks; they
-import torch, as trainers do), the same mixture of the same S sources, the same batch shape
-(rows of ``max_seq_len`` tokens per rank and step) and the same tokenizer (``--tokenizer``:
+Three designs (``--designs``, default all three) feed R trainer processes (plain Python
+processes standing in for DP ranks; they import torch, as trainers do), the same mixture of
+the same S sources, the same batch shape (rows of ``max_seq_len`` tokens per rank and step)
+and the same tokenizer (``--tokenizer``:
 ``bpe``, the byte-level BPE of 8,000 tokens that ``benchmarks/throughput_vs.py`` trains, a
 ``tokenizers`` tokenizer; or ``bytes``):
 

@@ -293,9 +293,9 @@ def report(
         "Measured runs (PSS MiB; process count in brackets):",
         "",
         measured_table(runs, bare),
-        "",
-        target_table(rows, target),
     ]
+    if any(x["design"] == "overlord" for x in rows):
+        out += ["", target_table(rows, target)]
     if any(x["design"] == NODE for x in rows):
         out += ["", node_table(rows, target)]
     lines = [("overlord", sh, f"shadows {sh}") for sh in shadows] + [(NODE, 0, "node mode")]
