@@ -8,9 +8,8 @@ the sum over a run's processes is the memory the run takes, counted once.
 Three designs (``--designs``, default all three) feed R trainer processes (plain Python
 processes standing in for DP ranks; they import torch, as trainers do), the same mixture of
 the same S sources, the same batch shape (rows of ``max_seq_len`` tokens per rank and step)
-and the same tokenizer (``--tokenizer``:
-``bpe``, the byte-level BPE of 8,000 tokens that ``benchmarks/throughput_vs.py`` trains, a
-``tokenizers`` tokenizer; or ``bytes``):
+and the same tokenizer (``--tokenizer``: ``bpe``, the byte-level BPE of 8,000 tokens that
+``benchmarks/throughput_vs.py`` trains, a ``tokenizers`` tokenizer; or ``bytes``):
 
 - **baseline**, the colocated design: each trainer iterates a
   ``torch.utils.data.DataLoader(num_workers=W)`` (fork) whose every worker opens every
@@ -37,7 +36,8 @@ and the same tokenizer (``--tokenizer``:
 - **overlord-node**, overlord's node mode (one node, no Ray): the R trainers are started
   with the variables ``torchrun --standalone`` sets (``WORLD_SIZE``, ``RANK``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``;
-  torchrun's agent process is not run) and each calls ``overlord.Loader(plan).client(rank)``:
+  torchrun's agent process is not run: a DP job's trainers have a launcher in every design,
+  so it is no loader's cost) and each calls ``overlord.Loader(plan).client(rank)``:
   a ``NodeLoader``, whose rank 0 runs the embedded Loader (every SourceLoader as threads in
   rank 0's process, the planner, the constructors) and sends each other rank its batches
   over gloo. The Ray design's plan with ``world.dp = R`` and no standby (``shadows: 0``).
@@ -58,8 +58,9 @@ The target is R x W x S = 8 x 4 x 32; what does not fit this machine (24 GiB sha
 measured smaller and carried there: the baseline is measured with one trainer (R=1; each
 trainer's DataLoader is independent, so R trainers cost R times its loader memory) at the
 largest S that fits, or at two S and along the line through them; overlord (either mode) at
-R=8 and the largest S that fits, or along the line through two S. The report says which figures are
-measured and which carried, and from what. The index-only target (8 x 2 x 16) is measured.
+R=8 and the largest S that fits, or along the line through two S. The report says which
+figures are measured and which carried, and from what. The index-only target (8 x 2 x 16) is
+measured.
 
 Run (Ray must stay on loopback; about 40 minutes on 2 cores, ``--quick`` about 5)::
 
