@@ -249,7 +249,7 @@ def plot(rows: list[dict[str, Any]], target: tuple[int, int, int], path: Path) -
                 [pts[st]["overlord_loader"] / MiB for st in states if st in pts],
                 style,
                 color="tab:blue",
-                label=f"overlord loader, shadows {sh}",
+                label=f"overlord loader on Ray, shadows {sh}",
             )
     node = {x["state"]: x for x in rows if x["design"] == NODE}
     if node:
