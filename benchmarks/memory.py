@@ -5,11 +5,11 @@ process of a run, at steady state (the largest of several samples taken while th
 iterate, after a warm-up). PSS splits each shared page among the processes that map it, so
 the sum over a run's processes is the memory the run takes, counted once.
 
-Both designs feed R trainer processes (plain Python processes standing in for DP ranks; they
-import torch, as trainers do), the same mixture of the same S sources, the same batch shape
-(rows of ``max_seq_len`` tokens per rank and step) and the same tokenizer (``--tokenizer``:
-``bpe``, the byte-level BPE of 8,000 tokens that ``benchmarks/throughput_vs.py`` trains, a
-``tokenizers`` tokenizer; or ``bytes``):
+Three designs (``--designs``, default all three) feed R trainer processes (plain Python
+processes standing in for DP ranks; they import torch, as trainers do), the same mixture of
+the same S sources, the same batch shape (rows of ``max_seq_len`` tokens per rank and step)
+and the same tokenizer (``--tokenizer``: ``bpe``, the byte-level BPE of 8,000 tokens that
+``benchmarks/throughput_vs.py`` trains, a ``tokenizers`` tokenizer; or ``bytes``):
 
 - **baseline**, the colocated design: each trainer iterates a
   ``torch.utils.data.DataLoader(num_workers=W)`` (fork) whose every worker opens every
@@ -33,6 +33,15 @@ import torch, as trainers do), the same mixture of the same S sources, the same 
   its window is one block of 64 KiB (overlord has no window-free mode). At ``images`` the
   plan has a ``vision:`` section and a window of about as many images as a worker's buffer
   (``images_shuffle``; held encoded), and the read-ahead holds uint8 patches.
+- **overlord-node**, overlord's node mode (one node, no Ray): the R trainers are started
+  with the variables ``torchrun --standalone`` sets (``WORLD_SIZE``, ``RANK``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``;
+  torchrun's agent process is not run: a DP job's trainers have a launcher in every design,
+  so it is no loader's cost) and each calls ``overlord.Loader(plan).client(rank)``:
+  a ``NodeLoader``, whose rank 0 runs the embedded Loader (every SourceLoader as threads in
+  rank 0's process, the planner, the constructors) and sends each other rank its batches
+  over gloo. The Ray design's plan with ``world.dp = R`` and no standby (``shadows: 0``).
+  The report splits its memory between rank 0 and the other trainers.
 
 Sources are clones of 4 base sources (the records of ``overlord demo``'s sources, repeated
 into one JSONL file each of at least 2 windows of the largest state): source k is a
@@ -48,14 +57,20 @@ less that.
 The target is R x W x S = 8 x 4 x 32; what does not fit this machine (24 GiB shared) is
 measured smaller and carried there: the baseline is measured with one trainer (R=1; each
 trainer's DataLoader is independent, so R trainers cost R times its loader memory) at the
-largest S that fits, or at two S and along the line through them; overlord at R=8 and the
-largest S that fits, or along the line through two S. The report says which figures are
-measured and which carried, and from what. The index-only target (8 x 2 x 16) is measured.
+largest S that fits, or at two S and along the line through them; overlord (either mode) at
+R=8 and the largest S that fits, or along the line through two S. The report says which
+figures are measured and which carried, and from what. The index-only target (8 x 2 x 16) is
+measured.
 
-Run (Ray must stay on loopback; about 30 minutes on 2 cores, ``--quick`` about 4)::
+Run (Ray must stay on loopback; about 40 minutes on 2 cores, ``--quick`` about 5)::
 
     tools/loopback .venv/bin/python -m benchmarks.memory [--quick] [--state index,shuffle:16MB]
-        [--shadows 0,1] [--tokenizer bpe|bytes] [--json results.json]
+        [--shadows 0,1] [--designs baseline,overlord,overlord-node] [--tokenizer bpe|bytes]
+        [--json results.json [--resume]]
+
+``--resume`` keeps the runs ``--json`` holds (those of earlier sweeps too: a run's ``kind``
+is its design) and measures the others; with ``--designs`` naming fewer designs, the kept
+runs of the others are reported beside the new ones.
 
 It prints Markdown tables and writes the plot ``benchmarks/memory.png`` (``--png``).
 Peak memory of one run: about 8 GiB (overlord at shuffle:16MB x 32 sources with a standby);
@@ -71,28 +86,38 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks._lib.colocated import (
-    IMAGE_ID,
     MiB,
-    State,
     baseline_batches,
     image_batches,
-    images_shuffle,
     make_corpus,
     make_image_corpus,
-    overlord_shuffle,
     parse_state,
 )
-from benchmarks._lib.memory_report import INDEX_TARGET, TARGET, mib, plot, report
+from benchmarks._lib.memory_cells import (
+    DESIGNS,
+    IMAGE_ROWS,
+    NODE,
+    ROWS,
+    SEQ,
+    Cell,
+    keys,
+    parse_designs,
+    plan_cells,
+    rows_of,
+    run_key,
+    write_plan,
+)
+from benchmarks._lib.memory_report import TARGET, mib, plot, report
 from benchmarks._lib.procfs import (
     CATEGORIES,
     classify,
@@ -104,19 +129,6 @@ from benchmarks._lib.procfs import (
 )
 from benchmarks._lib.timing import REPO, module_command
 
-SEQ = 8192  # max_seq_len
-ROWS = 4  # rows per rank and step: 32K tokens per trainer per step
-# at ``images``: 1 row of 8K tokens per rank and step in both designs (a row holds about
-# 5,000 image tokens, 20,000 float32 patches: 50 MB of pixel_values; 4 rows would have each
-# trainer decode 600 images a step, and hold 200 MB per batch in flight, on 2 cores)
-IMAGE_ROWS = 1
-
-
-def rows_of(state: str) -> int:
-    """Rows per rank and step at a state."""
-    return IMAGE_ROWS if state.startswith("images") else ROWS
-
-
 PACE = 0.05  # seconds of simulated training per step
 WARM = 8  # steps every trainer takes before the first sample
 SAMPLES = 5  # PSS samples per run, SAMPLE_EVERY seconds apart; the largest total is reported
@@ -124,122 +136,6 @@ SAMPLE_EVERY = 0.5
 
 STATES = "index,shuffle:4MB,shuffle:16MB,shuffle:64MB"
 QUICK = (2, 2, 4)
-BASELINE_FITS = 4 * 2**30  # largest baseline state measured: W x S x state bytes
-OVERLORD_FITS = 8 * 2**30  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
-HELD_WINDOWS = 2  # what a loader process holds per source, in windows (see the README)
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One measured run: a design on (R, W, S) at a state (W: 0 for overlord and bare)."""
-
-    kind: str  # "bare" | "baseline" | "overlord"
-    state: str
-    r: int
-    w: int
-    s: int
-    shadows: int = 0
-
-
-def fit_sources(target: int, per_source: int, fits: int) -> list[int]:
-    """Sources to measure at: ``[target]`` when it fits, else the two largest that do.
-
-    ``per_source`` bytes of state per source; ``fits`` bytes the run may hold. Halving
-    from ``target``: the largest S that fits and half of it (a line to carry to ``target``).
-    """
-    if per_source * target <= fits:
-        return [target]
-    s = target
-    while s > 1 and per_source * s > fits:
-        s //= 2
-    return [max(1, s // 2), s] if s > 1 else [1, 2]
-
-
-def plan_cells(
-    states: list[State], shadows: list[int], target: tuple[int, int, int], quick: bool
-) -> list[Cell]:
-    """Every run the sweep makes, bare runs first."""
-    r, w, s = target
-    cells = [Cell("bare", "", 1, 0, 0), Cell("bare", "", r, 0, 0)]
-    for st in states:
-        for n in fit_sources(s, w * st.bytes, BASELINE_FITS):
-            cells.append(Cell("baseline", st.label, 1, w, n))
-        # at ``images`` overlord holds the images encoded in its window and uint8 patches
-        # (a quarter of the workers' float32) in its read-ahead: less than one buffer
-        held = st.bytes if st.kind == "images" else HELD_WINDOWS * st.bytes
-        for sh in shadows:
-            for n in fit_sources(s, (1 + sh) * held, OVERLORD_FITS):
-                cells.append(Cell("overlord", st.label, r, 0, n, sh))
-    if not quick and any(st.kind == "index" for st in states):
-        ir, iw, is_ = INDEX_TARGET
-        cells.append(Cell("baseline", "index", ir, iw, is_))
-        cells += [Cell("overlord", "index", ir, 0, is_, sh) for sh in shadows]
-    return list(dict.fromkeys(cells))
-
-
-def _keys(c: Cell, target: tuple[int, int, int]) -> set[tuple[Any, ...]]:
-    """Runs that stand for cell ``c``: itself, or (carried) the same run at the target's S."""
-    own = c.state == "index" and (c.r, c.s) == (INDEX_TARGET[0], INDEX_TARGET[2])
-    sizes = {c.s} if own else {c.s, target[2]}
-    return {(c.kind, c.state, c.r, c.w, n, c.shadows) for n in sizes}
-
-
-# ---- plan -------------------------------------------------------------------------------------
-
-
-def write_plan(
-    root: Path,
-    sources: list[dict[str, Any]],
-    dp: int,
-    state: State,
-    tokenizer: str | None,
-    shadows: int,
-    loader_processes: int | None,
-) -> Path:
-    """The plan overlord follows: the baseline's sources, mixture, batch and tokenizer."""
-    import yaml
-
-    from benchmarks._lib.colocated import EOS
-
-    images = state.kind == "images"
-    plan: dict[str, Any] = {
-        "seed": 7,
-        "sources": [
-            {
-                "name": s["name"],
-                "path": f"{'isources' if images else 'sources'}/{s['name']}/*",
-                "format": "webdataset" if images else "jsonl",
-                **({"text_field": "txt"} if images else {}),
-                "shadows": shadows,
-            }
-            for s in sources
-        ],
-        "tokenizer": {"kind": "hf", "path": tokenizer, "eos": EOS}
-        if tokenizer
-        else {"kind": "bytes"},
-        "mixture": {
-            "schedule": [{"step": 0, "weights": {s["name"]: s["weight"] for s in sources}}]
-        },
-        "batch": {"tokens_per_step": dp * rows_of(state.label) * SEQ, "max_seq_len": SEQ},
-        "world": {"dp": dp},
-        "shuffle": images_shuffle(
-            state,
-            sum(s["decoded_bytes"] for s in sources) / len(sources),
-            sum(s["sample_bytes"] for s in sources) / len(sources),
-        )
-        if images
-        else overlord_shuffle(state),
-        "placement": {
-            "constructors": "trainer",
-            **({"loader_processes": loader_processes} if loader_processes else {}),
-        },
-        "on_error": "skip",
-    }
-    if images:
-        plan["vision"] = {"image_token_id": IMAGE_ID}
-    path = root / f"plan-dp{dp}-s{len(sources)}-{state.kind}{state.bytes}-sh{shadows}.yaml"
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
-    return path
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -283,6 +179,8 @@ def trainer_main(a: argparse.Namespace) -> int:
                 yield {**to_torch(b), "tokens": b.num_tokens}
 
         batches = stream()
+    elif a.mode == NODE:
+        batches = _node_stream(a, d)
     else:  # bare: no loader at all, random tokens of the same shape
 
         def random() -> Iterator[Any]:
@@ -300,10 +198,38 @@ def trainer_main(a: argparse.Namespace) -> int:
         if (d / "stop").exists():
             break
         time.sleep(PACE)
-    if a.mode == "overlord":
-        os._exit(0)  # measured already: not waiting for the client's goodbye to the job
+    if a.mode in ("overlord", NODE):
+        # measured already: not waiting for the client's goodbye to the job, nor for every
+        # rank to reach the node's stop step
+        os._exit(0)
     del batches, loader  # joins the DataLoader's workers
     return 0
+
+
+def _write_stats(d: Path, stats: list[dict[str, Any]]) -> None:
+    keep = ("source", "held_tokens", "held_shards", "budget_tokens", "shards")
+    (d / "stats.tmp").write_text(json.dumps([{k: s[k] for k in keep} for s in stats]))
+    os.replace(d / "stats.tmp", d / "stats.json")
+
+
+def _node_stream(a: argparse.Namespace, d: Path) -> Iterator[dict[str, Any]]:
+    """This rank's batches in node mode: ``overlord.Loader(plan)`` under torchrun's variables.
+
+    Rank 0's process runs the node's one embedded Loader; it answers the stats request.
+    """
+    import overlord
+    from overlord.node import NodeClient
+    from overlord.torch import to_torch
+
+    loader = overlord.Loader(a.plan)
+    if type(loader).__name__ != "NodeLoader":
+        raise RuntimeError(f"expected a NodeLoader under torchrun's variables, got {loader!r}")
+    client = loader.client(a.rank)
+    assert isinstance(client, NodeClient)
+    for b in client:
+        if a.rank == 0 and (d / "stats-req").exists() and not (d / "stats.json").exists():
+            _write_stats(d, loader.stats()["loaders"])
+        yield {**to_torch(b), "tokens": b.num_tokens}
 
 
 def driver_main(a: argparse.Namespace) -> int:
@@ -319,10 +245,7 @@ def driver_main(a: argparse.Namespace) -> int:
         os.replace(d / "ready.tmp", d / "ready")
         while not (d / "stop").exists():
             if (d / "stats-req").exists() and not (d / "stats.json").exists():
-                stats = loader.stats()["loaders"]
-                keep = ("source", "held_tokens", "held_shards", "budget_tokens", "shards")
-                (d / "stats.tmp").write_text(json.dumps([{k: s[k] for k in keep} for s in stats]))
-                os.replace(d / "stats.tmp", d / "stats.json")
+                _write_stats(d, loader.stats()["loaders"])
             time.sleep(0.1)
     return 0
 
@@ -378,6 +301,29 @@ def snapshot(trainers: set[int], driver: int | None) -> dict[str, Any]:
     return {"total": total, "parts": parts, "kinds": kinds, "count": count, "procs": procs}
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now, for the node's rendezvous (``MASTER_PORT``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_env(ranks: int, port: int) -> list[dict[str, str]]:
+    """What ``torchrun --standalone --nproc_per_node ranks`` sets in each rank's process.
+
+    The agent torchrun would add (a process of its own) is not run: the benchmark is it.
+    Gloo on the loopback interface (the only one in ``tools/loopback``'s namespace).
+    """
+    common = {
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    }
+    return [{**common, "RANK": str(k), "LOCAL_RANK": str(k)} for k in range(ranks)]
+
+
 def measure(cell: Cell, root: Path, plan: Path | None, extra: list[str]) -> dict[str, Any]:
     """Run one design on (R, W, S) at a state; return its steady-state PSS.
 
@@ -397,10 +343,12 @@ def measure(cell: Cell, root: Path, plan: Path | None, extra: list[str]) -> dict
     }
     logs = []
 
-    def start(args: list[str]) -> subprocess.Popen[bytes]:
+    def start(args: list[str], more: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(d / f"log-{len(logs)}.txt", "wb")  # noqa: SIM115 (closed below)
         logs.append(log)
-        return subprocess.Popen(me + args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.Popen(
+            me + args, env={**env, **(more or {})}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        )
 
     job = f"mem-{os.getpid()}-{d.name}"
     common = ["--dir", str(d), "--job", job, "--seed", "7"]
@@ -415,10 +363,13 @@ def measure(cell: Cell, root: Path, plan: Path | None, extra: list[str]) -> dict
             _wait("the overlord job", (d / "ready").exists, procs, 600)
             env["RAY_ADDRESS"] = (d / "ready").read_text()
             out["t_ready"] = time.monotonic() - t0
+        node = torchrun_env(r, free_port()) if kind == NODE else None
         for rank in range(r):
             args = ["--child", "trainer", "--mode", kind, "--rank", str(rank), "--workers", str(w)]
-            procs.append(start([*args, *extra, *common]))
-        trainers = {p.pid for p in procs if p is not driver}
+            args += ["--plan", str(plan)] if kind == NODE else []
+            procs.append(start([*args, *extra, *common], node[rank] if node else None))
+        ranks = [p.pid for p in procs if p is not driver]  # in rank order
+        trainers = set(ranks)
         _wait(
             f"{WARM} steps on every rank",
             lambda: min(st for st, _ in _progress(d, r)) >= WARM,
@@ -436,9 +387,11 @@ def measure(cell: Cell, root: Path, plan: Path | None, extra: list[str]) -> dict
             raise RuntimeError("a process exited while sampling")
         best = max(samples, key=lambda x: x["total"])
         out.update(best)
+        pss = {x["pid"]: x["pss"] for x in best["procs"]}
+        out["trainer_pss"] = [pss.get(pid, 0) for pid in ranks]  # rank 0 first
         out["steps_while_sampling"] = min(a[0] - b[0] for a, b in zip(after, before))
         out["tokens_per_step"] = after[0][1] / after[0][0]
-        if kind == "overlord":
+        if kind in ("overlord", NODE):
             (d / "stats-req").touch()
             _wait("the loaders' stats", (d / "stats.json").exists, procs, 60)
             out["loaders"] = json.loads((d / "stats.json").read_text())
@@ -487,6 +440,12 @@ def main() -> int:
     )
     ap.add_argument("--state", default=None, help=f"comma-separated states (default {STATES})")
     ap.add_argument("--shadows", default="0,1", help="overlord's shadows per source: 0, 1 or 0,1")
+    ap.add_argument(
+        "--designs",
+        default=",".join(DESIGNS),
+        help=f"designs to measure (default {','.join(DESIGNS)}; runs of the others that "
+        "--resume keeps are reported beside them)",
+    )
     ap.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     ap.add_argument(
         "--loader-processes",
@@ -516,6 +475,7 @@ def main() -> int:
             for t in (a.state or ("index,shuffle:4MB" if a.quick else STATES)).split(",")
         ]
         shadows = sorted({int(x) for x in a.shadows.split(",")})
+        designs = parse_designs(a.designs)
     except ValueError as e:
         ap.error(str(e))
     if any(sh not in (0, 1) for sh in shadows):
@@ -532,7 +492,7 @@ def main() -> int:
         print(f"error: processes of an earlier run are still alive: {sorted(stale)}")
         return 1
     target = QUICK if a.quick else TARGET
-    cells = plan_cells(states, shadows, target, a.quick)
+    cells = plan_cells(states, shadows, target, a.quick, designs)
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overlord-memory-") as tmp:
         root = Path(tmp)
@@ -558,16 +518,16 @@ def main() -> int:
         runs: list[dict[str, Any]] = []
         if a.resume and a.json and a.json.exists():
             runs = json.loads(a.json.read_text())["runs"]
-        done = {(x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) for x in runs}
+        done = {run_key(x) for x in runs}
         for c in cells:
-            if _keys(c, target) & done:
+            if keys(c, target) & done:
                 continue  # measured already (--resume), at this S or at the target's
             src = root / f"sources-{c.state.split(':')[0] or 'index'}-s{c.s}.json"
             these = (image_sources if c.state.startswith("images") else sources)[: c.s]
             src.write_text(json.dumps(these))
             extra = ["--sources", str(src), "--tok", tok or "", "--state", c.state or "index"]
             plan = None
-            if c.kind == "overlord":
+            if c.kind in ("overlord", NODE):
                 plan = write_plan(
                     root,
                     these,
@@ -586,10 +546,10 @@ def main() -> int:
                 f"{mib(m['total'])} MiB ({m['seconds']:.0f} s)",
                 flush=True,
             )
-    keep = set().union(*(_keys(c, target) for c in cells))
-    runs = [  # --resume: only this sweep's cells
-        x for x in runs if (x["kind"], x["state"], x["R"], x["W"], x["S"], x["shadows"]) in keep
-    ]
+    # --resume: only this sweep's cells, of every design (the others' earlier runs too)
+    every = plan_cells(states, shadows, target, a.quick)
+    keep = set().union(*(keys(c, target) for c in every))
+    runs = [x for x in runs if run_key(x) in keep]
     text, rows = report(runs, states, shadows, target)
     print()
     print(text)

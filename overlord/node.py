@@ -12,7 +12,10 @@ single-process embedded runtime gives it (``Loader.client(dp_rank)``, or
 ``Loader.rank_client(global_rank)`` in a mesh: a DP rank's batch is fetched,
 packed and cut for its CP ranks once, and TP peers are sent the same view;
 each process holds its own copy of what it received). Multi-node jobs are
-Ray's (``overlord serve``).
+Ray's (``overlord serve``). Rank 0's process hosts every loader of the node:
+it takes a Ray loader process's allocators (``lean_allocators``: glibc's
+malloc arenas capped, Arrow on the system allocator); the other ranks' are
+left as they were.
 
 Messages are tensors: a header of eight int64 (kind, step, DP rank, three
 unused, the lengths of the meta JSON and of the state's JSON), then two byte
@@ -49,6 +52,7 @@ import torch.distributed as dist
 from overlord.batch import Batch, Sample
 from overlord.errors import LoaderError
 from overlord.plan.spec import Plan
+from overlord.runtime.threads import lean_allocators
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
 _ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
@@ -205,6 +209,10 @@ class NodeClient(Iterator[Batch]):
         try:
             if self._make_loader is None:
                 raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
+            # this process hosts every loader of the node, as a Ray design's loader process
+            # does: rank 0 held 806 MiB above a bare trainer without it, 112 with it
+            # (32 sources at index, benchmarks/memory.py --designs overlord-node)
+            lean_allocators(host=True)
             with self._make_loader(plan, state) as loader:
                 self.loader = loader
                 # a DP rank's batch is built once, its views cut once for all its peers

@@ -106,6 +106,9 @@ def main() -> None:
             result["lines"].append(dump_line(batch))
         result["state"] = client.state_dict()
         if loader is not None:
+            import pyarrow as pa
+
+            result["arrow_pool"] = pa.default_memory_pool().backend_name
             result["loader_state"] = loader.state_dict()
             if rank == 0:
                 result["records"] = sum(s["records"] for s in loader.stats()["loaders"])

@@ -21,8 +21,25 @@ from benchmarks._lib.colocated import (
     overlord_shuffle,
     parse_state,
 )
-from benchmarks._lib.memory_report import at_target, crossover
-from benchmarks.memory import Cell, fit_sources, plan_cells
+from benchmarks._lib.memory_cells import (
+    DESIGNS,
+    Cell,
+    fit_sources,
+    keys,
+    parse_designs,
+    plan_cells,
+    run_key,
+)
+from benchmarks._lib.memory_report import (
+    at_target,
+    crossover,
+    index_table,
+    node_breakdown,
+    node_table,
+    report,
+)
+from benchmarks._lib.procfs import CATEGORIES
+from benchmarks.memory import torchrun_env
 
 
 def test_parse_state() -> None:
@@ -95,9 +112,21 @@ def test_plan_cells_measures_what_fits_and_the_index_target() -> None:
     wide = plan_cells([parse_state("shuffle:64MB")], [1], (8, 4, 128), False)
     # 32 GiB of windows at S=128 does not fit: S=32 (8 GiB) and 16, carried along their line
     assert [c.s for c in wide if c.kind == "overlord"] == [16, 32]
+    assert Cell("overlord-node", "shuffle:64MB", 8, 0, 32) in cells  # no standby
     assert Cell("baseline", "index", 8, 2, 16) in cells
     assert Cell("overlord", "index", 8, 0, 16, 1) in cells
+    assert Cell("overlord-node", "index", 8, 0, 16) in cells
+    assert not [c for c in cells if c.kind == "overlord-node" and c.shadows]
     assert len(cells) == len(set(cells))
+    node = plan_cells([parse_state("index")], [0, 1], (8, 4, 32), False, ("overlord-node",))
+    assert node == [
+        Cell("bare", "", 1, 0, 0),
+        Cell("bare", "", 8, 0, 0),
+        Cell("overlord-node", "index", 8, 0, 32),
+        Cell("overlord-node", "index", 8, 0, 16),
+    ]
+    quick = plan_cells([parse_state("index")], [0], (2, 2, 4), True, ("baseline", "overlord-node"))
+    assert [c.kind for c in quick] == ["bare", "bare", "baseline", "overlord-node"]
     images = plan_cells([parse_state("images:16MB")], [0, 1], (8, 4, 32), False)
     assert Cell("baseline", "images:16MB", 1, 4, 32) in images  # 2 GiB of buffers: fits
     assert Cell("overlord", "images:16MB", 8, 0, 32, 1) in images
@@ -125,6 +154,88 @@ def test_at_target_carries_the_baseline_by_rank_and_by_source() -> None:
     assert got["baseline_how"] == "R=1 S=8 and 16, line to S=32, x8"
     assert got["overlord_how"] == "R=8 S=32"
     assert at_target(runs, bare, "other", 0, (8, 4, 32)) is None
+
+
+def test_parse_designs() -> None:
+    assert parse_designs("overlord-node, baseline") == ("baseline", "overlord-node")
+    assert parse_designs(",".join(DESIGNS)) == DESIGNS
+    for bad in ("", "ray", "baseline,node"):
+        with pytest.raises(ValueError, match="expected a comma-separated subset"):
+            parse_designs(bad)
+
+
+def test_runs_of_earlier_sweeps_stand_for_their_cells() -> None:
+    old = {"kind": "overlord", "state": "index", "R": 8, "W": 0, "S": 32}  # no shadows field
+    assert run_key(old) in keys(Cell("overlord", "index", 8, 0, 32), (8, 4, 32))
+    node = {**old, "kind": "overlord-node", "shadows": 0}
+    assert run_key(node) not in keys(Cell("overlord", "index", 8, 0, 32), (8, 4, 32))
+    assert run_key(node) in keys(Cell("overlord-node", "index", 8, 0, 32), (8, 4, 32))
+    # carried: a run at the target's S stands for the smaller S the sweep would measure
+    assert run_key(node) in keys(Cell("overlord-node", "index", 8, 0, 8), (8, 4, 32))
+    # but the index target's own cell is measured at its own S
+    assert run_key(node) not in keys(Cell("overlord-node", "index", 8, 0, 16), (8, 4, 32))
+
+
+def test_torchrun_env_gives_each_rank_its_place_on_one_node() -> None:
+    env = torchrun_env(3, 29555)
+    assert [e["RANK"] for e in env] == ["0", "1", "2"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "1", "2"]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_PORT"]) for e in env} == {
+        ("3", "3", "29555")
+    }
+    assert env[0]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def _node_runs() -> tuple[list[dict], dict]:
+    bare = {"kind": "bare", "state": "", "R": 8, "W": 0, "S": 0, "shadows": 0, "total": 800.0}
+    one = {**bare, "R": 1, "total": 100.0}
+    runs = [
+        bare,
+        one,
+        {**_run("baseline", 8, 16, 800.0 + 400, w=2), "state": "index"},
+        {**_run("baseline", 1, 16, 100.0 + 50, w=2), "state": "index"},
+        {**_run("overlord", 8, 16, 800.0 + 500), "state": "index"},
+        {
+            **_run("overlord-node", 8, 16, 800.0 + 200),
+            "state": "index",
+            "trainer_pss": [240.0] + [110.0] * 7,  # rank 0 +140, the others +10 each
+        },
+    ]
+    for x in runs:  # what measured_table reads of every run
+        x.update(parts=dict.fromkeys(CATEGORIES, 0), count=dict.fromkeys(CATEGORIES, 0), seconds=1)
+    return runs, {1: one, 8: bare}
+
+
+def test_node_breakdown_splits_rank_0_from_the_other_trainers() -> None:
+    runs, bare = _node_runs()
+    got = node_breakdown(runs[-1], bare)
+    assert got["rank0"] == pytest.approx(140)
+    assert got["others"] == pytest.approx(70)
+    assert got["other_each"] == pytest.approx(10)
+    assert got["rest"] == pytest.approx(1000 - 240 - 770)  # what no trainer holds
+
+
+def test_node_mode_is_reported_beside_ray() -> None:
+    runs, bare = _node_runs()
+    designs = [("overlord", 0, "shadows 0"), ("overlord-node", 0, "node mode")]
+    table = index_table(runs, bare, designs)
+    rows = table.splitlines()
+    assert rows[-2].startswith("| overlord on Ray, shadows 0 |")
+    assert rows[-2].endswith(" | 0.80x | 0.92x |")  # 400/500 loader, 1200/1300 total
+    assert rows[-1].startswith("| overlord in node mode |")
+    assert rows[-1].endswith(" | 2.00x | 1.20x |")  # 400/200, 1200/1000
+    target = (8, 2, 16)
+    ray = at_target(runs, bare, "index", 0, target)
+    node = at_target(runs, bare, "index", 0, target, "overlord-node")
+    assert ray is not None and node is not None
+    assert (ray["design"], node["design"]) == ("overlord", "overlord-node")
+    assert node["ratio"] == pytest.approx(8 * 50 / 200)  # a baseline of R=1 is carried x R
+    lines = node_table([ray, node], target).splitlines()
+    assert len(lines) == 5 and lines[-1].startswith("| index |")
+    assert " | 0.80x | 2.00x | " in lines[-1]  # Ray's loader ratio, then node mode's
+    text, rows = report(runs, [parse_state("index")], [0], target)
+    assert [x["design"] for x in rows] == ["overlord", "overlord-node"]
+    assert "node mode: overlord's loader memory is below the colocated one already" in text
 
 
 def test_shuffle_reader_holds_its_buffer(tmp_path) -> None:

@@ -84,6 +84,13 @@ def test_overlord_loader_under_torchrun_is_the_nodes_loader(plan_path, tmp_path)
         assert result["loader_state"] == result["state"] and result["state"]["step"] == 8
     # the sources were read once, by rank 0's loaders: as many records as one process reads
     assert got[0]["records"] == sum(s["records"] for s in want.stats["loaders"])
+    # rank 0 hosts the node's loaders: their allocators, as a Ray loader process's; the
+    # other ranks' are left as they were
+    import pyarrow as pa
+
+    assert got[0]["arrow_pool"] == "system"
+    assert {r["arrow_pool"] for r in got[1:]} == {pa.default_memory_pool().backend_name}
+    assert pa.default_memory_pool().backend_name != "system"  # else the check proves nothing
 
 
 def test_a_checkpoint_taken_under_torchrun_resumes_there(plan_path, tmp_path):

@@ -1,8 +1,10 @@
 """The report of ``benchmarks/memory.py``: figures at the target, measured or carried there.
 
-``at_target`` takes the measured runs to R x W x S (``linear`` in S, and R times one
-trainer's loader memory for the baseline); ``crossover`` finds the state where overlord
-starts to win; the rest print tables and draw the plot.
+``at_target`` takes the measured runs of an overlord design (on Ray, or in node mode) and
+the baseline's to R x W x S (``linear`` in S, and R times one trainer's loader memory for
+the baseline); ``crossover`` finds the state where overlord starts to win;
+``node_breakdown`` splits node mode's memory between rank 0 and the other trainers; the
+rest print tables and draw the plot.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from benchmarks._lib.procfs import CATEGORIES
 
 TARGET = (8, 4, 32)  # (R, W, S): >= 13.5x less loader memory at 64 MB
 INDEX_TARGET = (8, 2, 16)  # no worse than the baseline at index-only state
+NODE = "overlord-node"  # overlord's node mode: torchrun on one node, no Ray
 
 
 def mib(x: float) -> str:
@@ -47,8 +50,13 @@ def at_target(
     state: str,
     shadows: int,
     target: tuple[int, int, int],
+    design: str = "overlord",
 ) -> dict[str, Any] | None:
-    """Both designs' loader and total memory at ``target``, measured or carried there."""
+    """The baseline's and an overlord ``design``'s memory at ``target``, measured or carried.
+
+    The figures of ``design`` (``overlord`` on Ray or ``overlord-node``) are under the
+    ``overlord_*`` keys; ``design`` names which.
+    """
     r, w, s = target
     b = [
         (x["S"], _loader(x, bare))
@@ -58,10 +66,10 @@ def at_target(
     o = [
         (x["S"], _loader(x, bare))
         for x in runs
-        if x["kind"] == "overlord"
+        if x["kind"] == design
         and x["state"] == state
         and x["R"] == r
-        and x["shadows"] == shadows
+        and x.get("shadows", 0) == shadows
     ]
     if not b or not o:
         return None
@@ -76,6 +84,7 @@ def at_target(
     bl, ol = r * linear([(float(a), c) for a, c in b], s), linear([(float(a), c) for a, c in o], s)
     t = bare[r]["total"]
     return {
+        "design": design,
         "state": state,
         "shadows": shadows,
         "baseline_loader": bl,
@@ -120,12 +129,106 @@ def target_table(rows: list[dict[str, Any]], target: tuple[int, int, int]) -> st
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for x in rows:
+        if x.get("design", "overlord") != "overlord":
+            continue
         lines.append(
             f"| {x['state']} | {x['shadows']} | {mib(x['baseline_total'])} "
             f"| {mib(x['overlord_total'])} | {x['total_ratio']:.2f}x "
             f"| {mib(x['baseline_loader'])} | {mib(x['overlord_loader'])} "
             f"| {x['ratio']:.2f}x | {x['baseline_how']} | {x['overlord_how']} |"
         )
+    return "\n".join(lines)
+
+
+def node_table(rows: list[dict[str, Any]], target: tuple[int, int, int]) -> str:
+    """Node mode beside overlord on Ray (``shadows`` 0, as node mode) at ``target``."""
+    ray = {x["state"]: x for x in rows if x["design"] == "overlord" and x["shadows"] == 0}
+    lines = [
+        f"overlord on Ray (shadows 0) and in node mode (torchrun, no Ray) at R x W x S = "
+        f"{' x '.join(map(str, target))}:",
+        "",
+        "| state | baseline loader MiB | Ray loader MiB | node loader MiB | Ray loader ratio "
+        "| node loader ratio | baseline total MiB | Ray total MiB | node total MiB "
+        "| Ray total ratio | node total ratio | node from |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for x in rows:
+        if x["design"] != NODE:
+            continue
+        y = ray.get(x["state"])
+
+        def r(key: str, fmt: str = "mib", y: dict[str, Any] | None = y) -> str:
+            if y is None:
+                return "-"
+            return mib(y[key]) if fmt == "mib" else f"{y[key]:.2f}x"
+
+        lines.append(
+            f"| {x['state']} | {mib(x['baseline_loader'])} | {r('overlord_loader')} "
+            f"| {mib(x['overlord_loader'])} | {r('ratio', 'x')} | {x['ratio']:.2f}x "
+            f"| {mib(x['baseline_total'])} | {r('overlord_total')} | {mib(x['overlord_total'])} "
+            f"| {r('total_ratio', 'x')} | {x['total_ratio']:.2f}x | {x['overlord_how']} |"
+        )
+    return "\n".join(lines)
+
+
+def node_breakdown(m: dict[str, Any], bare: dict[int, dict[str, Any]]) -> dict[str, float]:
+    """Where a node-mode run's loader memory goes: rank 0, the other trainers, the rest.
+
+    Each trainer is taken above a bare trainer (the bare run of as many trainers, its
+    total split evenly); ``rest`` is every process that is no trainer (none expected).
+    """
+    ranks = m["trainer_pss"]
+    each = bare[m["R"]]["total"] / m["R"]
+    others = [x - each for x in ranks[1:]]
+    return {
+        "rank0": ranks[0] - each,
+        "others": sum(others),
+        "other_each": sum(others) / len(others) if others else 0.0,
+        "rest": m["total"] - sum(ranks),
+    }
+
+
+def index_table(
+    runs: list[dict[str, Any]],
+    bare: dict[int, dict[str, Any]],
+    designs: list[tuple[str, int, str]],
+) -> str:
+    """The index-only target (``INDEX_TARGET``, measured): each design against the baseline.
+
+    ``designs``: ``(kind, shadows, label)`` of the overlord designs to show.
+    """
+    ir, iw, is_ = INDEX_TARGET
+    b = [
+        x
+        for x in runs
+        if x["kind"] == "baseline"
+        and x["state"] == "index"
+        and (x["R"], x["W"], x["S"]) == INDEX_TARGET
+    ]
+    if not b:
+        return ""
+    lb = _loader(b[0], bare)
+    lines = [
+        f"Index-only at R x W x S = {ir} x {iw} x {is_} (measured):",
+        "",
+        "| design | loader MiB | total MiB | loader ratio | total ratio |",
+        "|---|---:|---:|---:|---:|",
+        f"| colocated, W={iw} | {mib(lb)} | {mib(b[0]['total'])} | 1.00x | 1.00x |",
+    ]
+    for design, sh, label in designs:
+        for x in runs:
+            if (
+                x["kind"] == design
+                and x["state"] == "index"
+                and (x["R"], x["S"]) == (ir, is_)
+                and x.get("shadows", 0) == sh
+            ):
+                lo = _loader(x, bare)
+                name = "overlord in node mode" if design == NODE else f"overlord on Ray, {label}"
+                lines.append(
+                    f"| {name} | {mib(lo)} | {mib(x['total'])} | {lb / lo:.2f}x "
+                    f"| {b[0]['total'] / x['total']:.2f}x |"
+                )
     return "\n".join(lines)
 
 
@@ -139,15 +242,24 @@ def plot(rows: list[dict[str, Any]], target: tuple[int, int, int], path: Path) -
     states = list(dict.fromkeys(x["state"] for x in rows))
     xs = range(len(states))
     for sh, style in ((0, "o-"), (1, "s--")):
-        pts = {x["state"]: x for x in rows if x["shadows"] == sh}
+        pts = {x["state"]: x for x in rows if x["design"] == "overlord" and x["shadows"] == sh}
         if pts:
             ax.plot(
                 [i for i, st in enumerate(states) if st in pts],
                 [pts[st]["overlord_loader"] / MiB for st in states if st in pts],
                 style,
                 color="tab:blue",
-                label=f"overlord loader, shadows {sh}",
+                label=f"overlord loader on Ray, shadows {sh}",
             )
+    node = {x["state"]: x for x in rows if x["design"] == NODE}
+    if node:
+        ax.plot(
+            [i for i, st in enumerate(states) if st in node],
+            [node[st]["overlord_loader"] / MiB for st in states if st in node],
+            "^-",
+            color="tab:green",
+            label="overlord loader, node mode (no Ray)",
+        )
     base = {x["state"]: x["baseline_loader"] / MiB for x in rows}
     ax.plot(xs, [base[st] for st in states], "o-", color="tab:red", label="colocated loader")
     ax.set_xticks(list(xs), states)
@@ -174,19 +286,28 @@ def report(
         for sh in shadows
         if (y := at_target(runs, bare, st.label, sh, target)) is not None
     ]
+    rows += [
+        y for st in states if (y := at_target(runs, bare, st.label, 0, target, NODE)) is not None
+    ]
     out = [
         "Measured runs (PSS MiB; process count in brackets):",
         "",
         measured_table(runs, bare),
-        "",
-        target_table(rows, target),
     ]
-    for sh in shadows:
+    if any(x["design"] == "overlord" for x in rows):
+        out += ["", target_table(rows, target)]
+    if any(x["design"] == NODE for x in rows):
+        out += ["", node_table(rows, target)]
+    lines = [("overlord", sh, f"shadows {sh}") for sh in shadows] + [(NODE, 0, "node mode")]
+    for design, sh, label in lines:
         pts = [
             (float(st.bytes), y["ratio"])
             for st in states
             for y in rows
-            if y["state"] == st.label and y["shadows"] == sh and st.kind != "images"
+            if y["state"] == st.label
+            and y["design"] == design
+            and y["shadows"] == sh
+            and st.kind != "images"
         ]
         if not pts:
             continue  # images only: no line of text states to cross
@@ -198,29 +319,17 @@ def report(
             if x == 0
             else f"at about {x / MiB:.1f} MiB of state per source per worker"
         )
-        out.append(f"\nshadows {sh}: overlord's loader memory is below the colocated one {where}.")
-    ir, iw, is_ = INDEX_TARGET
-    for sh in shadows:
-        b = [
-            x
-            for x in runs
-            if x["kind"] == "baseline"
-            and x["state"] == "index"
-            and (x["R"], x["W"], x["S"]) == INDEX_TARGET
-        ]
-        o = [
-            x
-            for x in runs
-            if x["kind"] == "overlord"
-            and x["state"] == "index"
-            and (x["R"], x["S"]) == (ir, is_)
-            and x["shadows"] == sh
-        ]
-        if b and o:
-            lb, lo = _loader(b[0], bare), _loader(o[0], bare)
+        out.append(f"\n{label}: overlord's loader memory is below the colocated one {where}.")
+    index = index_table(runs, bare, lines)
+    if index:
+        out += ["", index]
+    for m in runs:
+        if m["kind"] == NODE and "trainer_pss" in m:
+            k = node_breakdown(m, bare)
             out.append(
-                f"index-only at {ir} x {iw} x {is_}, shadows {sh} (measured): baseline loader "
-                f"{mib(lb)} MiB, overlord loader {mib(lo)} MiB: {lb / lo:.2f}x; totals "
-                f"{mib(b[0]['total'])} and {mib(o[0]['total'])} MiB."
+                f"node mode, {m['state']} at R={m['R']} S={m['S']}: loader "
+                f"{mib(_loader(m, bare))} MiB = rank 0 {mib(k['rank0'])} above a bare trainer "
+                f"+ the other {m['R'] - 1} trainers {mib(k['others'])} "
+                f"({mib(k['other_each'])} each) + other processes {mib(k['rest'])}."
             )
     return "\n".join(out), rows

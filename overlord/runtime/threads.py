@@ -81,8 +81,8 @@ def in_ray_actor() -> bool:
     return ray.get_runtime_context().get_actor_id() is not None
 
 
-def lean_allocators(arenas: int = LOADER_ARENAS) -> bool:
-    """In a loader's actor process: few glibc arenas, Arrow on the system allocator.
+def lean_allocators(arenas: int = LOADER_ARENAS, host: bool = False) -> bool:
+    """In a process hosting loaders: few glibc arenas, Arrow on the system allocator.
 
     A loader runs two threads per source and tokenizes each piece on a thread of its
     own. glibc gives threads arenas of their own (up to 8 per core) and Arrow's default
@@ -92,11 +92,13 @@ def lean_allocators(arenas: int = LOADER_ARENAS) -> bool:
     ``benchmarks/memory.py``, README *Loader memory*). Blocks of 128 KiB and more (a
     window's pieces) are mapped apart and handed back when freed: glibc would otherwise
     raise that threshold to the size of each mapped block freed, up to 32 MiB, and keep
-    freed pieces in its heap. Returns whether it changed them:
-    only in a Ray actor's process (an embedded loader runs in the user's process, whose
-    allocators are the user's business), and the arena cap only with glibc.
+    freed pieces in its heap. Returns whether it changed them: in a Ray actor's
+    process, or where ``host`` says this process hosts a node's loaders (node mode's
+    rank 0, ``overlord.node``: the node's only loader process); not in a plain
+    embedded Loader (the user's process, whose allocators are the user's business).
+    The arena cap only with glibc.
     """
-    if not in_ray_actor():
+    if not (host or in_ray_actor()):
         return False
     import pyarrow as pa
 
