@@ -28,8 +28,10 @@ from overlord.sources import shard as shard_module
 from overlord.sources.catalog import job_files
 from overlord.sources.formats import line_index
 from overlord.sources.shard import (
+    Packed,
     Window,
     block_order,
+    cut_items,
     load_shard_items,
     shard_windows,
     window_order,
@@ -302,6 +304,26 @@ def test_a_shadow_reads_its_next_window_once_all_of_the_one_being_cut_has_starte
         _wait_on_budget(loader, ahead=True)
     finally:
         loader.close()
+
+
+def test_a_packed_window_cuts_into_the_same_items(tmp_path: Path) -> None:
+    """A standby holds its pieces compressed: unpacked, they are the same records and items."""
+    path = _lines_file(tmp_path, "packed.jsonl")
+    plan = _one_source_plan(tmp_path, 4096)
+    files = job_files([("web", [str(path)])], str(plan.base_dir))["web"].at(0)
+    spec, tok = plan.sources[0], BytesTokenizer()
+    plain, packed = (next(shard_windows(plan, spec, files, 0, 0)) for _ in range(2))
+    packed.pack()
+    assert all(isinstance(p, Packed) for p in packed.parts)
+    held = sum(p.data.size for p in packed.parts if isinstance(p, Packed))
+    assert held < packed.text_bytes(0, len(packed)) // 4  # "z" * 3000 compresses well
+    lo, hi = packed.cut[1][0] + 1, packed.cut[3][1] - 1  # a run across pieces
+    assert packed.part(lo, hi).texts.equals(plain.part(lo, hi).texts)
+    for a, b in packed.cut:
+        want, got = cut_items(plan, tok, plain, a, b), cut_items(plan, tok, packed, a, b)
+        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.row, want.row)
+        packed.release(a, b)
+    assert packed.released
 
 
 def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:

@@ -155,9 +155,7 @@ class SourceLoader:
         nxt = next(positions, None)
         try:
             while True:
-                with self._lock:
-                    # frozen (a re-partition is choosing its boundary), or every shard it
-                    # owns is read: wait for until() or close()
+                with self._lock:  # waits while frozen (a re-partition) or all it owns is read
                     while not self._closed and not self._may_read(nxt):
                         self._lock.wait(0.5)
                     if self._closed:
@@ -171,6 +169,8 @@ class SourceLoader:
                 file_index = files.index(file)
                 windows = shard_windows(self.plan, self.spec, files, *at, self._cache)
                 while self._room() and (window := next(windows, None)) is not None:
+                    if not self._serving:  # a standby's window waits compressed
+                        window.pack()
                     self._put(window)
                 if self._closed or not self._put(_Task(at, file_index, end=True)):
                     return
@@ -181,7 +181,7 @@ class SourceLoader:
         """Wait until the next window may be read; False once closed.
 
         None waits to be cut, and the window being cut started on its last half (a
-        shadow's: all of it): a loader holds about one window of text, a shadow half.
+        shadow's: all of it, held compressed): a loader holds about one window of text.
         """
         with self._lock:
             while not self._closed and (

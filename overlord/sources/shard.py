@@ -54,6 +54,7 @@ from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
 
 PIECE_BYTES = 256 << 10  # text tokenized at once: tens of ms of work at most
+PACK_CODEC = "zstd"  # a standby's pieces, held compressed until cut
 FIRST_PIECE_BYTES = 16 << 10  # a window's first piece: its first items come fast
 
 
@@ -94,6 +95,32 @@ class Part(NamedTuple):
     keys: pa.Array | None = None  # large_string per record: a tar's image members
 
 
+class Packed(NamedTuple):
+    """A piece held compressed (a standby's, until it is cut): its text's bytes in zstd."""
+
+    records: int
+    offsets: pa.Buffer  # the text's int64 offsets, as they were
+    data: pa.Buffer  # the text's bytes, compressed
+    size: int  # the text's bytes
+    images: pa.Array | None = None
+    keys: pa.Array | None = None
+
+    @classmethod
+    def of(cls, part: Part) -> Packed | Part:
+        """``part`` compressed (a part with nulls or an offset stays as it is)."""
+        _, offsets, data = part.texts.buffers()
+        if part.texts.null_count or part.texts.offset or data is None:
+            return part
+        packed = pa.compress(data, codec=PACK_CODEC, asbytes=False)
+        return cls(len(part.texts), offsets, packed, data.size, part.images, part.keys)
+
+    def unpacked(self) -> Part:
+        """The piece's arrays, its text decompressed."""
+        data = pa.decompress(self.data, self.size, codec=PACK_CODEC, asbytes=False)
+        texts = pa.Array.from_buffers(pa.large_string(), self.records, [None, self.offsets, data])
+        return Part(texts, self.images, self.keys)
+
+
 @dataclass
 class Window:
     """The records of one window, in the source's order: transformed, not blank, permuted.
@@ -111,7 +138,7 @@ class Window:
     rows: np.ndarray  # int64: the row of each record in its file
     offsets: np.ndarray  # int64, one more than records: where each record's bytes start
     cut: list[tuple[int, int]]  # the pieces, :meth:`pieces` of ``PIECE_BYTES``
-    parts: list[Part | None]  # per piece of ``cut``; None once released
+    parts: list[Part | Packed | None]  # per piece of ``cut``; None once released
     skipped: list[SourceError] = field(default_factory=list)
     records: int = 0  # records its blocks hold: good, empty and bad
     empty: int = 0  # blank texts: not samples
@@ -142,11 +169,12 @@ class Window:
             a, b = self.cut[k]
             if a >= hi:
                 break
-            part = self.parts[k]
-            if part is None:
+            held = self.parts[k]
+            if held is None:
                 raise RuntimeError(
                     f"records {a}-{b} of window {self.number} of {self.name} were released"
                 )
+            part = held.unpacked() if isinstance(held, Packed) else held
             s, e = max(lo, a) - a, min(hi, b) - a
             got.append(Part(*(None if x is None else x.slice(s, e - s) for x in part)))
         if len(got) == 1:
@@ -154,6 +182,10 @@ class Window:
         if not got:
             return Part(_EMPTY_TEXTS, *((_EMPTY_BINARY, _EMPTY_TEXTS) if self.has_images else ()))
         return Part(*(None if x[0] is None else pa.concat_arrays(list(x)) for x in zip(*got)))
+
+    def pack(self) -> None:
+        """Hold its pieces' text compressed until each is cut (a standby's window)."""
+        self.parts = [Packed.of(p) if isinstance(p, Part) else p for p in self.parts]
 
     def release(self, lo: int, hi: int) -> None:
         """Let go of the pieces wholly inside records ``[lo, hi)``."""
@@ -349,7 +381,7 @@ def _window(
         size = size + np.diff(_array_offsets(block.images))
     offsets = np.concatenate(([0], np.cumsum(size[order], dtype=np.int64)))
     cut = _pieces(offsets, PIECE_BYTES)
-    parts: list[Part | None] = [
+    parts: list[Part | Packed | None] = [
         Part(
             *(
                 None if a is None else a.take(pa.array(order[lo:hi]))
