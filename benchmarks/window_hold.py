@@ -43,7 +43,7 @@ def held(loader: SourceLoader) -> int:
         windows = [loader._cut[0]] if loader._cut else []
         windows += [w for w in loader._windows if isinstance(w, Window)]
         parts = [p for w in windows for p in w.parts if p is not None]
-        return sum(p.data.size if isinstance(p, Packed) else p.texts.buffers()[2].size for p in parts)
+        return sum(p.data.size if isinstance(p, Packed) else p.texts.nbytes for p in parts)
 
 
 def main() -> int:
