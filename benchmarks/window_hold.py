@@ -13,14 +13,17 @@ Run (about 15 s)::
 
     .venv/bin/python -m benchmarks.window_hold [--rate 1.0] [--windows 9]
 
-The JSONL source holds records of 200-6,000 bytes; windows are 8 x 1 MiB blocks; the
-bytes tokenizer makes a token of each byte, so a window is about 8M tokens.
+The JSONL source holds the modules of Python's standard library (as the demo's sources
+do), one record each; windows are 8 x 1 MiB blocks; the bytes tokenizer makes a token of
+each byte, so a window is about 8M tokens. A standby's pieces are counted as held:
+compressed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sysconfig
 import tempfile
 import threading
 import time
@@ -52,10 +55,14 @@ def main() -> int:
     ap.add_argument("--windows", type=float, default=9.0, help="windows to cut")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="overlord-window-hold-"))
-    rng = np.random.default_rng(0)
-    with open(root / "web.jsonl", "w") as f:
-        for i in range(int(a.windows * WINDOW / 3000) + 20000):
-            f.write(json.dumps({"text": f"{i} " + "z" * int(rng.integers(200, 6000))}) + "\n")
+    with open(root / "web.jsonl", "w") as f:  # Python's own modules, as the demo's sources
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+        written = 0
+        while written < (a.windows + 3) * WINDOW:
+            for path in files:
+                text = path.read_text(errors="replace")
+                f.write(json.dumps({"text": text}) + "\n")
+                written += len(text)
     (root / "plan.yaml").write_text(
         json.dumps(
             {
