@@ -228,7 +228,9 @@ def kernel() -> Callable[..., int] | None:
             except ImportError:
                 _compiled.append(None)
             else:
-                jit = numba.njit(cache=True, nogil=True)
+                # the GIL held: a daemon thread in the loop when the process exits must
+                # not take the GIL back from C++ frames (that ends in std::terminate)
+                jit = numba.njit(cache=True)
                 here = globals()
                 for name in ("_tz", "_least_from", "_meld", "_pop"):  # the loop calls them
                     here[name] = jit(here[name])

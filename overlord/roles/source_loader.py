@@ -588,8 +588,8 @@ class SourceLoader:
             self._lock.notify_all()
         # let reads in flight end (a process must not exit in the middle of Arrow's C++);
         # a read that hangs is a daemon thread and is left behind
-        for thread in self._threads_started:
-            thread.join(timeout=2)
+        for thread in self._threads_started:  # a window being built ends within seconds
+            thread.join(timeout=min(CLOSE_WAIT_S, self.plan.loading.timeout_s))
         wait(
             [t.piece for t in list(self._pending) if t.piece is not None],
             timeout=min(CLOSE_WAIT_S, self.plan.loading.timeout_s),
