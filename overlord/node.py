@@ -210,8 +210,8 @@ class NodeClient(Iterator[Batch]):
             if self._make_loader is None:
                 raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
             # this process hosts every loader of the node, as a Ray design's loader process
-            # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it
-            # (32 sources at index, benchmarks/memory.py --designs overlord-node)
+            # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it in the
+            # same sweep (32 sources at index, benchmarks/memory.py --designs overlord-node)
             lean_allocators(host=True)
             with self._make_loader(plan, state) as loader:
                 self.loader = loader
