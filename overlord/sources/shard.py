@@ -137,7 +137,7 @@ class Window:
     number: int
     rows: np.ndarray  # int64: the row of each record in its file
     offsets: np.ndarray  # int64, one more than records: where each record's bytes start
-    cut: list[tuple[int, int]]  # the pieces, :meth:`pieces` of ``PIECE_BYTES``
+    cut: list[tuple[int, int]]  # its pieces, ``_pieces`` of ``PIECE_BYTES``
     parts: list[Part | Packed | None]  # per piece of ``cut``; None once released
     skipped: list[SourceError] = field(default_factory=list)
     records: int = 0  # records its blocks hold: good, empty and bad
@@ -152,14 +152,6 @@ class Window:
     def text_bytes(self, lo: int, hi: int) -> int:
         """Bytes of records ``[lo, hi)``: their text's, and their images'."""
         return int(self.offsets[hi] - self.offsets[lo])
-
-    def pieces(self, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
-        """Runs ``[lo, hi)`` of its records holding about ``piece_bytes`` each.
-
-        The first pieces are smaller (from ``FIRST_PIECE_BYTES``, doubling): the
-        window's first items are ready soon after it is read.
-        """
-        return _pieces(self.offsets, piece_bytes)
 
     def part(self, lo: int, hi: int) -> Part:
         """The arrays of records ``[lo, hi)``, from the pieces not released."""
@@ -189,9 +181,10 @@ class Window:
 
     def release(self, lo: int, hi: int) -> None:
         """Let go of the pieces wholly inside records ``[lo, hi)``."""
-        for k, (a, b) in enumerate(self.cut):
-            if lo <= a and b <= hi:
-                self.parts[k] = None
+        k = bisect.bisect_left(self.cut, (lo, 0))
+        while k < len(self.cut) and self.cut[k][1] <= hi:
+            self.parts[k] = None
+            k += 1
 
     def holds_over(self, left: list[tuple[int, int]], share: float) -> bool:
         """Whether its last pieces ``left`` hold more than ``share`` of its bytes."""
@@ -208,7 +201,11 @@ _EMPTY_BINARY = pa.array([], pa.large_binary())
 
 
 def _pieces(offsets: np.ndarray, piece_bytes: int) -> list[tuple[int, int]]:
-    """:meth:`Window.pieces` over the records' byte ``offsets``."""
+    """Runs ``[lo, hi)`` of records (byte ``offsets``) holding about ``piece_bytes`` each.
+
+    The first pieces are smaller (from ``FIRST_PIECE_BYTES``, doubling): a window's
+    first items are ready soon after it is read.
+    """
     n = len(offsets) - 1
     if n <= 0:
         return []
@@ -493,7 +490,7 @@ def load_shard_items(
         records += window.records
         empty += window.empty
         skipped += window.skipped
-        for lo, hi in window.pieces():
+        for lo, hi in window.cut:
             parts.append(cut_items(plan, tokenizer, window, lo, hi))
     base = np.cumsum([0] + [len(p.tokens) for p in parts])
     items = ShardItems(
