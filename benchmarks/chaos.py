@@ -39,9 +39,9 @@ from typing import Any
 from benchmarks._lib.corpus import write_corpus
 from benchmarks._lib.procfs import ACTOR_TITLES, rollup, run_pids
 from overlord import Loader, load_plan
+from overlord.ops.run import dump_line, run_plan
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
-from overlord.run import dump_line, run_plan
 
 ROLES = ("loader", "constructor", "planner")
 

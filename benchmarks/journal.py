@@ -19,9 +19,9 @@ from pathlib import Path
 
 from benchmarks._lib.corpus import write_corpus
 from overlord import Loader, load_plan
-from overlord.journal import encode, read_segment, recover, segments
 from overlord.plan.spec import validate_plan
 from overlord.roles.api import PlannerRole
+from overlord.state.journal import encode, read_segment, recover, segments
 
 
 def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> dict:

@@ -218,7 +218,7 @@ def _node_stream(a: argparse.Namespace, d: Path) -> Iterator[dict[str, Any]]:
     Rank 0's process runs the node's one embedded Loader; it answers the stats request.
     """
     import overlord
-    from overlord.node import NodeClient
+    from overlord.dist.node import NodeClient
     from overlord.torch import to_torch
 
     loader = overlord.Loader(a.plan)

@@ -32,7 +32,7 @@ import yaml
 
 from benchmarks._lib.corpus import train_bpe
 from overlord import Loader, load_plan
-from overlord.demo import build_corpus
+from overlord.ops.demo import build_corpus
 from overlord.plan.budget import token_budget
 
 TRAINER = """

@@ -9,7 +9,7 @@ library ``.py`` files: two sources, ``lib`` and ``tests`` (files under a
   parse it with pyarrow's vectorized JSON reader, tokenize the text column
   with overlord's tokenizer (``BytesTokenizer`` / ``HFTokenizer.encode`` on
   the Arrow string array) and count the tokens. No shuffling, no packing.
-- *overlord*: ``overlord.run.run_plan`` on a plan over the same files (DP 4,
+- *overlord*: ``overlord.ops.run.run_plan`` on a plan over the same files (DP 4,
   262,144 tokens per step, rows of 8,192, ``kk`` balancing, mixture weights
   equal to each source's share of the corpus) for about one pass over the
   corpus, consuming every rank's batch as a trainer would. Tokens are real
@@ -48,8 +48,8 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from benchmarks._lib.corpus import EOS, build_corpus, stdlib_files, train_bpe
+from overlord.ops.run import run_plan
 from overlord.plan.spec import validate_plan
-from overlord.run import run_plan
 from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer
 
 TOKENS_PER_STEP = 262144
@@ -172,7 +172,7 @@ def pack_floor(repeats: int = 20) -> float:
     """CPU ns per token of ``pack`` alone (one rank: 8 rows of 8192, 600-token documents)."""
     import numpy as np
 
-    from overlord.plan.packing import pack
+    from overlord.batch.rows import pack
 
     rows, lengths = 8, np.full(8 * 13, 600, dtype=np.int64)
     row_of = np.repeat(np.arange(rows), 13)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     floor = pack_floor()
     print(
-        f"For scale: packing one rank's batch (overlord.plan.packing.pack) alone costs "
+        f"For scale: packing one rank's batch (overlord.batch.rows.pack) alone costs "
         f"{floor:.1f} CPU-ns per token; the plain loop spends "
     )
     print(

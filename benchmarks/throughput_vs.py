@@ -1,6 +1,6 @@
 """Throughput against the loaders people use: tokens/s to one consumer, and time to first batch.
 
-Same corpus (the demo corpus of :func:`overlord.demo.build_corpus`: ``stdlib``,
+Same corpus (the demo corpus of :func:`overlord.ops.demo.build_corpus`: ``stdlib``,
 ``tests``, ``docs``, ``licenses``), same mixture (weights 4:3:2:1), same
 tokenizer (``bytes``, and the byte-level BPE that benchmarks/throughput.py
 trains), same packed rows (4 rows of 8,192 tokens per batch), same cores (the
@@ -86,7 +86,7 @@ import yaml
 from benchmarks._lib.corpus import EOS, train_bpe
 from benchmarks._lib.procfs import tree_cpu
 from benchmarks._lib.timing import REPO, module_command
-from overlord.demo import build_corpus
+from overlord.ops.demo import build_corpus
 
 WEIGHTS = {"stdlib": 4.0, "tests": 3.0, "docs": 2.0, "licenses": 1.0}
 TEXT_FIELD = {"docs": "content"}

@@ -38,6 +38,12 @@ from typing import Any
 
 import numpy as np
 
+from overlord.ops.vision_data import (
+    draw,
+    encode,
+    image_text_tar,
+    shipped_photos,
+)
 from overlord.plan import balance as bal
 from overlord.plan.hybrid import assign_modules
 from overlord.plan.spec import BalanceMethod, validate_plan
@@ -46,12 +52,6 @@ from overlord.sources.catalog import list_files
 from overlord.sources.images import image_patches, normalize
 from overlord.sources.shard import load_shard_items
 from overlord.sources.tokenizers import BytesTokenizer
-from overlord.sources.vision_data import (
-    draw,
-    encode,
-    image_text_tar,
-    shipped_photos,
-)
 
 
 def corpus(n: int, seed: int = 0) -> list[tuple[str, bytes]]:

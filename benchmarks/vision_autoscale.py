@@ -51,11 +51,11 @@ import numpy as np
 from benchmarks._lib.corpus import write_word_docs
 from benchmarks._lib.procfs import CpuMeter
 from overlord import Loader
+from overlord.ops.vision_data import caption, draw, encode, write_tar
 from overlord.plan.spec import Plan, validate_plan
 from overlord.sources.catalog import list_files
 from overlord.sources.shard import load_shard_items
 from overlord.sources.tokenizers import make_tokenizer
-from overlord.sources.vision_data import caption, draw, encode, write_tar
 
 IMAGES, TEXTS = "pictures", ("books", "web")
 WORDS = ["data", "loader", "shard", "token", "planner", "rank", "step", "mixture", "image"]

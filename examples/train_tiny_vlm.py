@@ -69,7 +69,7 @@ shuffle: {{block_bytes: 65536, window_blocks: 4}}
 
 def write_corpus(folder: Path, shards: int = 2, per_shard: int = 400) -> None:
     """Tar shards of pictures with captions that describe them (written once)."""
-    from overlord.sources.vision_data import encode, write_tar
+    from overlord.ops.vision_data import encode, write_tar
 
     if (folder / "pictures-0.tar").exists():
         return

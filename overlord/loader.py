@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from overlord.checkpoint import check_state
 from overlord.errors import LoaderError
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
 from overlord.plan.spec import Plan, load_plan, validate_plan
@@ -29,10 +28,11 @@ from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.runtime.inline import InlineHandle, InlineRuntime
 from overlord.sources.catalog import SourceFiles, job_files
 from overlord.sources.tokenizers import make_tokenizer
+from overlord.state.checkpoint import check_state
 from overlord.world import World
 
 if TYPE_CHECKING:
-    from overlord.node import NodeClient
+    from overlord.dist.node import NodeClient
 
 
 def make_runtime(name: str, job: str, address: str | None = None) -> Runtime:
@@ -103,14 +103,14 @@ class Loader:
 
     Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
     one process, the embedded runtime) every process's ``Loader`` is a
-    :class:`~overlord.node.NodeLoader`: the node's rank 0 runs the one Loader
+    :class:`~overlord.dist.node.NodeLoader`: the node's rank 0 runs the one Loader
     that reads each source, and each process's :meth:`client` (a mesh:
     :meth:`rank_client`) gives its own batches (``node=False`` makes a Loader
     of this process alone).
     """
 
     def __new__(cls, plan: Plan | str | Path, *args: Any, **kwargs: Any) -> Loader:
-        """A :class:`~overlord.node.NodeLoader` under torchrun on one node; else a Loader."""
+        """A :class:`~overlord.dist.node.NodeLoader` under torchrun on one node; else a Loader."""
         runtime = kwargs.get("runtime", args[0] if args else "inline")
         node = kwargs.get("node", args[5] if len(args) > 5 else None)
         torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -376,7 +376,7 @@ class NodeLoader(Loader):
 
     def _client(self, stop_step: int | None) -> NodeClient:
         if self._node is None:
-            from overlord.node import NodeClient  # torch: only under torchrun
+            from overlord.dist.node import NodeClient  # torch: only under torchrun
 
             self._node = NodeClient(self.plan, self._state, stop_step, serve=node_serve)
         return self._node

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from overlord import checkpoint
 from overlord.errors import LoaderError
 from overlord.loader import Loader, local_constructor
 from overlord.plan.settings import ConstructorSite
@@ -27,6 +26,7 @@ from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.roles.client import Client
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
+from overlord.state import checkpoint
 
 
 def _lock_path(name: str) -> str:

@@ -1,6 +1,6 @@
 """PyTorch adapter: batches as tensors, and an ``IterableDataset`` of one DP rank's batches.
 
-Needs PyTorch (``pip install 'overlord[torch]'``); the rest of overlord does not import it.
+Needs PyTorch (``pip install 'overlord-data[torch]'``); the rest of overlord does not import it.
 
 Tensors (:func:`to_torch`): ``position_ids``, ``segment_ids`` and ``cu_seqlens``
 stay int32 and share the batch's memory (``torch.from_numpy``, no copy; varlen
@@ -33,7 +33,7 @@ one key serves every rank and an elastic resume. torchdata's
 ``StatefulDataLoader`` calls the dataset's ``state_dict()`` from its own and, on
 resume, ``load_state_dict()`` before it calls ``iter()`` on the dataset again,
 which is the order this class expects. ``load_state_dict`` also takes the plain
-state dict that :func:`overlord.checkpoint.load` returns.
+state dict that :func:`overlord.state.checkpoint.load` returns.
 
 HuggingFace (:func:`hf_inputs`, :func:`hf_collate`): the inputs a ``transformers``
 causal LM takes, with labels unshifted for the model's own shift. The
@@ -53,12 +53,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from overlord.batch import Batch
-from overlord.broadcast import broadcast_batch as broadcast_batch  # for mesh groups over nodes
-from overlord.checkpoint import check_state
+from overlord.batch.rows import IGNORE_INDEX
+from overlord.dist.broadcast import broadcast_batch as broadcast_batch  # for mesh groups over nodes
 from overlord.errors import CheckpointError, LoaderError
-from overlord.plan.packing import IGNORE_INDEX
 from overlord.plan.spec import Plan, load_plan
 from overlord.roles.client import Client
+from overlord.state.checkpoint import check_state
 
 STATE_KEY = "overlord"
 LONG_KEYS = frozenset({"input_ids", "labels"})  # int64 (a copy); the other arrays stay int32
@@ -136,7 +136,7 @@ def hf_inputs(batch: Batch | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     make of overlord's labels either way.
 
     >>> import numpy as np
-    >>> from overlord.plan.packing import pack
+    >>> from overlord.batch.rows import pack
     >>> b = pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 0]), 1, 6, 0)
     >>> b["labels"].tolist(), hf_inputs(b)["labels"].tolist()
     ([[2, -100, 4, 5, -100, -100]], [[-100, 2, -100, 4, 5, -100]])
@@ -188,7 +188,7 @@ def decode_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         )
     if STATE_KEY not in state_dict:
         if "version" in state_dict and "sources" in state_dict:
-            return dict(state_dict)  # what overlord.checkpoint.load returns
+            return dict(state_dict)  # what overlord.state.checkpoint.load returns
         raise CheckpointError(
             f"expected {{'{STATE_KEY}': <JSON string>}} (what state_dict() returns) or an "
             f"overlord checkpoint, found keys {sorted(map(str, state_dict))}"
@@ -286,14 +286,14 @@ class _NodeSource:
     def __init__(self, plan: Plan, stop_step: int | None, state: dict[str, Any] | None):
         self.plan, self.stop_step = plan, stop_step
         self._pending = state
-        self._client: Any = None  # overlord.node.NodeClient, started on first use
+        self._client: Any = None  # overlord.dist.node.NodeClient, started on first use
         if state is not None:
             check_state(state, plan)
 
     def client(self) -> Iterator[Batch]:
         if self._client is None:
+            from overlord.dist.node import NodeClient
             from overlord.loader import node_serve
-            from overlord.node import NodeClient
 
             self._client = NodeClient(self.plan, self._pending, self.stop_step, serve=node_serve)
             self._pending = None
@@ -415,7 +415,7 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and a world of
         more than one process) the node's rank 0 runs the only Loader and
         sends every other rank its batches over a gloo group
-        (:mod:`overlord.node`): each source is read once per node, no Ray
+        (:mod:`overlord.dist.node`): each source is read once per node, no Ray
         needed, and ``rank`` is this process's ``torch.distributed`` rank (its
         global rank in a mesh: its CP slice, its stage's fields). Otherwise the
         Loader is this process's own: for a world of one process, and for

@@ -19,11 +19,11 @@ from pydantic import (
 
 AXES = ("dp", "cp", "tp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"  # Megatron's: tp varies fastest, pp slowest
-DYNAMIC = "dynamic"  # world.cp: each document its own CP degree (overlord.roles.cp_dynamic)
+DYNAMIC = "dynamic"  # world.cp: each document its own CP degree (overlord.batch.cp_dynamic)
 
 
 class CPLayout(str, Enum):
-    """How a DP rank's rows are cut among its CP ranks (see :mod:`overlord.roles.cp_slice`)."""
+    """How a DP rank's rows are cut among its CP ranks (see :mod:`overlord.batch.cp`)."""
 
     ZIGZAG = "zigzag"
     PER_DOCUMENT = "per_document"

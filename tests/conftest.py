@@ -192,9 +192,9 @@ def _consume_fixture() -> Callable[..., list[Any]]:
 
 
 def overlord_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m overlord.cli ARGS`` in a child process, as a user would from a shell."""
+    """Run ``python -m overlord.ops.cli ARGS`` in a child process, as a user would from a shell."""
     return subprocess.run(
-        [sys.executable, "-m", "overlord.cli", *args],
+        [sys.executable, "-m", "overlord.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from roundtrip import Part, check_save_restore
+from support.roundtrip import Part, check_save_restore
 
 from overlord.plan.autoscale import (
     Autoscaler,

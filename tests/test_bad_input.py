@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from conftest import make_corpus
-from runs import run
+from support.runs import run
 
 from overlord import Loader, LoaderError, PlanError, SourceError, load_plan
-from overlord.run import dump_line
+from overlord.ops.run import dump_line
 
 pytestmark = pytest.mark.integration  # every test runs a Loader
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import rows_balanced_reference
-from windows import windows
+from support.reference import rows_balanced_reference
+from support.windows import windows
 
 from overlord.plan.balance import (
     _improve,

@@ -18,11 +18,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from overlord.batch import Batch, Sample  # noqa: E402
+from overlord.batch.cp import cp_slices  # noqa: E402
+from overlord.batch.cp_dynamic import dynamic_slices  # noqa: E402
+from overlord.batch.rows import pack  # noqa: E402
+from overlord.batch.stages import stage_view  # noqa: E402
 from overlord.plan.cost import CostModel  # noqa: E402
-from overlord.plan.packing import pack  # noqa: E402
-from overlord.roles.cp_dynamic import dynamic_slices  # noqa: E402
-from overlord.roles.cp_slice import cp_slices  # noqa: E402
-from overlord.roles.peers import stage_view  # noqa: E402
 from overlord.torch import broadcast_batch  # noqa: E402
 from overlord.world import CPLayout  # noqa: E402
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_corpus, write_file
-from jobs import run_job
+from support.jobs import run_job
 
 from overlord import CheckpointError, Loader, load_plan
 from overlord.sources.catalog import File, SourceFiles, job_files

@@ -1,6 +1,6 @@
 """The ``overlord`` command line (issue 2, point 5): validate, run, plan.
 
-Commands run in-process through ``overlord.cli.main``; one test runs the
+Commands run in-process through ``overlord.ops.cli.main``; one test runs the
 installed console script to prove the entry point works.
 """
 
@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_corpus
 
-from overlord.cli import main
+from overlord.ops.cli import main
 
 integration = pytest.mark.integration
 

@@ -6,12 +6,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from roundtrip import Part, check_save_restore
+from support.roundtrip import Part, check_save_restore
 
 from overlord import Loader, LoaderError, load_plan
 from overlord.batch import Batch
+from overlord.ops.run import dump_line
 from overlord.roles.client import Client
-from overlord.run import dump_line
 from overlord.runtime.inline import InlineHandle
 
 STEPS = 7

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from overlord import Loader, LoaderError, load_plan
-from overlord.run import dump_line
+from overlord.ops.run import dump_line
 
 pytestmark = pytest.mark.integration
 

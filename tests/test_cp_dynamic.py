@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from test_cp_slice import PAD, dp_batch, packed_rows, reassemble
 
 from overlord.batch import Batch
+from overlord.batch.cp_dynamic import dynamic_slices
+from overlord.batch.rows import IGNORE_INDEX
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_degrees, dynamic_lengths, place_documents
-from overlord.plan.packing import IGNORE_INDEX
-from overlord.roles.cp_dynamic import dynamic_slices
 
 MODEL = CostModel(alpha=1.0, beta=0.01)
 

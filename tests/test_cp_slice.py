@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlord.batch import Batch
-from overlord.plan.packing import IGNORE_INDEX, pack
-from overlord.roles.cp_slice import cp_slices
+from overlord.batch.cp import cp_slices
+from overlord.batch.rows import IGNORE_INDEX, pack
 from overlord.world import CPLayout
 
 PAD = 257

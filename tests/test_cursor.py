@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from conftest import make_corpus
-from roundtrip import Part, check_save_restore
+from support.roundtrip import Part, check_save_restore
 
 from overlord import load_plan
 from overlord.roles.cursor import SourceCursor

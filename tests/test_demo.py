@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from overlord.demo import run_demo
+from overlord.ops.demo import run_demo
 from overlord.plan.spec import load_plan
 
 SOURCES = ["stdlib", "tests", "docs", "licenses"]

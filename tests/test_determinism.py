@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from overlord import CheckpointError, Loader, load_plan, validate_plan
-from overlord.run import dump_line
+from overlord.ops.run import dump_line
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from overlord.plan.packing import pack  # noqa: E402
+from overlord.batch.rows import pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny_gpt.py"
@@ -147,8 +147,8 @@ def test_dynamic_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:
     """Documents of degree 1, 2 and 4 over 4 ranks: the mask over the gathered slices,
     keyed by unsliced document, is the cp=1 mask at their positions."""
     from overlord.batch import Batch
+    from overlord.batch.cp_dynamic import dynamic_slices
     from overlord.plan.cost import CostModel
-    from overlord.roles.cp_dynamic import dynamic_slices
 
     ex = load_example()
     lengths, rows = np.array([5, 3, 1, 9, 2, 12]), np.array([0, 0, 0, 1, 1, 2])
@@ -173,7 +173,7 @@ def test_dynamic_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:
 def test_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:
     """In one process: the CP mask over gathered slices equals the cp=1 mask at their positions."""
     from overlord.batch import Batch
-    from overlord.roles.cp_slice import cp_slices
+    from overlord.batch.cp import cp_slices
     from overlord.world import CPLayout
 
     ex = load_example()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import make_corpus, write_file
-from jobs import kill, repartition, restart_planner, run_job, set_threads
+from support.jobs import kill, repartition, restart_planner, run_job, set_threads
 
 from overlord import Loader, load_plan
 from overlord.plan.spec import validate_plan

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from conftest import doc_text, make_corpus, overlord_cli
-from runs import byte_tokens, good, ids, run, sample_tokens
+from support.runs import byte_tokens, good, ids, run, sample_tokens
 
 from overlord import SourceError
 from overlord.plan.spec import Format

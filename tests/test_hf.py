@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from overlord import Loader  # noqa: E402
 from overlord.batch import Batch  # noqa: E402
-from overlord.plan.packing import pack  # noqa: E402
+from overlord.batch.rows import pack  # noqa: E402
 from overlord.torch import OverlordIterableDataset, hf_collate, hf_inputs, to_torch  # noqa: E402
 
 VOCAB = 258  # the bytes tokenizer's

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from windows import windows
+from support.windows import windows
 
 from overlord import Loader, load_plan
+from overlord.ops.run import dump_line
 from overlord.plan.balance import assign, rank_costs, whole_rows
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import assign_step, group_count, split_rows, step_bound, swap_rows
 from overlord.plan.select import MixState, select_step
 from overlord.plan.spec import BalanceMethod, validate_plan
 from overlord.roles.assigner import Assigners
-from overlord.run import dump_line
 from overlord.runtime.base import DEFAULT_OPTIONS
 from overlord.runtime.inline import InlineRuntime
 

@@ -8,10 +8,10 @@ import pytest
 from conftest import make_corpus
 
 from overlord import Loader, load_plan
-from overlord import state as statefmt
-from overlord.journal import JournalError, decode, encode, read_segment, recover, segments
 from overlord.plan.schedule import Schedule
 from overlord.plan.spec import validate_plan
+from overlord.state import format as statefmt
+from overlord.state.journal import JournalError, decode, encode, read_segment, recover, segments
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 from conftest import make_corpus
 
 from overlord import Loader, LoaderError, load_plan, validate_plan
+from overlord.ops.run import dump_line
 from overlord.roles.api import ConstructorRole
-from overlord.run import dump_line
 from overlord.runtime import ray_runtime
 from overlord.runtime.inline import InlineHandle
 

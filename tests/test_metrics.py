@@ -12,7 +12,8 @@ import pytest
 from conftest import two_sources
 
 from overlord import Loader, load_plan
-from overlord.metrics import METRICS, Figures, Histogram
+from overlord.monitor.figures import Figures, Histogram
+from overlord.monitor.prometheus import METRICS
 from overlord.plan.spec import validate_plan
 
 prom = pytest.importorskip("prometheus_client")
@@ -125,7 +126,7 @@ def test_figures_pair_step_times_with_the_previous_steps_cost():
 
 
 def test_run_report_writes_markdown_and_four_plots(plan, tmp_path):
-    from overlord.run import run_plan
+    from overlord.ops.run import run_plan
 
     summary = run_plan(with_port(plan, None), 12, progress=False, report=str(tmp_path / "rep"))
     md = Path(summary["report"]).read_text()
@@ -139,7 +140,7 @@ def test_run_report_writes_markdown_and_four_plots(plan, tmp_path):
 def test_on_ray_the_planner_serves_every_roles_figures_and_status_shows_them(
     ray_session, plan, capsys
 ):
-    from overlord.status import status
+    from overlord.ops.status import status
 
     with Loader(plan, runtime="ray", job="metrics-ray") as loader:
         batches, m, _ = run_and_scrape(loader, 6)

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 from conftest import make_corpus
-from jobs import run_job
-from node_worker import digest
+from support.jobs import run_job
+from support.node_worker import digest
 
 from overlord import Loader, LoaderError, load_plan, validate_plan
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.integration
 
-WORKER = Path(__file__).with_name("node_worker.py")
+WORKER = Path(__file__).parent / "support" / "node_worker.py"
 RANKS = 4
 
 

@@ -1,4 +1,4 @@
-"""``overlord.plan.packing``: documents into rows, labels and segment boundaries. Pure."""
+"""``overlord.batch.rows``: documents into rows, labels and segment boundaries. Pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.plan.packing import IGNORE_INDEX, pack
+from overlord.batch.rows import IGNORE_INDEX, pack
 
 
 @settings(max_examples=50, deadline=None)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from roundtrip import Part, check_save_restore
+from support.roundtrip import Part, check_save_restore
 
 from overlord import Loader, load_plan
+from overlord.ops.run import dump_line
 from overlord.roles.api import PlannerRole
-from overlord.run import dump_line
 
 pytestmark = pytest.mark.integration
 

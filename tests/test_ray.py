@@ -14,7 +14,7 @@ import pytest
 from conftest import two_sources
 
 from overlord import Loader, LoaderError, SourceError, connect, load_plan
-from overlord.run import dump_line, run_plan
+from overlord.ops.run import dump_line, run_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 
@@ -156,7 +156,7 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
         env = {**os.environ, "RAY_ADDRESS": ":".join(address)}
         trainer = (
             "import sys, overlord\n"
-            "from overlord.run import dump_line\n"
+            "from overlord.ops.run import dump_line\n"
             "c = overlord.connect('t-serve', rank=int(sys.argv[1]), stop_step=5)\n"
             "print('\\n'.join(dump_line(b) for b in c))\n"
         )
@@ -260,7 +260,7 @@ def test_a_file_added_mid_run_is_not_read_by_a_loader_a_failover_starts(ray_sess
     (``could not broadcast input array from shape (55,) into shape (54,)``).
     """
     from conftest import make_corpus, write_file
-    from jobs import kill, run_job
+    from support.jobs import kill, run_job
 
     plan = load_plan(
         make_corpus(

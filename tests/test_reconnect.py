@@ -21,8 +21,8 @@ import pytest
 from conftest import two_sources
 
 from overlord import Loader, LoaderError, load_plan
+from overlord.ops.run import run_plan
 from overlord.plan.spec import validate_plan
-from overlord.run import run_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 
@@ -33,7 +33,7 @@ import json, os, signal, sys
 from pathlib import Path
 import overlord
 from overlord import checkpoint
-from overlord.run import dump_line
+from overlord.ops.run import dump_line
 
 job, rank, out, ckpt, stop, die_at = sys.argv[1:7]
 rank, stop, die_at = int(rank), int(stop), int(die_at)

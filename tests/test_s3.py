@@ -19,8 +19,8 @@ from conftest import make_corpus
 
 from overlord import load_plan
 from overlord.errors import OverlordError
+from overlord.ops.run import run_plan
 from overlord.plan.spec import Plan, validate_plan
-from overlord.run import run_plan
 from overlord.sources.probe import check_source
 
 moto_server = pytest.importorskip("moto.server")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import select_step_reference
-from roundtrip import Part, check_save_restore
-from windows import ArrayWindow, windows
+from support.reference import select_step_reference
+from support.roundtrip import Part, check_save_restore
+from support.windows import ArrayWindow, windows
 
 from overlord.plan.select import MixState, select_step
 

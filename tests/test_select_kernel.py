@@ -186,7 +186,7 @@ def test_select_items_follows_overlord_select(monkeypatch):
         run()
     monkeypatch.setattr(select_fast, "kernel", lambda: None)  # as without numba
     monkeypatch.setenv("OVERLORD_SELECT", "numba")
-    with pytest.raises(ImportError, match="overlord\\[fast\\]"):
+    with pytest.raises(ImportError, match="overlord-data\\[fast\\]"):
         run()
     monkeypatch.delenv("OVERLORD_SELECT")
     _same(run(), auto)  # the Python loop

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_corpus, overlord_cli
-from runs import byte_tokens, run, sample_tokens
+from support.runs import byte_tokens, run, sample_tokens
 
 from overlord import load_plan
 from overlord.sources.files import resolve_files

@@ -1,6 +1,6 @@
 """The state format: a step's delta, and applying it.
 
-Every stateful part goes through one save/restore check (``roundtrip.py``),
+Every stateful part goes through one save/restore check (``support/roundtrip.py``),
 in the test file of its module: test_cursor, test_select (the mixture),
 test_autoscale, test_client, test_planner and test_torch (the dataset).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from overlord import state as statefmt
+from overlord.state import format as statefmt
 
 STEPS = 7
 

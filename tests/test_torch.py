@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from roundtrip import Part, check_save_restore
+from support.roundtrip import Part, check_save_restore
 
 torch = pytest.importorskip("torch")
 
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from overlord import CheckpointError, Loader, LoaderError  # noqa: E402
 from overlord.batch import Batch  # noqa: E402
-from overlord.plan.packing import pack  # noqa: E402
+from overlord.batch.rows import pack  # noqa: E402
 from overlord.torch import OverlordIterableDataset, to_torch  # noqa: E402
 
 DP1 = {"world": {"dp": 1}, "batch": {"tokens_per_step": 128}}

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import yaml
 
-from overlord.cli import main
-from overlord.plan.spec import validate_plan
-from overlord.sources.probe import check_sources
-from overlord.sources.vision_data import (
+from overlord.ops.cli import main
+from overlord.ops.vision_data import (
     encode,
     image_text_parquet,
     image_text_tar,
     random_images,
     write_tar,
 )
+from overlord.plan.spec import validate_plan
+from overlord.sources.probe import check_sources
 
 TAR = {"name": "w", "path": "a.tar", "format": "webdataset", "text_field": "txt"}
 PQ = {"name": "p", "path": "b.parquet", "format": "parquet", "image_field": "image"}
@@ -94,9 +94,9 @@ def test_without_pillow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` raises ImportError
     assert problems(tmp_path, [TAR, PQ]) == [
         "source 'w', file a.tar, row 0, member s000000.jpg: image sources need Pillow: "
-        "pip install 'overlord[vision]'",
+        "pip install 'overlord-data[vision]'",
         "source 'p', file b.parquet, row 0: image sources need Pillow: "
-        "pip install 'overlord[vision]'",
+        "pip install 'overlord-data[vision]'",
     ]
 
 

@@ -21,17 +21,8 @@ from PIL import Image
 
 import overlord
 from overlord.errors import PlanError, SourceError
-from overlord.plan.balance import assign, rank_costs
-from overlord.plan.cost import CostModel
-from overlord.plan.hybrid import assign_modules, module_costs
-from overlord.plan.spec import BalanceMethod, validate_plan
-from overlord.plan.vision import Modules
-from overlord.run import run_plan
-from overlord.sources.catalog import list_files
-from overlord.sources.images import normalize
-from overlord.sources.shard import load_shard_items
-from overlord.sources.tokenizers import BytesTokenizer
-from overlord.sources.vision_data import (
+from overlord.ops.run import run_plan
+from overlord.ops.vision_data import (
     caption,
     encode,
     image_text_parquet,
@@ -40,6 +31,15 @@ from overlord.sources.vision_data import (
     shipped_photos,
     write_tar,
 )
+from overlord.plan.balance import assign, rank_costs
+from overlord.plan.cost import CostModel
+from overlord.plan.hybrid import assign_modules, module_costs
+from overlord.plan.spec import BalanceMethod, validate_plan
+from overlord.plan.vision import Modules
+from overlord.sources.catalog import list_files
+from overlord.sources.images import normalize
+from overlord.sources.shard import load_shard_items
+from overlord.sources.tokenizers import BytesTokenizer
 
 MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from overlord.errors import PlanError
+from overlord.ops.vision_data import image_text_tar, random_images
 from overlord.plan.spec import validate_plan
 from overlord.plan.vision import VisionSpec
 from overlord.sources.catalog import list_files
 from overlord.sources.images import image_token_id
 from overlord.sources.shard import load_shard_items
 from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer, make_tokenizer
-from overlord.sources.vision_data import image_text_tar, random_images
 
 
 def hf_file(path: Path, pad: bool) -> Path:

@@ -149,7 +149,7 @@ def make_corpus(root: Path, max_sources: int, file_bytes: int) -> list[dict[str,
     """
     import numpy as np
 
-    from overlord.demo import build_corpus
+    from overlord.ops.demo import build_corpus
 
     build_corpus(root / "demo")
     (root / "base").mkdir(parents=True, exist_ok=True)
@@ -332,7 +332,7 @@ def make_image_corpus(
 ) -> list[dict[str, Any]]:
     """S image-text sources over 4 WebDataset tars of ``per_base`` generated JPEGs each.
 
-    Base tar k holds JPEGs drawn by ``overlord.sources.vision_data`` (gradients, stripes,
+    Base tar k holds JPEGs drawn by ``overlord.ops.vision_data`` (gradients, stripes,
     noise) of mixed sizes (sides log-uniform in ``IMAGE_SIDES``, seeded by k) with their
     captions (``key.jpg`` + ``key.txt``); source k is a folder ``isources/sNNN`` holding a
     symlink to base tar ``k % 4``. Built once per run of the benchmark, in its work dir;
@@ -341,8 +341,8 @@ def make_image_corpus(
     """
     import numpy as np
 
+    from overlord.ops.vision_data import draw, encode, image_text_tar
     from overlord.plan.vision import VisionSpec, resized
-    from overlord.sources.vision_data import draw, encode, image_text_tar
 
     v = VisionSpec()
     base_dir = root / "ibase"

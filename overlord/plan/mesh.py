@@ -37,7 +37,7 @@ def mesh_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "batch.cp_layout",
                 f"cp: dynamic cuts each document for its own CP degree "
-                f"(overlord.roles.cp_dynamic): leave cp_layout unset, found '{layout}'",
+                f"(overlord.batch.cp_dynamic): leave cp_layout unset, found '{layout}'",
             )
         )
     if not (isinstance(cp, int) and isinstance(seq, int) and cp > 1 and seq > 0):

@@ -245,8 +245,8 @@ def select_items(
             return select_step_fast(windows, weights, mix, rows, capacity, lookahead)
         if how == "numba":
             raise ImportError(
-                "OVERLORD_SELECT=numba but numba does not import: pip install 'overlord[fast]', "
-                "or unset OVERLORD_SELECT to use the Python loop"
+                "OVERLORD_SELECT=numba but numba does not import: "
+                "pip install 'overlord-data[fast]', or unset OVERLORD_SELECT to use the Python loop"
             )
     return select_step(windows, weights, mix, rows, capacity, lookahead)
 

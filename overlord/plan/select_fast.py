@@ -1,6 +1,6 @@
 """The loop of :func:`overlord.plan.select.select_step`, compiled with numba.
 
-Optional (``pip install 'overlord[fast]'``): numba is imported, and the loop
+Optional (``pip install 'overlord-data[fast]'``): numba is imported, and the loop
 compiled (or loaded from numba's cache), on the first call of :func:`kernel`,
 so this module imports with numpy alone. :func:`overlord.plan.select.select_items`
 runs it where numba imports. The Selection and the ``mix`` update are those
@@ -256,7 +256,7 @@ def run(
     """
     select = kernel()
     if select is None:
-        raise ImportError("numba does not import: pip install 'overlord[fast]'")
+        raise ImportError("numba does not import: pip install 'overlord-data[fast]'")
     n = len(windows)
     w = np.array([float(x) for x in weights], dtype=np.float64)
     now = np.array([float(x) for x in placed], dtype=np.float64)

@@ -80,7 +80,7 @@ class AutoscaleSpec(_Model):
 
 
 class MonitoringSpec(_Model):
-    """The Prometheus endpoint (``pip install 'overlord[metrics]'``)."""
+    """The Prometheus endpoint (``pip install 'overlord-data[metrics]'``)."""
 
     port: int | None = Field(
         None,

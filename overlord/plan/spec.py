@@ -156,7 +156,7 @@ class BatchSpec(_Model):
         None,
         description="how a DP rank's rows are cut among its CP ranks: zigzag | per_document "
         "(default per_document when world.cp > 1; unset with cp: dynamic, which cuts per "
-        "document for its own degree; overlord.roles.cp_slice, overlord.roles.cp_dynamic)",
+        "document for its own degree; overlord.batch.cp, overlord.batch.cp_dynamic)",
     )
 
 

@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from overlord.batch import Batch, Sample
+from overlord.batch.cp import cp_slices
+from overlord.batch.cp_dynamic import dynamic_slices
+from overlord.batch.images import BatchImages
+from overlord.batch.rows import pack
+from overlord.batch.stages import stage_of, stage_view
 from overlord.errors import LoaderError, RanksApart
 from overlord.plan.cost import CostModel
 from overlord.plan.mesh import resolved_layout
-from overlord.plan.packing import pack
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
-from overlord.roles.batch_images import BatchImages
-from overlord.roles.cp_dynamic import dynamic_slices
-from overlord.roles.cp_slice import cp_slices
 from overlord.roles.loader_pool import PoolView, by_slot
-from overlord.roles.peers import stage_of, stage_view
 from overlord.runtime.base import Handle
 from overlord.runtime.threads import Builder
 from overlord.sources.catalog import SourceFiles

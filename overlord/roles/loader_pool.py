@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from overlord.errors import ActorDiedError, LoaderError
-from overlord.journal import Journal
 from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
@@ -36,6 +35,7 @@ from overlord.roles.loader_group import LoaderGroup, assign_groups
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
+from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.pool")
 

@@ -3,7 +3,7 @@
 A DP rank's batch is planned once and built once (by its DataConstructor);
 its ``cp * tp * pp`` trainer processes (its *peers*) each receive a view of it:
 
-- the CP rank's slice (:mod:`overlord.roles.cp_slice`), cut once per step
+- the CP rank's slice (:mod:`overlord.batch.cp`), cut once per step
   for every CP rank together;
 - the pipeline stage's fields: ``input_ids`` on the first stage, ``labels``
   on the last, the attention arrays on every stage; the rest ``None``;
@@ -18,36 +18,11 @@ rank (``overlord.torch.broadcast_batch``) never attach and are not waited for.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from overlord.batch import Batch
-
 if TYPE_CHECKING:
-    from overlord.metrics import Figures
+    from overlord.monitor.figures import Figures
     from overlord.plan.spec import Plan
-
-
-def stage_of(pp_rank: int, pp: int) -> str:
-    """``all`` (no PP), ``first``, ``middle`` or ``last``: which fields a stage gets.
-
-    >>> [stage_of(s, 3) for s in range(3)], stage_of(0, 1)
-    (['first', 'middle', 'last'], 'all')
-    """
-    if pp == 1:
-        return "all"
-    return "first" if pp_rank == 0 else "last" if pp_rank == pp - 1 else "middle"
-
-
-def stage_view(batch: Batch, stage: str) -> Batch:
-    """The fields a pipeline stage uses; the arrays are shared with ``batch``, not copied."""
-    if stage == "all":
-        return batch
-    return replace(
-        batch,
-        input_ids=batch.input_ids if stage == "first" else None,
-        labels=batch.labels if stage == "last" else None,
-    )
 
 
 class PeerConsumption:

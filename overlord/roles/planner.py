@@ -6,7 +6,7 @@ rank and row, until every rank has consumed it; a rank's plan is a slice cut
 when asked. It sees metadata only. Its loaders belong to its
 :class:`~overlord.roles.loader_pool.LoaderPool`, which it asks for metadata
 and hands what every rank consumed. Its state before each step is kept until
-every rank consumed the step; with a journal (:mod:`overlord.journal`) a
+every rank consumed the step; with a journal (:mod:`overlord.state.journal`) a
 restarted planner resumes there and re-plans the steps after it identically.
 """
 
@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from overlord import state as statefmt
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
-from overlord.journal import Journal
-from overlord.metrics import Figures, MetricsServer, planner_figures
+from overlord.monitor.figures import Figures
+from overlord.monitor.prometheus import MetricsServer
 from overlord.plan.balance import lower_bound, rank_costs
 from overlord.plan.columns import rank_sums, stable_order
 from overlord.plan.cost import CostModel
@@ -37,10 +36,13 @@ from overlord.roles.api import LoaderRole, PlannerRole
 from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
+from overlord.roles.monitoring import planner_figures
 from overlord.roles.peers import PeerConsumption
 from overlord.roles.rewind import TrainerRewind
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
+from overlord.state import format as statefmt
+from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.planner")
 
@@ -472,7 +474,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         return None if self._metrics is None else self._metrics.url
 
     def monitor(self) -> dict[str, Any]:
-        """What monitoring shows (:func:`overlord.metrics.planner_figures`)."""
+        """What monitoring shows (:func:`overlord.roles.monitoring.planner_figures`)."""
         return planner_figures(self)
 
     def epoch_of(self, source: str) -> int:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from overlord.checkpoint import check_state
 from overlord.errors import CheckpointError, LoaderError
+from overlord.state.checkpoint import check_state
 
 if TYPE_CHECKING:
     from overlord.roles.planner import Planner

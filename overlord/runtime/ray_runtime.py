@@ -30,7 +30,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as e:
-        raise ImportError("the ray runtime needs Ray: pip install 'overlord[ray]'") from e
+        raise ImportError("the ray runtime needs Ray: pip install 'overlord-data[ray]'") from e
     return ray
 
 

@@ -94,7 +94,7 @@ def lean_allocators(arenas: int = LOADER_ARENAS, host: bool = False) -> bool:
     raise that threshold to the size of each mapped block freed, up to 32 MiB, and keep
     freed pieces in its heap. Returns whether it changed them: in a Ray actor's
     process, or where ``host`` says this process hosts a node's loaders (node mode's
-    rank 0, ``overlord.node``: the node's only loader process); not in a plain
+    rank 0, ``overlord.dist.node``: the node's only loader process); not in a plain
     embedded Loader (the user's process, whose allocators are the user's business).
     The arena cap only with glibc.
     """

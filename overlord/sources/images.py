@@ -10,7 +10,7 @@ then ``(x - mean) / std`` per channel, in the DataConstructor.
 
 In the token sequence an image is ``image_tokens`` copies of the image token
 id, before its text: :func:`fuse_images` prepends them to each record's text
-tokens. Pillow is the ``vision`` extra: ``pip install 'overlord[vision]'``.
+tokens. Pillow is the ``vision`` extra: ``pip install 'overlord-data[vision]'``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _pillow() -> Any:
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError("image sources need Pillow: pip install 'overlord[vision]'") from e
+        raise ImportError("image sources need Pillow: pip install 'overlord-data[vision]'") from e
     return Image
 
 

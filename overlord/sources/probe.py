@@ -66,7 +66,7 @@ def check_tokenizer(plan: Plan) -> list[Problem]:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        return [Problem(place, "tokenizer kind 'hf' needs: pip install 'overlord[hf]'")]
+        return [Problem(place, "tokenizer kind 'hf' needs: pip install 'overlord-data[hf]'")]
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # the Rust side raises its own Exception type

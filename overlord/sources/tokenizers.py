@@ -67,7 +67,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer as _Tok
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "tokenizer kind 'hf' needs the tokenizers package: pip install 'overlord[hf]'"
+                "tokenizer kind 'hf' needs the tokenizers package: pip install 'overlord-data[hf]'"
             ) from e
         self._tok = _Tok.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()

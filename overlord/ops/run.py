@@ -1,7 +1,7 @@
 """Running a plan as a trainer with every DP rank would: the loop, its dump and its summary.
 
 Library functions that the CLI, the demo, the tests and the benchmarks share. The
-``overlord`` command (:mod:`overlord.cli`) prints what :func:`run_plan` returns.
+``overlord`` command (:mod:`overlord.ops.cli`) prints what :func:`run_plan` returns.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from overlord import checkpoint
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
+from overlord.state import checkpoint
 
 
 def _progress(total: int | None, initial: int, desc: str) -> Any:
@@ -53,9 +53,9 @@ def run_plan(
 
     Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
     With ``report`` (a folder), also writes a Markdown report with plots there
-    (:mod:`overlord.run_report`).
+    (:mod:`overlord.ops.run_report`).
     """
-    from overlord.run_report import RunTrace, write_run_report
+    from overlord.ops.run_report import RunTrace, write_run_report
 
     trace = RunTrace() if report else None
     sample_every = max(1, (steps - int((state or {}).get("step", 0))) // 100)

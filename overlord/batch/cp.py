@@ -1,7 +1,7 @@
 """Context-parallel slicing: each CP rank's part of its DP rank's packed batch.
 
 A DP rank's batch is ``rows`` rows of ``S = max_seq_len`` tokens (see
-:mod:`overlord.plan.packing`); its segments, over the flattened rows, are its
+:mod:`overlord.batch.rows`); its segments, over the flattened rows, are its
 documents and each row's padding tail. Every CP rank ``i`` of ``cp`` gets,
 from every row, tokens in this order (both layouts give chunks ``i`` and
 ``2cp - 1 - i`` of what they cut, the load-balanced causal split of Megatron
@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from overlord.batch import Batch
-from overlord.plan.packing import IGNORE_INDEX
+from overlord.batch.rows import IGNORE_INDEX
 from overlord.world import CPLayout
 
 # what an added padding token holds in each field

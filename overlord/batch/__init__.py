@@ -23,15 +23,15 @@ class Batch:
 
     ``input_ids``, ``labels``, ``position_ids`` and ``segment_ids`` are int32
     arrays of shape ``(rows, max_seq_len)``; ``cu_seqlens`` (int32) holds the
-    document boundaries over the flattened rows (see :mod:`overlord.plan.packing`).
+    document boundaries over the flattened rows (see :mod:`overlord.batch.rows`).
 
     A rank of a device mesh (``Loader.rank_client``) receives its part of its DP
     rank's batch: with CP, its slice (``cp_rank`` of ``cp_size``, cut by
     ``cp_layout``, with ``global_positions``: each local token's index in the
     flattened unsliced batch, -1 for padding added for CP; see
-    :mod:`overlord.roles.cp_slice`; under ``cp: dynamic``, ``cp_layout`` is
+    :mod:`overlord.batch.cp`; under ``cp: dynamic``, ``cp_layout`` is
     ``"dynamic"`` and ``cp_groups`` gives each local segment's CP sub-group,
-    see :mod:`overlord.roles.cp_dynamic`); with PP, ``input_ids`` only on the first
+    see :mod:`overlord.batch.cp_dynamic`); with PP, ``input_ids`` only on the first
     stage and ``labels`` only on the last (``None`` elsewhere).
 
     A plan with image sources adds ``pixel_values`` and ``image_grid``: the

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlord import state as statefmt
 from overlord.errors import CheckpointError, LoaderError
+from overlord.state import format as statefmt
 
 _SEGMENT = re.compile(r"^seg-(\d{10})\.log$")
 

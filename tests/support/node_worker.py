@@ -57,8 +57,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from overlord import LoaderError, load_plan
-    from overlord.node import NodeClient
-    from overlord.run import dump_line
+    from overlord.dist.node import NodeClient
+    from overlord.ops.run import dump_line
 
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None

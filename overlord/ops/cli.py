@@ -9,14 +9,14 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from overlord import checkpoint
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
+from overlord.ops.run import run_plan
+from overlord.ops.run import summarize as summarize  # re-exported: its home was here
 from overlord.plan.spec import Plan, load_plan
-from overlord.run import dump_line as dump_line  # re-exported: its home was here
-from overlord.run import run_plan
-from overlord.run import summarize as summarize  # re-exported: its home was here
 from overlord.runtime import RUNTIMES
+from overlord.state import checkpoint
 
 
 def positive_int(text: str) -> int:
@@ -198,7 +198,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from overlord.status import status
+    from overlord.ops.status import status
 
     try:
         return status(args.job, address=args.address, once=args.once, interval=args.interval)
@@ -207,7 +207,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from overlord.demo import run_demo
+    from overlord.ops.demo import run_demo
 
     return run_demo(Path(args.out), steps=args.steps, dp=args.dp)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from overlord import Loader
-from overlord.run import dump_line
+from overlord.ops.run import dump_line
 
 Action = Callable[[Loader], None]
 

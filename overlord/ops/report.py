@@ -1,6 +1,6 @@
 """The demo's report: figures of a run as text, as Markdown, and as two PNG plots.
 
-Everything is computed from the run summary (:func:`overlord.run.summarize`)
+Everything is computed from the run summary (:func:`overlord.ops.run.summarize`)
 and the planner's per-step history, so the report shows what the trainer got.
 """
 

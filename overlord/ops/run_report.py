@@ -1,8 +1,8 @@
 """``overlord run --report DIR``: a Markdown report of a run, with PNG plots.
 
 Four plots: each source's share of the tokens against its target over the
-steps (the demo's :func:`overlord.report.plot_mixture`), balance
-(:func:`overlord.report.plot_balance`), each rank's predicted cost and
+steps (the demo's :func:`overlord.ops.report.plot_mixture`), balance
+(:func:`overlord.ops.report.plot_balance`), each rank's predicted cost and
 measured wait per step, and each source's loaders (and reader threads) over
 the steps. The run loop fills a :class:`RunTrace` as it goes.
 """
@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from overlord.plan.spec import Plan
-from overlord.report import (
+from overlord.ops.report import (
     Report,
     balance_rows,
     mixture_rows,
@@ -25,6 +24,7 @@ from overlord.report import (
     pyplot,
     save,
 )
+from overlord.plan.spec import Plan
 
 
 @dataclass

@@ -12,7 +12,7 @@ One planned step changes only the cursors that moved and the tokens each
 source placed: that is its *delta*. The mixture targets follow from the placed
 tokens and the schedule, so :func:`apply` recomputes them exactly as
 :func:`overlord.plan.select.select_step` adds them. The planner's journal
-(:mod:`overlord.journal`) stores snapshots and deltas; :func:`replay` turns
+(:mod:`overlord.state.journal`) stores snapshots and deltas; :func:`replay` turns
 them back into states. Nothing here imports a role.
 """
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from overlord.batch import Batch
+from overlord.batch.cp import local_batch, local_cu_seqlens
 from overlord.plan.cost import CostModel
 from overlord.plan.cp import cp_degrees, dynamic_lengths, place_documents
-from overlord.roles.cp_slice import local_batch, local_cu_seqlens
 from overlord.world import DYNAMIC
 
 

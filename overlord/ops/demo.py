@@ -30,12 +30,12 @@ from typing import Any
 
 import yaml
 
-from overlord import checkpoint
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops.report import Report, write_report
+from overlord.ops.run import summarize
 from overlord.plan.spec import Plan, load_plan
-from overlord.report import Report, write_report
-from overlord.run import summarize
+from overlord.state import checkpoint
 
 MANIFEST = "corpus.json"  # written last: its presence means the corpus is complete
 JSONL_SHARDS = 8  # per JSONL source; the last GZIP_SHARDS of them compressed

@@ -1,7 +1,7 @@
 """``overlord status JOB``: a live terminal table of a job served on Ray.
 
 It asks the job's planner for what monitoring shows
-(:func:`overlord.metrics.planner_figures`, the figures of the Prometheus
+(:func:`overlord.roles.monitoring.planner_figures`, the figures of the Prometheus
 endpoint) and draws them with ``rich``: one table per source, one per rank.
 ``--once`` prints it once; otherwise it is redrawn every ``interval`` seconds
 until Ctrl-C.
@@ -83,7 +83,7 @@ def status(job: str, address: str | None = None, once: bool = False, interval: f
         from rich.console import Console
         from rich.live import Live
     except ImportError as e:
-        raise LoaderError("overlord status needs rich: pip install 'overlord[metrics]'") from e
+        raise LoaderError("overlord status needs rich: pip install 'overlord-data[metrics]'") from e
     from overlord.roles.api import PlannerRole
     from overlord.runtime.ray_runtime import init_ray, lookup
 

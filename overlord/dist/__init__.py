@@ -1,0 +1,1 @@
+"""Transports over ``torch.distributed``: node mode under torchrun, and broadcasting a batch."""

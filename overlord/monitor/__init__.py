@@ -1,0 +1,1 @@
+"""Monitoring: the figures the planner counts and the Prometheus endpoint that shows them."""
