@@ -21,7 +21,8 @@ if TYPE_CHECKING:
         SourceError,
     )
     from overlord.loader import Loader
-    from overlord.plan.spec import Plan, load_plan, validate_plan
+    from overlord.plan.spec import Plan
+    from overlord.plans import load_plan, validate_plan
     from overlord.serve import connect
     from overlord.world import World
 
@@ -54,8 +55,8 @@ _HOMES = {
     "SourceError": "overlord.errors",
     "Loader": "overlord.loader",
     "Plan": "overlord.plan.spec",
-    "load_plan": "overlord.plan.spec",
-    "validate_plan": "overlord.plan.spec",
+    "load_plan": "overlord.plans",
+    "validate_plan": "overlord.plans",
     "connect": "overlord.serve",
     "World": "overlord.world",
 }

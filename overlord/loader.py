@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from overlord.errors import LoaderError
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
-from overlord.plan.spec import Plan, load_plan, validate_plan
+from overlord.plan.spec import Plan, validate_plan
+from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor

@@ -56,7 +56,8 @@ from overlord.batch import Batch
 from overlord.batch.rows import IGNORE_INDEX
 from overlord.dist.broadcast import broadcast_batch as broadcast_batch  # for mesh groups over nodes
 from overlord.errors import CheckpointError, LoaderError
-from overlord.plan.spec import Plan, load_plan
+from overlord.plan.spec import Plan
+from overlord.plans import load_plan
 from overlord.roles.client import Client
 from overlord.state.checkpoint import check_state
 

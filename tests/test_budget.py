@@ -13,7 +13,7 @@ def plan(schedule: list[dict] | None) -> object:
     }
     if schedule is not None:
         data["mixture"] = {"schedule": schedule}
-    return validate_plan(data, check_files=False)
+    return validate_plan(data)
 
 
 def test_the_peak_share_over_a_curriculum_sizes_the_read_ahead() -> None:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from overlord.ops.demo import run_demo
-from overlord.plan.spec import load_plan
+from overlord.plans import load_plan
 
 SOURCES = ["stdlib", "tests", "docs", "licenses"]
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,8 @@ from overlord.loader import Loader
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import run_plan
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
-from overlord.plan.spec import Plan, load_plan
+from overlord.plan.spec import Plan
+from overlord.plans import load_plan
 from overlord.runtime import RUNTIMES
 from overlord.state import checkpoint
 

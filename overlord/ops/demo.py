@@ -34,7 +34,8 @@ from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.ops.report import Report, write_report
 from overlord.ops.run import summarize
-from overlord.plan.spec import Plan, load_plan
+from overlord.plan.spec import Plan
+from overlord.plans import load_plan
 from overlord.state import checkpoint
 
 MANIFEST = "corpus.json"  # written last: its presence means the corpus is complete

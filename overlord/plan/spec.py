@@ -443,46 +443,16 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-def _glob_problems(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]]:
-    """Every source pattern that matches no file, and every transform that cannot be loaded."""
-    from overlord.sources.files import find_shards
-
-    problems: list[tuple[str, str]] = []
-    sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
-    for i, src in enumerate(sources):
-        name, path = _get(src, "name"), _get(src, "path")
-        patterns = [path] if isinstance(path, str) else path
-        if not isinstance(name, str) or not isinstance(patterns, list):
-            continue
-        try:
-            options = _get(src, "storage_options")
-            options = options if isinstance(options, dict) else None
-            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir, options)
-        except PlanError as e:
-            problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
-    for i, src in enumerate(sources):
-        transform = _get(src, "transform")
-        if isinstance(transform, str):
-            from overlord.sources.transforms import load_transform
-
-            try:
-                load_transform(transform)
-            except ValueError as e:
-                problems.append((f"sources[{i}].transform", str(e)))
-    return problems
-
-
 def validate_plan(
     data: Any,
     base_dir: str | Path | None = None,
     origin: str | None = None,
-    check_files: bool = False,
 ) -> Plan:
     """Validate a plan from plain data (a dict as read from YAML) or a Plan.
 
     Raises :class:`PlanError` listing every problem with its field path: schema
-    problems, problems between fields and, with ``check_files``, source
-    patterns that match no file under ``base_dir``, all in one message.
+    problems and problems between fields, all in one message. This is the plan
+    document alone; :func:`overlord.validate_plan` checks the sources' files too.
     """
     if isinstance(data, Plan):
         plan: Plan | None = data
@@ -500,8 +470,6 @@ def validate_plan(
         problems = []
         raw = plan.model_dump(mode="json")
     problems += [p for p in _semantic_problems(raw) if p not in problems]
-    if check_files:
-        problems += _glob_problems(raw, Path(base_dir) if base_dir is not None else Path.cwd())
     if problems or plan is None:
         raise PlanError(problems, origin)
     if base_dir is not None:
@@ -509,12 +477,8 @@ def validate_plan(
     return plan
 
 
-def load_plan(path: str | Path, check_files: bool = True) -> Plan:
-    """Read, validate and return the plan in a YAML (or JSON) file.
-
-    Relative source paths are resolved against the file's folder. With
-    ``check_files`` every source's glob must match at least one file.
-    """
+def read_plan_file(path: str | Path) -> Any:
+    """The plain data of a YAML (or JSON) plan file, not yet validated."""
     import yaml  # only to read a file: the plan's model imports with numpy and pydantic alone
 
     path = Path(path)
@@ -523,7 +487,16 @@ def load_plan(path: str | Path, check_files: bool = True) -> Plan:
     except OSError as e:
         raise PlanError([("", f"cannot read the plan file: {e.strerror}")], str(path)) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise PlanError([("", f"not valid YAML: {e}")], str(path)) from None
-    return validate_plan(data, base_dir=path.parent, origin=str(path), check_files=check_files)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read, validate and return the plan in a YAML (or JSON) file: the document alone.
+
+    Relative source paths are resolved against the file's folder.
+    :func:`overlord.load_plan` also checks that every source's glob matches a file.
+    """
+    path = Path(path)
+    return validate_plan(read_plan_file(path), base_dir=path.parent, origin=str(path))

@@ -19,8 +19,8 @@ from overlord.sources.remote import Retries, open_file
 class SourcePaths(Protocol):
     """What finding a source's files needs of it: its name and its path pattern(s).
 
-    :class:`overlord.plan.spec.SourceSpec` is one; this module does not import the plan's
-    module, which imports this one to check a plan's globs.
+    :class:`overlord.plan.spec.SourceSpec` is one; the plan's layer lies below this one, so
+    this module names the shape it needs instead of importing it.
     """
 
     @property
@@ -98,3 +98,41 @@ def find_shards(
     if problems:
         raise PlanError(problems)
     return [shards[k] for k in sorted(shards)]
+
+
+def _field(data: Any, key: str) -> Any:
+    """``data[key]``, or None where ``data`` is not a mapping."""
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def check_files(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]]:
+    """Every source pattern of a plan that matches no file, and every transform that cannot load.
+
+    ``data`` is the plan as plain data (a validated plan's ``model_dump(mode="json")``, or the
+    mapping read from YAML: a plan with schema problems is checked as far as it can be);
+    relative patterns are resolved against ``base_dir``. Problems are ``(field path, message)``
+    pairs, the form of :class:`~overlord.errors.PlanError`.
+    """
+    problems: list[tuple[str, str]] = []
+    sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
+    for i, src in enumerate(sources):
+        name, path = _field(src, "name"), _field(src, "path")
+        patterns = [path] if isinstance(path, str) else path
+        if not isinstance(name, str) or not isinstance(patterns, list):
+            continue
+        try:
+            options = _field(src, "storage_options")
+            options = options if isinstance(options, dict) else None
+            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir, options)
+        except PlanError as e:
+            problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
+    for i, src in enumerate(sources):
+        transform = _field(src, "transform")
+        if isinstance(transform, str):
+            from overlord.sources.transforms import load_transform
+
+            try:
+                load_transform(transform)
+            except ValueError as e:
+                problems.append((f"sources[{i}].transform", str(e)))
+    return problems
