@@ -14,6 +14,7 @@ from typing import Any
 
 from overlord.errors import PlanError
 from overlord.plan import spec
+from overlord.plan.plan_file import read_plan_file
 
 
 def validate_plan(
@@ -53,5 +54,5 @@ def load_plan(path: str | Path, check_files: bool = True) -> spec.Plan:
     every source's glob must match at least one file.
     """
     path = Path(path)
-    data = spec.read_plan_file(path)
+    data = read_plan_file(path)
     return validate_plan(data, base_dir=path.parent, origin=str(path), check_files=check_files)

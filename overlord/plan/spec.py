@@ -22,6 +22,7 @@ from pydantic import (
 
 from overlord.errors import PlanError
 from overlord.plan.mesh import mesh_problems
+from overlord.plan.plan_file import read_plan_file
 from overlord.plan.settings import (
     AutoscaleSpec,
     LoadingSpec,
@@ -475,21 +476,6 @@ def validate_plan(
     if base_dir is not None:
         plan._base_dir = Path(base_dir).resolve()
     return plan
-
-
-def read_plan_file(path: str | Path) -> Any:
-    """The plain data of a YAML (or JSON) plan file, not yet validated."""
-    import yaml  # only to read a file: the plan's model imports with numpy and pydantic alone
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError([("", f"cannot read the plan file: {e.strerror}")], str(path)) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise PlanError([("", f"not valid YAML: {e}")], str(path)) from None
 
 
 def load_plan(path: str | Path) -> Plan:
