@@ -8,10 +8,18 @@ loading it into a plan that reads the source differently fails loudly. The
 format is :mod:`overlord.state.format`.
 The world and balance settings are not in it: resume with another DP size
 continues the same global stream (elastic resume).
+
+A checkpoint file carries a digest of its content, its format version included:
+``"digest": "sha256:..."`` over the document's canonical JSON (keys sorted, no
+spaces) without the digest itself. A file whose digest does not match (a flipped
+byte, an edited number) is refused by :func:`load`, naming the file; it is never
+resumed. A file without a digest was written before digests existed and loads
+as it did, so checkpoints of earlier releases of this format still resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -65,14 +73,31 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
         )
 
 
+DIGEST_KEY = "digest"
+
+
+def digest(state: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of a state's canonical JSON, its own digest left out.
+
+    >>> digest({"version": 3, "step": 0}) == digest({"step": 0, "version": 3})
+    True
+    >>> digest({"version": 3, "step": 0}) == digest({"version": 3, "step": 1})
+    False
+    """
+    body = {k: v for k, v in state.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def save(directory: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` as ``DIR/step-NNNNNNNN.json`` atomically; returns the path."""
+    """Write ``state`` as ``DIR/step-NNNNNNNN.json`` atomically, with its digest; the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{int(state['step']):08d}.json"
+    document = {**state, DIGEST_KEY: digest(state)}
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump(state, f, separators=(",", ":"))
+        json.dump(document, f, separators=(",", ":"), allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
     umask = os.umask(0)
@@ -92,7 +117,11 @@ def latest(directory: str | Path) -> Path | None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint file, or the newest one of a folder."""
+    """Read a checkpoint file, or the newest one of a folder, checking its digest.
+
+    Returns the state without its digest. Raises :class:`CheckpointError` naming the file
+    when it cannot be read, is not a JSON object, or its content does not match its digest.
+    """
     path = Path(path)
     if path.is_dir():
         newest = latest(path)
@@ -105,4 +134,16 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} is not a JSON object")
+    recorded = state.pop(DIGEST_KEY, None)
+    if recorded is not None:
+        try:
+            found = digest(state)
+        except ValueError:  # NaN or infinity: never written by save
+            found = "(none: the content holds a number JSON does not have)"
+        if recorded != found:
+            raise CheckpointError(
+                f"checkpoint {path} does not match its digest (expected {recorded}, found "
+                f"{found}): the file was changed or damaged after it was written; resume "
+                "from another checkpoint"
+            )
     return state
