@@ -28,10 +28,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
@@ -54,10 +54,33 @@ balance:
   cost: {model: {params: 7.0e9, layers: 32, hidden: 4096}}
 """
 
-WORDS = (
-    "data loader plan step rank token source shard window block mixture balance cost "
-    "model train batch row pack seed order epoch state resume planner constructor"
-).split()
+WORDS = [
+    "data",
+    "loader",
+    "plan",
+    "step",
+    "rank",
+    "token",
+    "source",
+    "shard",
+    "window",
+    "block",
+    "mixture",
+    "balance",
+    "cost",
+    "model",
+    "train",
+    "batch",
+    "row",
+    "pack",
+    "seed",
+    "order",
+    "epoch",
+    "state",
+    "resume",
+    "planner",
+    "constructor",
+]
 
 
 def _text(rng: random.Random) -> str:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import tomllib
 import types
 import typing
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the docs describe this checkout's code, not an installed one
@@ -119,9 +120,11 @@ def stale_pending() -> list[str]:
     for key in PENDING:
         model_name, field = key.split(".")
         model = models.get(model_name)
-        if model is None or field not in model.model_fields:
-            stale.append(key)
-        elif model.model_fields[field].description:
+        if (
+            model is None
+            or field not in model.model_fields
+            or model.model_fields[field].description
+        ):
             stale.append(key)
     return stale
 
@@ -231,7 +234,7 @@ def plan_reference() -> str:
 
 
 def metrics_table() -> dict[str, tuple[str, str]]:
-    """overlord's metric names: name -> (type, help)."""
+    """The metric names of overlord: name -> (type, help)."""
     for home in ("overlord.monitor.prometheus", "overlord.metrics"):
         try:
             module = importlib.import_module(home)
