@@ -47,7 +47,7 @@ mixture:
   schedule:
     - {step: 0, weights: {web: 0.7, code: 0.3}}
     - {step: 100, weights: {web: 0.5, code: 0.5}}
-batch: {tokens_per_step: 8192, max_seq_len: 1024}
+batch: {tokens_per_step: 16384, max_seq_len: 1024}
 world: {dp: 2}
 balance:
   method: kk
