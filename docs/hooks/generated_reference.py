@@ -27,8 +27,21 @@ from typing import Any
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the docs describe this checkout's code, not an installed one
-    sys.path.insert(0, str(ROOT))
+
+
+def use_checkout() -> None:
+    """Import ``overlord`` from this checkout, not from wherever an installed one points.
+
+    MkDocs restores ``sys.path`` after loading a hook, so each generator calls this.
+    """
+    sys.path[:] = [str(ROOT)] + [p for p in sys.path if p != str(ROOT)]
+    loaded = sys.modules.get("overlord")
+    if loaded is not None and not Path(loaded.__file__ or "").resolve().is_relative_to(ROOT):
+        for name in [n for n in sys.modules if n == "overlord" or n.startswith("overlord.")]:
+            del sys.modules[name]
+
+
+use_checkout()
 
 from pydantic import BaseModel  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
@@ -53,6 +66,7 @@ MARKER = "<!-- generated: {} -->"
 
 
 def _plan_class() -> type[BaseModel]:
+    use_checkout()
     from overlord.plan.spec import Plan
 
     return Plan
@@ -235,6 +249,7 @@ def plan_reference() -> str:
 
 def metrics_table() -> dict[str, tuple[str, str]]:
     """The metric names of overlord: name -> (type, help)."""
+    use_checkout()
     for home in ("overlord.monitor.prometheus", "overlord.metrics"):
         try:
             module = importlib.import_module(home)
@@ -272,6 +287,7 @@ def _script_target() -> str:
 
 def cli_parser() -> argparse.ArgumentParser:
     """``overlord``'s argument parser, from the module its console command runs."""
+    use_checkout()
     module = importlib.import_module(_script_target().split(":")[0])
     return module.build_parser()  # type: ignore[no-any-return]
 
