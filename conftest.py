@@ -11,7 +11,9 @@ start's plan (``plan.yaml``: sources ``web``, JSONL, and ``code``, Parquet, unde
 - ``yaml`` blocks that hold a whole plan (``sources`` and ``batch``) are loaded
   with ``overlord.load_plan`` against the corpus (every glob must match) and
   become the page's ``plan.yaml``; a part of a plan is merged over the quick
-  start's plan and validated with ``overlord.validate_plan`` (files unchecked).
+  start's plan (its top-level keys replace the quick start's; with ``sources``
+  the quick start's mixture goes) and validated with ``overlord.validate_plan``
+  (files unchecked).
   A ``yaml`` block that is not a plan says so: ``<!-- skip: next "why" -->``.
 
 A block that cannot run here (it installs from the package index, starts a Ray
@@ -197,7 +199,10 @@ def evaluate_yaml(example: Any) -> None:
         (work / "plan.yaml").write_text(example.parsed)
         overlord.load_plan(work / "plan.yaml")
     else:
-        merged = {**yaml.safe_load(QUICK_PLAN), **data}
+        base = yaml.safe_load(QUICK_PLAN)
+        if "sources" in data:  # the quick start's mixture names its own sources
+            base.pop("mixture")
+        merged = {**base, **data}
         overlord.validate_plan(merged, base_dir=work, check_files=False)
 
 
