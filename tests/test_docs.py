@@ -179,3 +179,12 @@ def _missing_code_names() -> list[str]:
 )
 def test_the_code_the_docs_name_exists():
     assert _missing_code_names() == []
+
+
+def test_the_readme_links_to_pages_that_exist():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert len(links) >= 10
+    for link in links:
+        if "://" not in link:
+            assert (ROOT / link).exists(), f"README.md links to {link}, which does not exist"
