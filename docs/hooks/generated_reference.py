@@ -16,7 +16,9 @@ in place of that line. ``tests/test_docs.py`` calls the same functions:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import re
 import sys
 import types
 import typing
@@ -225,6 +227,7 @@ def plan_reference() -> str:
         where = ", ".join(f"`{p}`" for p in paths if p) or "the top of the plan"
         out += [f"## {title}", "", f"At {where}.", ""]
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        doc = re.sub(r":\w+:`([^`]+)`", r"`\1`", doc).replace("``", "`")  # reST to Markdown
         if doc:
             out += [doc, ""]
         out += [
@@ -303,6 +306,7 @@ def cli_reference() -> str:
         "",
     ]
     for name, command in sub.choices.items():
+        command.formatter_class = functools.partial(argparse.HelpFormatter, width=88)
         usage = command.format_usage().replace("usage: ", "").strip()
         out += [f"## overlord {name}", "", helps.get(name) or "", "", "```text", usage, "```", ""]
         rows = []
