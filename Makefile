@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test docs lint bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,13 @@ demo: $(VENV)/.demo
 	$(BIN)/overlord demo
 
 test: $(VENV)/.dev
-	$(BIN)/ruff check overlord tests benchmarks examples
+	$(BIN)/ruff check overlord tests benchmarks examples docs conftest.py
 	$(BIN)/mypy overlord
 	tools/loopback $(BIN)/pytest -q
+
+# the documentation site, into site/ (a broken link or a page missing from nav fails it)
+docs: $(VENV)/.dev
+	$(BIN)/mkdocs build --strict
 
 # MosaicML Streaming, for benchmarks/throughput_vs.py only. Its declared requirements
 # (numpy<2.2, transformers<5, torchvision, cloud SDKs) would replace this project's CPU
@@ -46,4 +50,4 @@ bench: $(VENV)/.bench
 	tools/loopback $(BIN)/python -m benchmarks.throughput_vs
 
 clean:
-	rm -rf $(VENV) overlord-demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) overlord-demo site .pytest_cache .mypy_cache .ruff_cache

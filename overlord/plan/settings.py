@@ -65,8 +65,8 @@ class AutoscaleSpec(_Model):
     )
     memory_gb: float | None = Field(None, gt=0, description="memory all SourceLoaders may use")
     every: int = Field(10, ge=1, description="steps between decisions")
-    max_threads_per_loader: int = Field(4, ge=1)
-    min_loaders: int = Field(1, ge=1)
+    max_threads_per_loader: int = Field(4, ge=1, description="most reader threads of one loader")
+    min_loaders: int = Field(1, ge=1, description="fewest SourceLoaders of a source")
     thread_efficiency: float = Field(
         1.0,
         ge=0,
@@ -74,8 +74,10 @@ class AutoscaleSpec(_Model):
         description="what a loader's second thread adds, as a share of its first (near 0 "
         "where decoding holds Python's GIL)",
     )
-    headroom: float = Field(1.25, ge=1)
-    cooldown_steps: int = Field(20, ge=0)
+    headroom: float = Field(1.25, ge=1, description="capacity kept above demand")
+    cooldown_steps: int = Field(
+        20, ge=0, description="how long demand must stay low before a source shrinks"
+    )
     horizon_steps: int = Field(50, ge=0, description="steps of the schedule looked ahead")
 
 
@@ -108,9 +110,14 @@ class PlacementSpec(_Model):
     """Where roles run and what they reserve (Ray runtime)."""
 
     loader_cpus: float = Field(0.0, ge=0, description="CPUs reserved per SourceLoader actor")
-    planner_cpus: float = Field(0.0, ge=0)
-    constructor_cpus: float = Field(0.0, ge=0)
-    loader_strategy: LoaderPlacement = LoaderPlacement.DEFAULT
+    planner_cpus: float = Field(0.0, ge=0, description="CPUs reserved for the Planner actor")
+    constructor_cpus: float = Field(
+        0.0, ge=0, description="CPUs reserved per DataConstructor actor"
+    )
+    loader_strategy: LoaderPlacement = Field(
+        LoaderPlacement.DEFAULT,
+        description="default: Ray's packing; spread: SourceLoaders over nodes",
+    )
     loader_nodes: dict[str, str] = Field(
         default_factory=dict, description="source name -> Ray node id its loaders must run on"
     )

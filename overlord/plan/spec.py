@@ -85,8 +85,14 @@ class SourceSpec(_Model):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="unique name")
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
-    format: Format
-    text_field: str = "text"
+    format: Format = Field(
+        description="jsonl (also .jsonl.gz / .jsonl.zst) | parquet | webdataset (image-text)"
+    )
+    text_field: str = Field(
+        "text",
+        description="the record's text: a JSON field, a Parquet column, or a webdataset "
+        "member's extension (else that field of the sample's .json)",
+    )
     image_field: str | None = Field(
         None,
         description="parquet: a binary column of encoded images; webdataset: the image "
@@ -114,7 +120,11 @@ class SourceSpec(_Model):
 class TokenizerSpec(_Model):
     """The tokenizer every source goes through."""
 
-    kind: TokenizerKind = TokenizerKind.BYTES
+    kind: TokenizerKind = Field(
+        TokenizerKind.BYTES,
+        description="bytes: UTF-8 bytes (ids 0-255), end of document 256, padding 257; "
+        "hf: a tokenizers tokenizer.json",
+    )
     path: str | None = Field(None, description="tokenizer.json, for kind hf")
     eos: str | None = Field(None, description="hf: token appended to every document")
 
@@ -122,8 +132,10 @@ class TokenizerSpec(_Model):
 class SchedulePoint(_Model):
     """Mixture weights (shares of tokens) from ``step`` on."""
 
-    step: int = Field(ge=0)
-    weights: dict[str, float]
+    step: int = Field(ge=0, description="the step these weights hold from")
+    weights: dict[str, float] = Field(
+        description="source name -> weight, a share of tokens (normalized over the sources)"
+    )
 
     @field_validator("weights")
     @classmethod
@@ -139,8 +151,14 @@ class SchedulePoint(_Model):
 class MixtureSpec(_Model):
     """A curriculum: weights at schedule points, interpolated between them."""
 
-    interpolation: Interpolation = Interpolation.LINEAR
-    schedule: list[SchedulePoint] = Field(min_length=1)
+    interpolation: Interpolation = Field(
+        Interpolation.LINEAR,
+        description="linear: weights move linearly between schedule points; step: each "
+        "point's weights hold until the next",
+    )
+    schedule: list[SchedulePoint] = Field(
+        min_length=1, description="the weights at schedule points, in step order"
+    )
 
 
 class BatchSpec(_Model):
@@ -148,7 +166,11 @@ class BatchSpec(_Model):
 
     tokens_per_step: int = Field(gt=0, description="global token budget of one step")
     max_seq_len: int = Field(gt=0, description="capacity of one packed row")
-    long_docs: LongDocs = LongDocs.SPLIT
+    long_docs: LongDocs = Field(
+        LongDocs.SPLIT,
+        description="a document longer than max_seq_len: split into chunks of max_seq_len, "
+        "truncate (cut), or drop (skipped and counted)",
+    )
     lookahead: int = Field(
         64, ge=1, description="items a source may skip over to fill a row; bounds the carry-over"
     )
@@ -164,9 +186,9 @@ class BatchSpec(_Model):
 class ModelShape(_Model):
     """A dense transformer, for deriving the cost model."""
 
-    params: float = Field(gt=0)
-    layers: int = Field(gt=0)
-    hidden: int = Field(gt=0)
+    params: float = Field(gt=0, description="parameters N (alpha = 6 N)")
+    layers: int = Field(gt=0, description="layers l (beta = 6 l h for causal attention)")
+    hidden: int = Field(gt=0, description="hidden size h")
     attention_factor: float = Field(
         1.0,
         gt=0,
@@ -178,9 +200,13 @@ class ModelShape(_Model):
 class CostSpec(_Model):
     """Cost of a document of L tokens: ``alpha * L + beta * L**2`` (plus image terms)."""
 
-    alpha: float | None = Field(None, ge=0)
-    beta: float | None = Field(None, ge=0)
-    model: ModelShape | None = None
+    alpha: float | None = Field(None, ge=0, description="cost per token of a document")
+    beta: float | None = Field(
+        None, ge=0, description="cost per squared token count of a document (attention)"
+    )
+    model: ModelShape | None = Field(
+        None, description="derive alpha and beta from a dense transformer's shape instead"
+    )
     patch_alpha: float = Field(0.0, ge=0, description="encoder cost per image patch")
     patch_beta: float = Field(0.0, ge=0, description="encoder cost per squared patch count")
     encoder: ModelShape | None = Field(
@@ -191,8 +217,14 @@ class CostSpec(_Model):
 class BalanceSpec(_Model):
     """How each step is balanced across DP ranks."""
 
-    method: BalanceMethod = BalanceMethod.KK
-    cost: CostSpec = CostSpec(alpha=1.0, beta=0.0)
+    method: BalanceMethod = Field(
+        BalanceMethod.KK,
+        description="kk (Karmarkar-Karp) | lpt | none (each rank a block of packed rows, "
+        "as a per-rank loader does)",
+    )
+    cost: CostSpec = Field(
+        CostSpec(alpha=1.0, beta=0.0), description="the cost model the balancer balances"
+    )
     group_ranks: int = Field(
         256,
         ge=1,
@@ -223,21 +255,40 @@ class ShuffleSpec(_Model):
 class Plan(_Model):
     """A whole data plan. Build one with :func:`load_plan` or ``Plan.model_validate``."""
 
-    seed: int = 0
-    sources: list[SourceSpec] = Field(min_length=1)
-    tokenizer: TokenizerSpec = TokenizerSpec()
-    mixture: MixtureSpec | None = None
-    batch: BatchSpec
-    world: World = World()
-    balance: BalanceSpec = BalanceSpec()
-    on_error: OnError = OnError.FAIL
-    shuffle: ShuffleSpec = ShuffleSpec()
-    loading: LoadingSpec = LoadingSpec()
-    placement: PlacementSpec = PlacementSpec()
-    recovery: RecoverySpec = RecoverySpec()
-    autoscale: AutoscaleSpec = AutoscaleSpec()
-    monitoring: MonitoringSpec = MonitoringSpec()
-    vision: VisionSpec | None = None
+    seed: int = Field(0, description="the seed every permutation of the order is drawn from")
+    sources: list[SourceSpec] = Field(min_length=1, description="the data sources")
+    tokenizer: TokenizerSpec = Field(
+        TokenizerSpec(), description="the tokenizer every source goes through"
+    )
+    mixture: MixtureSpec | None = Field(
+        None, description="how the sources mix over training (default: equal shares of tokens)"
+    )
+    batch: BatchSpec = Field(description="the shape of one optimizer step")
+    world: World = Field(World(), description="the trainer's mesh: dp, cp, tp, pp and order")
+    balance: BalanceSpec = Field(
+        BalanceSpec(), description="how each step is balanced across DP ranks"
+    )
+    on_error: OnError = Field(
+        OnError.FAIL,
+        description="a bad record: fail (a SourceError naming it) or skip (counted and reported)",
+    )
+    shuffle: ShuffleSpec = Field(
+        ShuffleSpec(), description="how a shard streams (part of the order)"
+    )
+    loading: LoadingSpec = Field(LoadingSpec(), description="how SourceLoaders read")
+    placement: PlacementSpec = Field(
+        PlacementSpec(), description="where roles run and what they reserve (Ray runtime)"
+    )
+    recovery: RecoverySpec = Field(
+        RecoverySpec(), description="the planner's journal, for restarts and rewinds"
+    )
+    autoscale: AutoscaleSpec = Field(
+        AutoscaleSpec(), description="sizing each source's loaders (on when cpus is set)"
+    )
+    monitoring: MonitoringSpec = Field(MonitoringSpec(), description="the Prometheus endpoint")
+    vision: VisionSpec | None = Field(
+        None, description="how images become patches and tokens (image-text sources)"
+    )
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _fingerprints: dict[str, str] = PrivateAttr(default_factory=dict)  # a frozen plan's
