@@ -32,7 +32,7 @@ its loaders (their moving average of thread CPU time per token), and, for both
 runs, the trainer's time waiting for data as a share of the phase and tokens/s.
 
     .venv/bin/python -m benchmarks.vision_autoscale --quick              # one run of each
-    .venv/bin/python -m benchmarks.vision_autoscale --quick --repeat 3   # medians (README)
+    .venv/bin/python -m benchmarks.vision_autoscale --quick --repeat 3   # medians (docs)
 """
 
 from __future__ import annotations

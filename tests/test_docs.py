@@ -10,7 +10,10 @@ lists every page.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -188,3 +191,20 @@ def test_the_readme_links_to_pages_that_exist():
     for link in links:
         if "://" not in link:
             assert (ROOT / link).exists(), f"README.md links to {link}, which does not exist"
+
+
+@pytest.mark.integration
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """What ``make docs`` runs: a broken link, an unlisted page or a failing hook fails it."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    proc = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plan_page = (tmp_path / "site" / "reference" / "plan" / "index.html").read_text()
+    assert "max_seq_len" in plan_page and "SourceSpec" in plan_page  # generated at build

@@ -1,7 +1,7 @@
 """Image-text sources (issue 14): readers, the vision rule, batches, errors, hybrid balance.
 
 The pixel checks compare against an independent Pillow implementation of the
-rule, written here from the README's words, not from overlord's code.
+rule, written here from the docs' words (guides/images.md), not from overlord's code.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 P, M = 14, 2
 
 
-# ---- an independent implementation of the README's rule ---------------------------------
+# ---- an independent implementation of the docs' rule -----------------------------------
 
 
 def ref_size(h: int, w: int, min_px: int = 3136, max_px: int = 1003520) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from benchmarks._lib.memory_report import INDEX_TARGET, NODE
 DESIGNS = ("baseline", "overlord", NODE)
 BASELINE_FITS = 4 * 2**30  # largest baseline state measured: W x S x state bytes
 OVERLORD_FITS = 8 * 2**30  # largest overlord state measured: (1 + shadows) x S x HELD_WINDOWS
-HELD_WINDOWS = 2  # what a loader process holds per source, in windows (see the README)
+HELD_WINDOWS = 2  # what a loader process holds per source, in windows (see docs/concepts/memory.md)
 SEQ = 8192  # max_seq_len
 ROWS = 4  # rows per rank and step: 32K tokens per trainer per step
 # at ``images``: 1 row of 8K tokens per rank and step in both designs (a row holds about

@@ -52,14 +52,7 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 # Fields of models outside overlord/plan/spec.py and overlord/plan/settings.py that have no
 # description in the code yet: the text shown until the model carries it. The tests fail
 # once the model has one (delete the entry then) and for any other field without one.
-PENDING: dict[str, str] = {
-    "VisionSpec.patch_size": "side of a square patch, in pixels",
-    "VisionSpec.merge_size": "patches merged per side into one image token (merge_size² each)",
-    "VisionSpec.min_pixels": "images with fewer pixels are scaled up (Qwen2-VL's rule)",
-    "VisionSpec.max_pixels": "images with more pixels are scaled down (Qwen2-VL's rule)",
-    "VisionSpec.mean": "per-channel mean subtracted after scaling to [0, 1]",
-    "VisionSpec.std": "per-channel standard deviation divided by after the mean",
-}
+PENDING: dict[str, str] = {}
 
 MARKER = "<!-- generated: {} -->"
 

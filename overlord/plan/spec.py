@@ -238,7 +238,7 @@ class BalanceSpec(_Model):
 
 
 class ShuffleSpec(_Model):
-    """How a shard's records are ordered while it streams (the rule is in the README).
+    """How a shard's records are ordered while it streams (the rule: the docs' order concepts).
 
     A shard is read in *blocks* (the lines that start in ``block_bytes`` of a
     JSONL file, a row group of a Parquet file); the records of

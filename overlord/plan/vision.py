@@ -1,7 +1,7 @@
 """Images in the plan: the ``vision:`` section, Qwen2-VL's resize rule, and the hybrid cost.
 
-The rule that turns an image of ``h x w`` pixels into patches and tokens (the
-README states it as the contract): with ``f = patch_size * merge_size`` and
+The rule that turns an image of ``h x w`` pixels into patches and tokens (the docs'
+images guide states it as the contract): with ``f = patch_size * merge_size`` and
 ``rnd(x) = floor(x + 0.5)``, ``h1 = max(f, rnd(h / f) * f)`` and
 ``w1 = max(f, rnd(w / f) * f)``; if ``h1 * w1 > max_pixels`` then, with
 ``b = sqrt(h * w / max_pixels)``, ``h1 = max(f, floor(h / b / f) * f)`` and
@@ -41,12 +41,26 @@ class VisionSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    patch_size: int = Field(14, gt=0)
-    merge_size: int = Field(2, gt=0)
-    min_pixels: int = Field(56 * 56, gt=0)
-    max_pixels: int = Field(1280 * 28 * 28, gt=0)
-    mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
-    std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    patch_size: int = Field(14, gt=0, description="side of a square patch, in pixels")
+    merge_size: int = Field(
+        2, gt=0, description="patches merged per side into one image token (merge_size² each)"
+    )
+    min_pixels: int = Field(
+        56 * 56, gt=0, description="images with fewer pixels are scaled up (Qwen2-VL's rule)"
+    )
+    max_pixels: int = Field(
+        1280 * 28 * 28,
+        gt=0,
+        description="images with more pixels are scaled down (Qwen2-VL's rule)",
+    )
+    mean: tuple[float, float, float] = Field(
+        (0.48145466, 0.4578275, 0.40821073),
+        description="per-channel mean subtracted after scaling to [0, 1]",
+    )
+    std: tuple[float, float, float] = Field(
+        (0.26862954, 0.26130258, 0.27577711),
+        description="per-channel standard deviation divided by after the mean",
+    )
     image_token_id: int | str = Field(
         "auto",
         description="auto: 258 for the bytes tokenizer, the id of '<|image_pad|>' for hf",
