@@ -41,6 +41,21 @@ class Format(str, Enum):
     JSONL = "jsonl"
     PARQUET = "parquet"
     WEBDATASET = "webdataset"  # tar shards of samples: key.jpg|png|... beside key.txt|json
+    TOKENS = "tokens"  # flat token arrays (.npy, or raw .bin with a dtype), documents end at eos
+    MEGATRON = "megatron"  # Megatron-LM's indexed datasets: .idx + .bin pairs
+
+    @property
+    def pretokenized(self) -> bool:
+        """Its shards hold token ids, not text: no tokenizer, no transform."""
+        return self in (Format.TOKENS, Format.MEGATRON)
+
+
+class TokenDtype(str, Enum):
+    """The integer type of a raw token file's ids."""
+
+    UINT16 = "uint16"
+    UINT32 = "uint32"
+    INT32 = "int32"
 
 
 class TokenizerKind(str, Enum):
@@ -86,7 +101,8 @@ class SourceSpec(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="unique name")
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
     format: Format = Field(
-        description="jsonl (also .jsonl.gz / .jsonl.zst) | parquet | webdataset (image-text)"
+        description="jsonl (also .jsonl.gz / .jsonl.zst) | parquet | webdataset (image-text) | "
+        "tokens (flat token arrays: .npy, or raw .bin with dtype) | megatron (.idx + .bin)"
     )
     text_field: str = Field(
         "text",
@@ -97,6 +113,17 @@ class SourceSpec(_Model):
         None,
         description="parquet: a binary column of encoded images; webdataset: the image "
         "members' extension(s), ';' between them (default jpg;jpeg;png;webp)",
+    )
+    dtype: TokenDtype | None = Field(
+        None,
+        description="tokens: the ids' integer type of raw .bin files (a .npy file's header "
+        "says it; given, it must agree)",
+    )
+    eos_id: int | None = Field(
+        None,
+        ge=0,
+        description="tokens: the id that ends a document (it belongs to the document it ends; "
+        "a trailing run without it is the last document)",
     )
     loaders: int = Field(1, ge=1, description="SourceLoaders that share this source's shards")
     transform: str | None = Field(
@@ -336,8 +363,9 @@ class Plan(_Model):
             s.pop("loaders")
             s.pop("shadows")
             s.pop("storage_options")
-            if s["image_field"] is None:  # unset: a text plan's fingerprint stays as it was
-                s.pop("image_field")
+            for key in ("image_field", "dtype", "eos_id"):
+                if s[key] is None:  # unset: a text plan's fingerprint stays as it was
+                    s.pop(key)
         if data["vision"] is None:
             data.pop("vision")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
@@ -353,7 +381,8 @@ class Plan(_Model):
         if name in self._fingerprints:
             return self._fingerprints[name]
         spec = next(s for s in self.sources if s.name == name)
-        unset = {"image_field"} if spec.image_field is None else set()  # text keeps its hash
+        # a field that is not set leaves the hash as it was before the field existed
+        unset = {f for f in ("image_field", "dtype", "eos_id") if getattr(spec, f) is None}
         unset |= {"loaders", "shadows", "storage_options"}  # who reads, and how: not the items
         data: dict[str, Any] = {
             "seed": self.seed,
@@ -366,6 +395,8 @@ class Plan(_Model):
         }
         if self.vision is not None and (spec.format is Format.WEBDATASET or spec.image_field):
             data["vision"] = self.vision.model_dump(mode="json")
+        if spec.format.pretokenized:
+            del data["tokenizer"]  # the plan's tokenizer reads text sources only
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         self._fingerprints[name] = hashlib.sha256(blob.encode()).hexdigest()[:16]
         return self._fingerprints[name]
@@ -394,6 +425,32 @@ def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
 
 
+def _token_source_problems(i: int, src: Any) -> list[tuple[str, str]]:
+    """What a pre-tokenized source needs (an eos for flat tokens) and what it cannot have."""
+    fmt = _get(src, "format")
+    out: list[tuple[str, str]] = []
+    if fmt not in (Format.TOKENS.value, Format.MEGATRON.value):
+        for key in ("dtype", "eos_id"):
+            if _get(src, key) is not None:
+                out.append((f"sources[{i}].{key}", f"applies to format tokens only, not {fmt}"))
+        return out
+    if fmt == Format.TOKENS.value and _get(src, "eos_id") is None:
+        out.append((f"sources[{i}].eos_id", "format tokens needs the id that ends a document"))
+    if fmt == Format.MEGATRON.value:
+        for key in ("dtype", "eos_id"):
+            if _get(src, key) is not None:
+                out.append(
+                    (f"sources[{i}].{key}", "format megatron: its .idx file says how to read it")
+                )
+    for key, why in (
+        ("transform", "a transform works on text; this source holds token ids"),
+        ("image_field", "images come with image-text sources only"),
+    ):
+        if _get(src, key) is not None:
+            out.append((f"sources[{i}].{key}", f"not for format {fmt}: {why}"))
+    return out
+
+
 def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
     """Problems that involve several fields, all of them.
 
@@ -409,6 +466,7 @@ def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
             if name in seen:
                 problems.append((f"sources[{i}].name", f"'{name}' is used by more than one source"))
             seen.add(name)
+        problems += _token_source_problems(i, src)
 
     tokens, seq = (
         _int(_get(data, "batch", "tokens_per_step")),

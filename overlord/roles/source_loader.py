@@ -57,7 +57,7 @@ from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime.threads import in_daemon_thread, lean_allocators
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardIO, ShardItems, Window, cut_items, shard_file, shard_windows
-from overlord.sources.tokenizers import make_tokenizer
+from overlord.sources.tokenizers import source_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
@@ -110,7 +110,7 @@ class SourceLoader:
         self.plan, self.files = plan, files  # the job's files, listed once when it started
         self.spec = next(s for s in self.plan.sources if s.name == source)
         self.source, self.index, self.count = source, index, count
-        self.tokenizer = make_tokenizer(self.plan.tokenizer, str(self.plan.base_dir))
+        self.tokenizer = source_tokenizer(self.plan, self.spec)
         start = start or {}
         self._start: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
         self._budget = token_budget(self.plan, count, source)

@@ -23,6 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -88,6 +89,8 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
     shard = dataclasses.replace(shards[0], retries=Retries(plan.loading.retries))
     where += f", file {shard.name}"
     try:
+        if spec.format.pretokenized:
+            return _check_tokens(where, plan, spec, shard)
         if spec.format is Format.WEBDATASET or spec.image_field is not None:
             return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
@@ -97,6 +100,51 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
         return [Problem(where, e.reason)]
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
         return [Problem(where, f"cannot read the file ({type(e).__name__}: {e})")]
+
+
+_EOS_WITHIN = 1 << 20  # ids a first document may hold before a missing eos is a problem
+
+
+def _check_tokens(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> list[Problem]:
+    """A pre-tokenized shard: its header, its first document, and its ids against the vocabulary.
+
+    Opening it names a ``.npy`` dtype that disagrees with the plan's, a raw file that is not
+    a whole number of ids, an ``.idx`` without its ``.bin`` and a truncated ``.bin``. A flat
+    file whose first million ids hold no ``eos_id`` most likely has another one. When the plan
+    names a tokenizer, an id of the first document at or above its vocabulary is named.
+    """
+    from overlord.sources.token_files import FlatTokenFile, MegatronFile, open_token_shard
+    from overlord.sources.tokenizers import make_tokenizer
+
+    reader = open_token_shard(spec, shard, plan.shuffle.block_bytes, {})
+    try:
+        if isinstance(reader, FlatTokenFile):
+            end = reader.end_of(0)
+            ask = f"is eos_id {reader.eos} the id that ends its documents?"
+            if end == reader.n and reader.n > _EOS_WITHIN:
+                return [Problem(where, f"none of its {reader.n} ids is its eos_id: {ask}")]
+            if end > _EOS_WITHIN:
+                return [Problem(where, f"its first document has {end} ids: {ask}")]
+            first = reader.ids(0, end)
+        else:
+            assert isinstance(reader, MegatronFile)
+            if not len(reader.doc_start):
+                return [Problem(where, "no document (its index is empty)")]
+            block = reader.block(int(reader.doc_start[0]) // reader.block_bytes)
+            first = np.frombuffer(block.texts[0].as_py(), np.int32)
+    finally:
+        reader.close()
+    if "tokenizer" in plan.model_fields_set and len(first):
+        vocab = make_tokenizer(plan.tokenizer, str(plan.base_dir)).vocab_size
+        low, high = int(first.min()), int(first.max())
+        if high >= vocab or low < 0:
+            bad = high if high >= vocab else low
+            reason = (
+                f"id {bad} is outside the tokenizer's vocabulary of {vocab} ids: were these "
+                "ids made by it?"
+            )
+            return [Problem(f"{where}, row 0", reason)]
+    return []
 
 
 def _check_parquet(where: str, source: str, shard: Shard, text_field: str) -> list[Problem]:

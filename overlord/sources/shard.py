@@ -49,6 +49,7 @@ from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.remote import Retries
+from overlord.sources.token_files import open_token_shard
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
@@ -316,7 +317,9 @@ def shard_windows(
     W = plan.shuffle.window_blocks
     where = Shard(shard.url, shard.name, spec.storage_options, cache.retries)
     B = plan.shuffle.block_bytes
-    if is_image_source(spec.format, spec.image_field):
+    if spec.format.pretokenized:
+        reader = open_token_shard(spec, where, B, cache.indexes)
+    elif is_image_source(spec.format, spec.image_field):
         reader = open_image_shard(
             spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
         )
@@ -529,8 +532,14 @@ def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def _not_blank(texts: pa.Array) -> tuple[np.ndarray, int]:
-    """The indexes of the records whose text is not blank, and how many are blank."""
-    blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
+    """The indexes of the records whose text is not blank, and how many are blank.
+
+    A pre-tokenized record (binary ids) is blank when it holds no id.
+    """
+    if pa.types.is_large_binary(texts.type):
+        blank = pc.equal(pc.binary_length(texts), 0)
+    else:
+        blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
     kept = np.flatnonzero(~np.asarray(blank, dtype=bool))
     return kept, len(texts) - len(kept)
 

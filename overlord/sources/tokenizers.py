@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from overlord.plan.spec import TokenizerKind, TokenizerSpec
+from overlord.plan.spec import Plan, SourceSpec, TokenizerKind, TokenizerSpec
 
 
 class Tokenizer(Protocol):
@@ -137,3 +137,18 @@ def make_tokenizer(spec: TokenizerSpec, base_dir: str | None = None) -> Tokenize
 def _hf_tokenizer(path: str, eos: str | None, version: tuple[int, int]) -> HFTokenizer:
     """The tokenizer of ``path`` (``version``: its size and time, so an edited file reloads)."""
     return HFTokenizer(path, eos)
+
+
+def source_tokenizer(plan: Plan, spec: SourceSpec) -> Tokenizer:
+    """What turns one source's records into ids.
+
+    The plan's tokenizer for a text source; for a pre-tokenized one, the records' own ids
+    (:class:`overlord.sources.token_files.TokenIds`), padded with the plan tokenizer's
+    ``pad_id`` as every batch is.
+    """
+    tokenizer = make_tokenizer(plan.tokenizer, str(plan.base_dir))
+    if not spec.format.pretokenized:
+        return tokenizer
+    from overlord.sources.token_files import TokenIds
+
+    return TokenIds(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)

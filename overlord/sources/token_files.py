@@ -1,0 +1,391 @@
+"""Pre-tokenized shards: flat token arrays (``format: tokens``) and Megatron's indexed datasets.
+
+Large pretraining runs tokenize once and train from token files. Two layouts are read:
+
+- **tokens**: one flat 1-D array of ids per file, a ``.npy`` file (its header gives the dtype
+  and where the ids start) or a raw file of ``dtype`` ids (``uint16``, ``uint32``, ``int32``;
+  ``.bin`` by custom). A document ends at the source's ``eos_id``, which belongs to the
+  document it ends; a trailing run without it is the file's last document. A document's row is
+  its place in the file, counted from 0.
+- **megatron**: the pair Megatron-LM's ``IndexedDatasetBuilder`` writes. The ``.idx`` file:
+  the 9 bytes ``MMIDIDX`` and two zero bytes, version 1 (``<Q``), a dtype code (``<B``: 1 uint8,
+  2 int8, 3 int16, 4 int32, 5 int64, 8 uint16; 6 and 7 are floats, not ids), the sequence
+  count and the document-index count (``<Q`` each), then every sequence's length (int32), its
+  byte offset in ``.bin`` (int64), and the document index (int64): document ``d`` is sequences
+  ``[doc[d], doc[d+1])``, in order. The source's path pattern matches the ``.idx`` files; the
+  ``.bin`` beside each holds the ids. A document's row is ``d``.
+
+The order rule is the text sources' (:mod:`overlord.sources.shard`), with a token file's bytes
+in place of a JSONL file's: block ``k`` holds the documents that *start* in bytes
+``[k*B, (k+1)*B)`` of the ids (of ``.bin``, for megatron), ``B`` being
+``shuffle.block_bytes``. A block is read by ranges: the ids from its first document's start
+to its last document's end, never the file; where a flat file's documents start comes from
+one pass that counts each block's eos ids (one integer per block, kept for the next epoch).
+So a loader's memory follows the blocks it holds, not the file's size.
+
+A block's records are its documents' ids as int32 bytes (one Arrow binary value each), which
+:class:`TokenIds` reads back as ids where a text source is tokenized. A document that is its
+eos alone is *empty* (a text of no token, in the text sources' words): not a sample, counted.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from overlord.errors import SourceError
+from overlord.plan.spec import Format, SourceSpec, TokenDtype
+from overlord.sources.files import Shard
+from overlord.sources.formats import RecordBlock, ShardReader
+from overlord.sources.remote import file_size, is_url
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    8: np.uint16,
+}
+_MEGATRON_FLOATS = {6: "float64", 7: "float32"}
+_SCAN_TOKENS = 4 << 20  # ids counted at once by the eos pass
+
+
+class _Ranges:
+    """Byte ranges of one file: ``os.pread`` on a local file, seek and read on a URL.
+
+    Reading by ranges keeps nothing of the file mapped or cached in this process: what a
+    block needs is read into a buffer of its own and freed with it.
+    """
+
+    def __init__(self, source: str, shard: Shard):
+        self.source, self.name = source, shard.name
+        if is_url(shard.url):
+            self._file: Any = shard.open(source)
+            self._fd = -1
+            self.size = file_size(self._file, shard.url)
+        else:
+            self._file = None
+            self._fd = os.open(shard.url, os.O_RDONLY)
+            self.size = os.fstat(self._fd).st_size
+
+    def read(self, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)``; a file that ends before ``hi`` is a :class:`SourceError`."""
+        if hi <= lo:
+            return b""
+        if self._fd >= 0:
+            parts, at = [], lo
+            while at < hi:
+                got = os.pread(self._fd, min(hi - at, 1 << 30), at)
+                if not got:
+                    break
+                parts.append(got)
+                at += len(got)
+            data = b"".join(parts) if len(parts) != 1 else parts[0]
+        else:
+            self._file.seek(lo)
+            data = self._file.read(hi - lo)
+        if len(data) != hi - lo:
+            raise SourceError(
+                self.source, self.name, None, f"the file ends at byte {lo + len(data)}, "
+                f"before byte {hi} that its index names: it is truncated"
+            )
+        return data
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        elif self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _records(
+    number: int, rows: np.ndarray, data: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> RecordBlock:
+    """A block whose record ``i`` is ids ``data[starts[i]:ends[i]]``, stored as int32 ids.
+
+    The ranges are in order and do not overlap; ids outside every range (an eos alone, a
+    gap in a Megatron ``.bin``) are left out. Every block holds int32 ids whatever the file's
+    dtype, so that a window's records read the same way whichever file they came from.
+    """
+    lengths = ends - starts
+    offsets = np.zeros(len(starts) + 1, np.int64)
+    np.cumsum(lengths * 4, out=offsets[1:])
+    covered = len(starts) and starts[0] == 0 and np.array_equal(starts[1:], ends[:-1])
+    if covered:
+        data = data[: int(ends[-1])]
+    else:  # mark each range's ids: +1 where a range starts, -1 where it ends
+        mark = np.zeros(len(data) + 1, np.int64)
+        np.add.at(mark, starts, 1)
+        np.add.at(mark, ends, -1)
+        data = data[np.cumsum(mark[:-1]) > 0]
+    if data.dtype.kind == "u" and data.dtype.itemsize >= 4 and len(data) and data.max() > 2**31 - 1:
+        raise _TooLarge(f"an id above {2**31 - 1} in block {number}: ids are int32")
+    ids = np.ascontiguousarray(data, dtype=np.int32)
+    texts = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(ids)]
+    )
+    return RecordBlock(number, rows.astype(np.int64), texts)
+
+
+class _TooLarge(ValueError):
+    """An id a uint32 or int64 file holds that int32 cannot."""
+
+
+class FlatTokenFile(ShardReader):
+    """A flat array of ids, read by blocks; documents end at ``eos_id``."""
+
+    def __init__(
+        self,
+        source: str,
+        shard: Shard,
+        dtype: TokenDtype | None,
+        eos_id: int,
+        block_bytes: int,
+        cache: dict[Any, Any],
+    ):
+        self.source, self.shard, self.name, self.eos = source, shard, shard.name, eos_id
+        self.file = _Ranges(source, shard)
+        self.dtype, self.start = self._header(dtype)
+        itemsize = self.dtype.itemsize
+        if (self.file.size - self.start) % itemsize:
+            raise self._error(
+                f"{self.file.size - self.start} bytes of ids are not a whole number of "
+                f"{self.dtype.name} ids: the file is truncated, or its dtype is not "
+                f"{self.dtype.name}"
+            )
+        self.n = (self.file.size - self.start) // itemsize
+        self.per_block = max(1, block_bytes // itemsize)
+        self.blocks_in_file = -(-self.n // self.per_block)
+        self.n_blocks = self.blocks_in_file
+        self._cache = cache
+        self._key = ("tokens", shard.url, self.file.size, self.dtype.str, eos_id, self.per_block)
+
+    @property
+    def eos_before(self) -> np.ndarray:
+        """How many eos ids lie before each block's first id (one pass, on first use, kept)."""
+        if self._key not in self._cache:
+            self._cache[self._key] = self._eos_before_blocks()
+        counts: np.ndarray = self._cache[self._key]
+        return counts
+
+    def _error(self, message: str) -> SourceError:
+        return SourceError(self.source, self.name, None, message)
+
+    def _header(self, dtype: TokenDtype | None) -> tuple[np.dtype[Any], int]:
+        """The ids' dtype and the byte they start at: from a ``.npy`` header, else the plan."""
+        if self.name.endswith(".npy"):
+            head = self.file.read(0, min(self.file.size, 4096))
+            try:
+                import io
+
+                f = io.BytesIO(head)
+                version = np.lib.format.read_magic(f)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, found = read(f)
+            except (ValueError, EOFError) as e:
+                raise self._error(f"not a .npy file ({e})") from None
+            if len(shape) != 1:
+                raise self._error(f"a token file is 1-D, this .npy file has shape {shape}")
+            if found.name not in {d.value for d in TokenDtype}:
+                raise self._error(
+                    f"its ids are {found.name}: expected one of "
+                    + ", ".join(d.value for d in TokenDtype)
+                )
+            if dtype is not None and found.name != dtype.value:
+                raise self._error(
+                    f"the plan's dtype is {dtype.value} but the .npy header says {found.name}"
+                )
+            return found, f.tell()  # a big-endian file reads as such, then converts
+        if dtype is None:
+            raise self._error("a raw token file needs the source's dtype (uint16|uint32|int32)")
+        return np.dtype(dtype.value), 0
+
+    def ids(self, lo: int, hi: int) -> np.ndarray:
+        """Ids ``[lo, hi)`` of the file (clipped to its end)."""
+        hi = min(hi, self.n)
+        size = self.dtype.itemsize
+        return np.frombuffer(self.file.read(self.start + lo * size, self.start + hi * size),
+                             self.dtype)  # fmt: skip
+
+    def _eos_before_blocks(self) -> np.ndarray:
+        """One pass over the file: how many eos ids lie before each block, and in all."""
+        counts = np.zeros(self.blocks_in_file + 1, np.int64)
+        step = max(self.per_block, (_SCAN_TOKENS // self.per_block) * self.per_block)
+        for lo in range(0, self.n, step):
+            ids = self.ids(lo, lo + step)
+            hits = np.flatnonzero(ids == self.eos) + lo
+            np.add.at(counts, hits // self.per_block + 1, 1)
+        return np.cumsum(counts)
+
+    def end_of(self, start: int) -> int:
+        """One past the eos that ends the document starting at ``start`` (or the file's end)."""
+        at = start
+        step = max(self.per_block, 1 << 16)
+        while at < self.n:
+            hit = np.flatnonzero(self.ids(at, at + step) == self.eos)
+            if len(hit):
+                return at + int(hit[0]) + 1
+            at += step
+        return self.n
+
+    def block(self, k: int) -> RecordBlock:
+        """The documents that start in block ``k``, with their rows (places in the file)."""
+        lo, hi = k * self.per_block, min(self.n, (k + 1) * self.per_block)
+        before = max(lo - 1, 0)
+        head = self.ids(before, hi)
+        # a document starts after each eos, and at 0
+        eos = np.flatnonzero(head[: hi - 1 - before] == self.eos) + before
+        starts = eos + 1
+        starts = starts[starts >= lo]
+        if lo == 0:
+            starts = np.concatenate(([0], starts))
+        if not len(starts):
+            return RecordBlock(k, np.zeros(0, np.int64), pa.array([], pa.large_binary()))
+        rows = self.eos_before[k] + np.searchsorted(eos[eos >= lo], starts - 1, side="right")
+        last_end = self.end_of(int(starts[-1]))
+        ends = np.append(starts[1:], last_end)
+        data = self.ids(int(starts[0]), last_end)
+        rel_start, rel_end = starts - starts[0], ends - starts[0]
+        alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)
+        rel_end = np.where(alone, rel_start, rel_end)  # an eos alone: an empty document
+        try:
+            return _records(k, rows, data, rel_start, rel_end)
+        except _TooLarge as e:
+            raise self._error(str(e)) from None
+
+    def close(self) -> None:
+        """Close the file of ids."""
+        self.file.close()
+
+
+class MegatronFile(ShardReader):
+    """An ``.idx`` + ``.bin`` pair of Megatron-LM's indexed dataset, read by blocks of ``.bin``."""
+
+    def __init__(self, source: str, shard: Shard, block_bytes: int):
+        self.source, self.shard, self.name = source, shard, shard.name
+        if not shard.name.endswith(".idx"):
+            raise self._error("format megatron reads .idx files (the path pattern matches them)")
+        index = _Ranges(source, shard)
+        try:
+            self._read_index(index)
+        finally:
+            index.close()
+        bin_shard = Shard(shard.url[:-4] + ".bin", shard.name[:-4] + ".bin",
+                          shard.storage_options, shard.retries)  # fmt: skip
+        try:
+            self.file = _Ranges(source, bin_shard)
+        except FileNotFoundError:
+            raise self._error(f"its .bin file is missing: {bin_shard.name}") from None
+        itemsize = self.dtype.itemsize
+        if len(self.sizes):
+            needed = int(self.pointers[-1]) + int(self.sizes[-1]) * itemsize
+            if self.file.size < needed:
+                raise self._error(
+                    f"{bin_shard.name} has {self.file.size} bytes, its index needs {needed}: "
+                    "the .bin file is truncated"
+                )
+        self.block_bytes = block_bytes
+        # the block the last document starts in is the last block
+        self.n_blocks = int(self.doc_start[-1]) // block_bytes + 1 if len(self.doc_start) else 0
+
+    def _error(self, message: str) -> SourceError:
+        return SourceError(self.source, self.name, None, message)
+
+    def _read_index(self, index: _Ranges) -> None:
+        head = index.read(0, min(index.size, 34))
+        if len(head) < 34 or head[:9] != MEGATRON_MAGIC:
+            raise self._error("not a Megatron index: it does not start with MMIDIDX")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+        if version != 1:
+            raise self._error(f"Megatron index version {version}: expected 1")
+        if code in _MEGATRON_FLOATS:
+            raise self._error(f"its dtype is {_MEGATRON_FLOATS[code]}: ids are integers")
+        if code not in MEGATRON_DTYPES:
+            raise self._error(f"unknown Megatron dtype code {code}")
+        self.dtype = np.dtype(MEGATRON_DTYPES[code])
+        end = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if index.size < end:
+            raise self._error(f"the index has {index.size} bytes, its header needs {end}")
+        body = index.read(34, end)
+        self.sizes = np.frombuffer(body, np.int32, n_seq, 0)
+        self.pointers = np.frombuffer(body, np.int64, n_seq, n_seq * 4)
+        docs = np.frombuffer(body, np.int64, n_doc, n_seq * 12)
+        if n_doc == 0 or docs[0] != 0 or docs[-1] != n_seq or np.any(np.diff(docs) < 0):
+            raise self._error("its document index does not cover its sequences in order")
+        # each document's byte range in .bin: from its first sequence to its last one's end;
+        # a document of no sequence sits, empty, where the next one starts
+        seq_end = self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize
+        total = int(seq_end[-1]) if n_seq else 0
+        first, after = docs[:-1], docs[1:]
+        padded = np.append(self.pointers, total)
+        self.doc_start = padded[first].astype(np.int64)
+        ends = np.append(seq_end, total)
+        self.doc_end = np.where(after > first, ends[np.maximum(after - 1, 0)], self.doc_start)
+
+    def block(self, k: int) -> RecordBlock:
+        """The documents whose first byte lies in block ``k`` of ``.bin``, in file order."""
+        lo, hi = k * self.block_bytes, (k + 1) * self.block_bytes
+        d0, d1 = np.searchsorted(self.doc_start, [lo, hi], side="left")
+        rows = np.arange(d0, d1, dtype=np.int64)
+        if d0 == d1:
+            return RecordBlock(k, rows, pa.array([], pa.large_binary()))
+        first, end = int(self.doc_start[d0]), int(self.doc_end[d0:d1].max())
+        size = self.dtype.itemsize
+        data = np.frombuffer(self.file.read(first, end), self.dtype, (end - first) // size)
+        starts = (self.doc_start[d0:d1] - first) // size
+        ends = (self.doc_end[d0:d1] - first) // size
+        try:
+            return _records(k, rows, data, starts, ends)
+        except _TooLarge as e:
+            raise self._error(str(e)) from None
+
+    def close(self) -> None:
+        """Close the file of ids."""
+        self.file.close()
+
+
+def open_token_shard(
+    spec: SourceSpec, shard: Shard, block_bytes: int, cache: dict[Any, Any]
+) -> ShardReader:
+    """The reader of one pre-tokenized shard (``spec.format`` tokens or megatron)."""
+    if spec.format is Format.MEGATRON:
+        return MegatronFile(spec.name, shard, block_bytes)
+    assert spec.eos_id is not None  # checked by plan validation
+    return FlatTokenFile(spec.name, shard, spec.dtype, spec.eos_id, block_bytes, cache)
+
+
+class TokenIds:
+    """The "tokenizer" of a pre-tokenized source: its records are int32 ids already.
+
+    >>> raw = pa.array([np.array([5, 6, 2], np.int32).tobytes(), b""], pa.large_binary())
+    >>> tokens, offsets = TokenIds(vocab_size=100).encode(raw)
+    >>> tokens.tolist(), offsets.tolist()
+    ([5, 6, 2], [0, 3, 3])
+    """
+
+    def __init__(self, vocab_size: int, pad_id: int = 0):
+        self.vocab_size, self.pad_id = vocab_size, pad_id
+
+    def encode(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Records' ids (int32, back to back) and offsets (int64, one more than records)."""
+        n = len(texts)
+        if n == 0:
+            return np.zeros(0, np.int32), np.zeros(1, np.int64)
+        _, off_buf, data_buf = texts.buffers()
+        offs = np.frombuffer(off_buf, np.int64)[texts.offset : texts.offset + n + 1]
+        if data_buf is None:
+            return np.zeros(0, np.int32), np.zeros(n + 1, np.int64)
+        ids = np.frombuffer(data_buf, np.uint8)[offs[0] : offs[-1]].view(np.int32).copy()
+        return ids, (offs - offs[0]) // 4
