@@ -33,15 +33,12 @@ import numpy as np
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.monitor.figures import Figures
 from overlord.monitor.prometheus import MetricsServer
-from overlord.plan.balance import lower_bound, rank_costs
-from overlord.plan.columns import rank_sums, stable_order
 from overlord.plan.cost import CostModel
-from overlord.plan.hierarchy import assign_step, group_count, step_bound
-from overlord.plan.hybrid import assign_modules, module_costs
-from overlord.plan.mesh import resolved_layout
+from overlord.plan.hierarchy import group_count
 from overlord.plan.schedule import Schedule
-from overlord.plan.select import MixState, select_items
+from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
+from overlord.plan.step import plan_step, rank_slice
 from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
 from overlord.roles.consumption import Consumption
@@ -55,17 +52,6 @@ from overlord.state.journal import Journal
 log = logging.getLogger("overlord.planner")
 
 HISTORY_STEPS = 100_000  # per-step statistics kept for reports
-# what the planner needs of each chosen item, gathered from the cursors
-_COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
-# what a rank's plan holds of the step's columns
-_RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
-# what a rank's plan sums of the step's columns, and where the step keeps every rank's sum
-_SUMS = {c: f"{c}_by_rank" for c in ("cost", "cost_llm", "cost_encoder")}
-
-
-def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
-    """Per-rank cost terms a vision plan's history keeps (overlord.plan.hybrid)."""
-    return (("rank_cost_llm", llm), ("rank_cost_encoder", enc))
 
 
 class Planner:
@@ -218,74 +204,17 @@ class Planner:
     # ---- planning --------------------------------------------------------------------------
 
     def _plan_next(self) -> None:
+        """Plan the next step (:func:`overlord.plan.step.plan_step`); keep its columns and state."""
         p = self.plan
         step = self.next_step
         t0 = time.perf_counter()
         weights = self.schedule.weights(step)
-        sel = select_items(
-            self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
+        planned = plan_step(
+            p, self.cursors, weights, self.mix, self.cost, self.groups, self.assigners.run
         )
-        n = len(sel.source)
-        src, tokens, ref_row, pending = (
-            np.fromiter(x, dtype=np.int64, count=n)
-            for x in (sel.source, sel.tokens, sel.ref_row, sel.pending_index)
-        )
-        cols = self._take(src, pending)
-
-        # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
-        cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
-        per_cp_rank = p.world.tokens_per_cp_rank  # cp: dynamic (cp is then cp_max)
-        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout, per_cp_rank)
-        cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
-        dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
-
-        def assign_by(c: np.ndarray) -> np.ndarray:  # in groups of ranks past group_ranks
-            return assign_step(
-                *(tokens, c, ref_row, dp, rpr, cap, p.balance.method, self.groups),
-                # a CP group shares a document's cost: the bound's terms too (padding aside)
-                lambda: step_bound(
-                    tokens, c, dp, rpr * cap, *(self.cost.alpha / cp, self.cost.beta / cp)
-                ),
-                self.assigners.run,
-            )
-
-        row = assign_modules(p.balance.modules, llm, enc, dp, rpr, assign_by)
-        by_row = stable_order(row)  # items grouped by rank, rows in order
-        self.plans[step] = {
-            "source": src[by_row],
-            "tokens": tokens[by_row],
-            "row": row[by_row] % rpr,  # within its rank
-            "cost": cost[by_row],
-            **{c: cols[c][by_row] for c in ("loader", "key", "file_index", "chunk")},
-            "rec_row": cols["row"][by_row],
-            "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rpr),
-        }
-        cols = self.plans[step]
-        if p.vision is not None:
-            cols.update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
-        for c in _SUMS:  # each rank's sums, computed at once: a rank's plan is then a slice
-            if c in cols:
-                cols[_SUMS[c]] = rank_sums(cols[c], cols["bounds"])
-        per_rank = rank_costs(cost, row, dp, rpr)
-        baseline = rank_costs(cost, ref_row, dp, rpr)
-        self.figures.planned(step, time.perf_counter() - t0, per_rank)
-        self.history.append(
-            {
-                "step": step,
-                "tokens": np.bincount(src, weights=tokens, minlength=len(self.names)).tolist(),
-                "weights": weights.tolist(),
-                "max_cost": float(per_rank.max()),
-                "mean_cost": float(per_rank.mean()),
-                "baseline_max_cost": float(baseline.max()),
-                "lower_bound": lower_bound(cost, dp),
-                "fill": float(tokens.sum()) / p.batch.tokens_per_step,
-                **(
-                    {c: rank_costs(x, row, dp, rpr).tolist() for c, x in _parts(llm, enc)}
-                    if p.vision is not None
-                    else {}
-                ),
-            }
-        )
+        self.plans[step] = planned.columns
+        self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
+        self.history.append({"step": step, **planned.stats})
         self.next_step += 1
         after = self._snapshot()
         self.ledger.keep(self.next_step, after)
@@ -300,18 +229,6 @@ class Planner:
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
             self.consumption.prune()
-
-    def _take(self, src: np.ndarray, pending: np.ndarray) -> dict[str, np.ndarray]:
-        """Take the chosen items from their cursors: what the plan needs, in selection order."""
-        cols = {c: np.empty(len(src), dtype=np.int64) for c in _COLUMNS if c != "key"}
-        cols["key"] = np.empty((len(src), 3), dtype=np.int64)
-        for s, cursor in enumerate(self.cursors):
-            mine = np.flatnonzero(src == s)
-            if len(mine):
-                taken = cursor.take(pending[mine])
-                for c in _COLUMNS:
-                    cols[c][mine] = taken[c]
-        return cols
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
@@ -336,15 +253,8 @@ class Planner:
             raise LoaderError(f"step {step} of rank {rank} was consumed already")
         while self.next_step <= step:
             self._plan_next()
-        cols = self.plans[step]
-        bounds = cols["bounds"]
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
         out: dict[str, Any] = {"step": step, "rank": rank, "rows": self._rows_per_rank}
-        for c, by_rank in _SUMS.items():
-            if by_rank in cols:
-                out[c] = float(cols[by_rank][rank])
-        for c in _RANK_COLUMNS:  # slices: nothing built ahead
-            out[c] = cols[c][lo:hi]
+        out.update(rank_slice(self.plans[step], rank))  # slices of the step's columns
         return out
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
