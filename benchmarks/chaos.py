@@ -41,7 +41,7 @@ from benchmarks._lib.procfs import ACTOR_TITLES, rollup, run_pids
 from overlord import Loader, load_plan
 from overlord.ops.run import dump_line, run_plan
 from overlord.plan.spec import Plan, validate_plan
-from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole
 
 ROLES = ("loader", "constructor", "planner")
 
@@ -99,7 +99,7 @@ def _kill(loader: Loader, kill: Kill, rng: random.Random) -> str:
 
     handle: Any
     if kill.role == "planner":
-        handle, pid_of = loader.planner, PlannerRole.pid
+        handle, pid_of = loader.planner, OpsRole.pid
     elif kill.role == "constructor":
         handle, pid_of = rng.choice(loader.constructors), ConstructorRole.pid
     else:

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import overlord.plan.hierarchy as hierarchy
-import overlord.roles.planner as planner_mod
+import overlord.plan.step as step_mod
 from benchmarks._lib.synthetic import SOURCES, SourceShape, doc_lengths, model_7b
 from benchmarks._lib.timing import pin_one_cpu
 from overlord.plan.balance import lower_bound
@@ -376,7 +376,7 @@ class Parts:
     @contextlib.contextmanager
     def installed(self, planner: Planner) -> Iterator[Parts]:
         """Time ``planner``'s parts: its cursors' fetches and takes, its cost model, and the
-        planner module's ``select_items`` and ``assign_step`` and every group (restored on exit)."""
+        step module's ``select_items`` and ``assign_step`` and every group (restored on exit)."""
         cursors, cost = planner.cursors, planner.cost
         fetches = [c.fetch for c in cursors]
         for c in cursors:  # instance attributes: the cursors' own peek runs unwrapped
@@ -384,9 +384,9 @@ class Parts:
             c.take = self.timed(c.take, "take")  # type: ignore[method-assign]
         planner.cost = TimedCost(cost, self)  # type: ignore[assignment]
         names = {"select_items": "select", "assign_step": "assign"}
-        saved = {name: getattr(planner_mod, name) for name in names}
+        saved = {name: getattr(step_mod, name) for name in names}
         for name, part in names.items():
-            setattr(planner_mod, name, self.timed(saved[name], part))
+            setattr(step_mod, name, self.timed(saved[name], part))
         group = hierarchy.assign_group
         hierarchy.assign_group = self.group(group)  # run_here looks it up at each call
         try:
@@ -394,7 +394,7 @@ class Parts:
         finally:
             hierarchy.assign_group = group
             for name, fn in saved.items():
-                setattr(planner_mod, name, fn)
+                setattr(step_mod, name, fn)
             for c, fetch in zip(cursors, fetches):
                 c.fetch = fetch
                 del c.take

@@ -18,7 +18,7 @@ from overlord.errors import LoaderError
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
 from overlord.plan.spec import Plan, validate_plan
 from overlord.plans import load_plan
-from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.loader_pool import PoolConfig
@@ -69,12 +69,13 @@ def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
 
 
 def local_constructor(
-    layout: dict[str, Any], planner: Handle[PlannerRole], rank: int
+    layout: dict[str, Any], planner: Handle[PlannerRole], pool: Handle[PoolRole], rank: int
 ) -> DataConstructor:
     """A DataConstructor for ``rank`` in this process, pulling from the job's loaders.
 
     ``layout`` is the planner's: the plan, the job's files (never listed again
-    here) and the loaders.
+    here) and the loaders. ``planner`` and ``pool``: the planner's handle, as
+    the Protocol of its plans and as that of its loaders.
     """
     plan = validate_plan(layout["plan"], base_dir=layout["base_dir"])
     files = {
@@ -83,7 +84,7 @@ def local_constructor(
     }
     loaders: dict[str, list[Handle[LoaderRole] | None]] = layout["loaders"]
     prefetch = plan.batch.prefetch_steps
-    return DataConstructor(plan, files, planner, loaders, [rank], prefetch, layout["pad_id"])
+    return DataConstructor(plan, files, planner, pool, loaders, [rank], prefetch, layout["pad_id"])
 
 
 class Loader:
@@ -172,15 +173,19 @@ class Loader:
         self._owned: list[DataConstructor] = []  # trainer-side constructors, closed here
         self._constructor_of: dict[int, Handle[ConstructorRole]] = {}
         try:
-            self.planner: Handle[PlannerRole] = self.runtime.spawn(
+            planner = self.runtime.spawn(
                 Planner,
                 *(self.plan, self.files, self.runtime, config, state, self.journal),
                 *(distributed, pad_id),
                 name="planner",
                 options=RoleOptions(p.planner_cpus, 1, restartable=True),
             )
-            self.planner.call(PlannerRole.start).result()
-            layout = self.planner.call(PlannerRole.layout).result()
+            # one actor, held under each of its Protocols: plans, its loaders, operations
+            self.planner: Handle[PlannerRole] = planner
+            self._pool: Handle[PoolRole] = planner
+            self._ops: Handle[OpsRole] = planner
+            self._pool.call(PoolRole.start).result()
+            layout = self._ops.call(OpsRole.layout).result()
             in_trainer = distributed and p.constructors is ConstructorSite.TRAINER
             # constructors plan and build ahead on threads of their own, on every runtime:
             # the trainer's thread only takes a ready batch
@@ -189,7 +194,8 @@ class Loader:
             for i, ranks in enumerate(groups if build_batches and not in_trainer else []):
                 h: Handle[ConstructorRole] = self.runtime.spawn(
                     DataConstructor,
-                    *(self.plan, self.files, self.planner, layout["loaders"], ranks, prefetch),
+                    *(self.plan, self.files, self.planner, self._pool, layout["loaders"]),
+                    *(ranks, prefetch),
                     pad_id,
                     name=f"constructor-{i}",
                     options=RoleOptions(p.constructor_cpus, 1, restartable=True),
@@ -197,7 +203,7 @@ class Loader:
                 self.constructors.append(h)
                 self._constructor_of.update({r: h for r in ranks})
             for r in range(self.plan.world.dp) if build_batches and in_trainer else []:
-                obj = local_constructor(layout, self.planner, r)  # each client builds its own
+                obj = local_constructor(layout, self.planner, self._pool, r)  # each its own
                 self._owned.append(obj)
                 self._constructor_of[r] = InlineHandle(obj, f"constructor-local-{r}")
         except BaseException:
@@ -256,7 +262,7 @@ class Loader:
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
-        return self.planner.call(PlannerRole.dry_run, steps).result()
+        return self._ops.call(OpsRole.dry_run, steps).result()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state as of the last step every rank has consumed."""
@@ -266,7 +272,7 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Planner history, events, scaling and every current loader's counters."""
         self._notices.flush()
-        return self.planner.call(PlannerRole.stats).result()
+        return self._ops.call(OpsRole.stats).result()
 
     @property
     def metrics_url(self) -> str | None:
@@ -274,24 +280,24 @@ class Loader:
 
         None when the plan serves none. On Ray the planner serves it.
         """
-        return self.planner.call(PlannerRole.metrics_url).result()
+        return self._ops.call(OpsRole.metrics_url).result()
 
     def monitor(self) -> dict[str, Any]:
         """What the endpoint and ``overlord status`` show, as plain data."""
         self._notices.flush()
-        return self.planner.call(PlannerRole.monitor).result()
+        return self._ops.call(OpsRole.monitor).result()
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
-        return self.planner.call(PlannerRole.slots).result()
+        return self._pool.call(PoolRole.slots).result()
 
     def repartition(self, source: str, count: int) -> list[int] | None:
         """Read ``source`` with ``count`` loaders from the next shard boundary on (online)."""
-        return self.planner.call(PlannerRole.repartition, source, count).result()
+        return self._pool.call(PoolRole.repartition, source, count).result()
 
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source`` (online)."""
-        self.planner.call(PlannerRole.set_threads, source, threads).result()
+        self._pool.call(PoolRole.set_threads, source, threads).result()
 
     def close(self) -> None:
         """Stop every role, free what they hold, and remove the planner's journal."""

@@ -22,7 +22,7 @@ from overlord.errors import LoaderError
 from overlord.loader import Loader, local_constructor
 from overlord.plan.settings import ConstructorSite
 from overlord.plan.spec import Plan
-from overlord.roles.api import ConstructorRole, PlannerRole
+from overlord.roles.api import ConstructorRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.client import Client
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
@@ -121,7 +121,7 @@ def connect(
     ``state`` (a trainer's checkpoint, from ``Client.state_dict()``) rewinds
     the live job to it: every rank must reconnect with the same state, and
     the steps from it are served again, exactly as before (see
-    :mod:`overlord.roles.rewind`; ``recovery.rewind_steps`` bounds how far).
+    :mod:`overlord.roles.consumption`; ``recovery.rewind_steps`` bounds how far).
     """
     from overlord.plan.spec import validate_plan
     from overlord.runtime.ray_runtime import init_ray, lookup
@@ -129,8 +129,11 @@ def connect(
     if (rank is None) == (global_rank is None):
         raise ValueError("connect takes a DP rank or a global_rank=, one of the two")
     init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
-    planner: Handle[PlannerRole] = lookup(job, "planner")
-    layout = planner.call(PlannerRole.layout).result()
+    found = lookup(job, "planner")  # one actor, held under each Protocol used here
+    planner: Handle[PlannerRole] = found
+    pool: Handle[PoolRole] = found
+    ops: Handle[OpsRole] = found
+    layout = ops.call(OpsRole.layout).result()
     world = validate_plan(layout["plan"]).world
     dp = layout["dp"]
     if global_rank is not None:
@@ -154,7 +157,7 @@ def connect(
         dp_rank = rank
     owned = None
     if layout["constructors"] == ConstructorSite.TRAINER.value:
-        owned = local_constructor(layout, planner, dp_rank)
+        owned = local_constructor(layout, planner, pool, dp_rank)
         constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{dp_rank}")
     else:
         constructor = lookup(job, f"constructor-{dp_rank // layout['ranks_per_constructor']}")

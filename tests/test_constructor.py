@@ -23,14 +23,12 @@ def recording(calls: set[str], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def test_the_embedded_runtime_plans_and_packs_off_the_trainers_thread(job_plan, monkeypatch):
+    import overlord.plan.step as step_module
     import overlord.roles.constructor as constructor_module
-    import overlord.roles.planner as planner_module
 
     planned: set[str] = set()
     packed: set[str] = set()
-    monkeypatch.setattr(
-        planner_module, "select_items", recording(planned, planner_module.select_items)
-    )
+    monkeypatch.setattr(step_module, "select_items", recording(planned, step_module.select_items))
     monkeypatch.setattr(constructor_module, "pack", recording(packed, constructor_module.pack))
     plan = load_plan(job_plan).with_dp(2)
     with Loader(plan) as loader:

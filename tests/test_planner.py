@@ -9,7 +9,7 @@ from support.roundtrip import Part, check_save_restore
 
 from overlord import Loader, load_plan
 from overlord.ops.run import dump_line
-from overlord.roles.api import PlannerRole
+from overlord.roles.api import OpsRole, PlannerRole
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def test_rank_plans_are_slices_of_the_steps_columns_that_cover_it_once(job_plan)
     with Loader(plan, build_batches=False) as loader:
         planner = loader.planner
         parts = [planner.call(PlannerRole.rank_plan, 0, r).result() for r in range(4)]
-        history = planner.call(PlannerRole.stats).result()["history"]
+        history = planner.call(OpsRole.stats).result()["history"]
     items = [(s, *k) for p in parts for s, k in zip(p["source"].tolist(), p["key"].tolist())]
     assert len(set(items)) == len(items) > 0  # every item of the step, once
     assert sum(int(p["tokens"].sum()) for p in parts) == sum(history[0]["tokens"])

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import two_sources
 
+from conftest import two_sources
 from overlord import Loader, LoaderError, load_plan
 from overlord.ops.run import run_plan
 from overlord.plan.spec import validate_plan
@@ -153,12 +153,22 @@ def test_ranks_reconnecting_with_different_states_are_refused_naming_both(ray_se
             connect("rewind-mixed", rank=1, state=bad)
 
 
-def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped():
+def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped(job_plan):
     """A killed trainer's last consumption notices may land after the rewind: not counted."""
-    from overlord.roles.rewind import TrainerRewind
+    from overlord.monitor.figures import Figures
+    from overlord.roles.consumption import Consumption
+    from overlord.roles.ledger import Ledger
+    from overlord.state.format import STATE_VERSION
 
-    planner = TrainerRewind()
-    assert not planner.stale(0)  # no rewind yet: every client counts
-    planner._rewind_state()["open"] = 9  # the job rewound to step 9
-    assert planner.stale(0) and planner.stale(8)  # clients started before it: killed ones
-    assert not planner.stale(9) and not planner.stale(None)  # reconnected, or unknown
+    plan = load_plan(job_plan).with_dp(1)
+    fingerprint = plan.stream_fingerprint()
+    state = {"version": STATE_VERSION, "fingerprint": fingerprint, "step": 9, "sources": {}}
+    ledger = Ledger(plan, {})
+    ledger.keep(9, state)  # the job keeps the state of step 9
+    rewound: list[int] = []
+    figures = Figures(plan.source_names, 1)
+    consumption = Consumption(plan, figures, ledger, lambda: 9, lambda *_: None, rewound.append)
+    assert not consumption.stale(0)  # no rewind yet: every client counts
+    assert consumption.reconnect(0, state) == 9 and rewound == [9]  # the job rewound to step 9
+    assert consumption.stale(0) and consumption.stale(8)  # clients started before it: killed ones
+    assert not consumption.stale(9) and not consumption.stale(None)  # reconnected, or unknown

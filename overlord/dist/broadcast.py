@@ -77,7 +77,7 @@ def broadcast_batch(batch: Batch | None, group: Any = None, src: int = 0) -> Bat
     ``src`` passes its batch; every other rank passes ``None`` and receives an
     equal :class:`~overlord.Batch` (arrays equal byte for byte, the same
     samples and fields). A rank that only receives does not connect to
-    overlord at all, so it is not waited for (see :mod:`overlord.roles.peers`).
+    overlord at all, so it is not waited for (see :mod:`overlord.roles.consumption`).
     """
     me = dist.get_rank()
     if me == src:

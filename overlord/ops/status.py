@@ -1,8 +1,8 @@
 """``overlord status JOB``: a live terminal table of a job served on Ray.
 
 It asks the job's planner for what monitoring shows
-(:func:`overlord.roles.monitoring.planner_figures`, the figures of the Prometheus
-endpoint) and draws them with ``rich``: one table per source, one per rank.
+(``OpsRole.monitor``, the figures of the Prometheus endpoint) and draws them
+with ``rich``: one table per source, one per rank.
 ``--once`` prints it once; otherwise it is redrawn every ``interval`` seconds
 until Ctrl-C.
 """
@@ -84,14 +84,15 @@ def status(job: str, address: str | None = None, once: bool = False, interval: f
         from rich.live import Live
     except ImportError as e:
         raise LoaderError("overlord status needs rich: pip install 'overlord-data[metrics]'") from e
-    from overlord.roles.api import PlannerRole
+    from overlord.roles.api import OpsRole
+    from overlord.runtime.base import Handle
     from overlord.runtime.ray_runtime import init_ray, lookup
 
     init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
-    planner = lookup(job, "planner")
+    planner: Handle[OpsRole] = lookup(job, "planner")
 
     def read() -> dict[str, Any]:
-        return planner.call(PlannerRole.monitor).result()
+        return planner.call(OpsRole.monitor).result()
 
     console = Console()
     if once:

@@ -3,7 +3,9 @@
 A caller names the Protocol's method, ``planner.call(PlannerRole.rank_plan,
 step, rank)``, so mypy checks the arguments and the result at every call site;
 the runtime sends the method's name. The roles' classes are checked against
-these Protocols where they are defined.
+these Protocols where they are defined. One actor may serve several
+Protocols (the planner serves three, by concern): each caller holds the
+handle under the narrowest one it needs.
 """
 
 from __future__ import annotations
@@ -95,11 +97,12 @@ class LoaderGroupRole(Protocol):
 
 
 class PlannerRole(Protocol):
-    """The planner: plans steps, tracks consumption, owns the loaders (through its pool)."""
+    """The planner as the trainers and constructors see it: step plans and consumption.
 
-    def start(self) -> None:
-        """Spawn the loaders (a restarted planner finds its own)."""
-        ...
+    The planner actor serves three Protocols; a caller holds the narrowest it
+    needs: this one (clients, constructors), :class:`PoolRole` (whoever meets
+    a dead loader or controls the loaders) or :class:`OpsRole` (operations).
+    """
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """One rank's plan of one step (None: ask again later)."""
@@ -134,28 +137,32 @@ class PlannerRole(Protocol):
         """Mesh rank ``global_rank`` received ``step`` (``since``: as for mark_consumed)."""
         ...
 
-    def state_dict(self, step: int | None = None) -> dict[str, Any]:
-        """The state before ``step``."""
-        ...
-
-    def dry_run(self, steps: int) -> list[dict[str, Any]]:
-        """Plan ``steps`` steps without building batches."""
-        ...
-
-    def layout(self) -> dict[str, Any]:
-        """What a connecting trainer needs: the plan, the files, the loaders."""
-        ...
-
     def position(self, rank: int) -> int:
         """The next step ``rank`` should consume."""
         ...
 
-    def failover(self, source: str, k: int, dead: str) -> Handle[LoaderRole]:
-        """Replace the dead primary of slot ``k`` of ``source``; the new primary."""
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The state before ``step``."""
+        ...
+
+    def reconnect(self, rank: int, state: dict[str, Any]) -> int:
+        """DP rank ``rank`` restarted from ``state``: rewind the job there; the step."""
+        ...
+
+
+class PoolRole(Protocol):
+    """The planner's loaders (its pool): spawning, failover, partitions, threads."""
+
+    def start(self) -> None:
+        """Spawn the loaders (a restarted planner finds its own)."""
         ...
 
     def primaries(self, source: str) -> list[Handle[LoaderRole] | None]:
         """The primary of every slot of ``source``."""
+        ...
+
+    def failover(self, source: str, k: int, dead: str) -> Handle[LoaderRole]:
+        """Replace the dead primary of slot ``k`` of ``source``; the new primary."""
         ...
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
@@ -170,20 +177,28 @@ class PlannerRole(Protocol):
         """Reader threads of every current loader of ``source``."""
         ...
 
+
+class OpsRole(Protocol):
+    """The planner as operations see it: dry runs, the job's layout, figures, its process."""
+
+    def dry_run(self, steps: int) -> list[dict[str, Any]]:
+        """Plan ``steps`` steps without building batches."""
+        ...
+
+    def layout(self) -> dict[str, Any]:
+        """What a connecting trainer needs: the plan, the files, the loaders."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """History, positions, faults, scaling, journal."""
         ...
 
-    def reconnect(self, rank: int, state: dict[str, Any]) -> int:
-        """DP rank ``rank`` restarted from ``state``: rewind the job there; the step."""
+    def monitor(self) -> dict[str, Any]:
+        """What monitoring shows: counters, histograms, per source and per rank figures."""
         ...
 
     def metrics_url(self) -> str | None:
         """The Prometheus endpoint's URL (None: not served)."""
-        ...
-
-    def monitor(self) -> dict[str, Any]:
-        """What monitoring shows: counters, histograms, per source and per rank figures."""
         ...
 
     def pid(self) -> int:
@@ -191,7 +206,7 @@ class PlannerRole(Protocol):
         ...
 
     def close(self) -> None:
-        """Close the journal."""
+        """Stop serving metrics; close the journal."""
         ...
 
 

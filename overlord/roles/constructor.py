@@ -5,8 +5,8 @@ One constructor serves one DP rank, or several (the ranks of a node). With
 a thread of its own, ahead of the trainer, so that the trainer's request is
 answered from memory; a step's batch, cut for the rank's CP ranks once, is
 kept until every peer of the rank that asks has asked for a later step, so
-that its CP/TP/PP peers (overlord.roles.peers) share one fetch and TP peers
-receive the very same batch. A build ahead that the planner refuses because
+that its CP/TP/PP peers (overlord.roles.consumption) share one fetch and TP
+peers receive the very same batch. A build ahead that the planner refuses because
 other ranks lag (in one process that consumes every rank) is not an error:
 the step is built when the trainer asks for it.
 """
@@ -31,7 +31,7 @@ from overlord.errors import LoaderError, RanksApart
 from overlord.plan.cost import CostModel
 from overlord.plan.mesh import resolved_layout
 from overlord.plan.spec import Plan
-from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole
+from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole, PoolRole
 from overlord.roles.loader_pool import PoolView, by_slot
 from overlord.runtime.base import Handle
 from overlord.runtime.threads import Builder
@@ -42,13 +42,18 @@ from overlord.world import CPLayout
 
 
 class DataConstructor:
-    """Builds the batches of some DP ranks from their parts of each step plan."""
+    """Builds the batches of some DP ranks from their parts of each step plan.
+
+    ``planner`` answers the step plans; ``pool`` is the same planner seen as
+    the owner of the loaders, asked when a loader died or a partition was added.
+    """
 
     def __init__(
         self,
         plan: Plan,
         files: dict[str, SourceFiles],
         planner: Handle[PlannerRole],
+        pool: Handle[PoolRole],
         loaders: dict[str, list[Handle[LoaderRole] | None]],
         ranks: list[int],
         prefetch: int = 0,
@@ -70,7 +75,7 @@ class DataConstructor:
         self.layout = layout if layout is not None else CPLayout.PER_DOCUMENT
         self._pool = Builder("overlord-constructor") if prefetch else None
         self.names = self.plan.source_names
-        self.loaders = PoolView(self.names, loaders, planner)
+        self.loaders = PoolView(self.names, loaders, pool)
         self.image_id = -1  # the image token's id, for the labels (vision plans)
         if plan.vision is not None:
             tokenizer = make_tokenizer(plan.tokenizer, str(plan.base_dir))
@@ -84,7 +89,7 @@ class DataConstructor:
         """What mesh rank ``global_rank`` receives of its DP rank's batch for ``step``.
 
         Its CP slice, with the fields of its pipeline stage; every TP peer of a
-        ``(dp, cp, pp)`` coordinate receives the same object (overlord.roles.peers).
+        ``(dp, cp, pp)`` coordinate receives the same object (overlord.roles.consumption).
         """
         return self._view(step, global_rank)[1]
 

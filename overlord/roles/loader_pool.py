@@ -30,7 +30,7 @@ from overlord.errors import ActorDiedError, LoaderError
 from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
-from overlord.roles.api import SHARD_END, LoaderGroupRole, LoaderRole, PlannerRole
+from overlord.roles.api import SHARD_END, LoaderGroupRole, LoaderRole, PoolRole
 from overlord.roles.loader_group import LoaderGroup, assign_groups
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
@@ -139,7 +139,7 @@ class PoolView:
         self,
         names: list[str],
         loaders: dict[str, list[Handle[LoaderRole] | None]],
-        planner: Handle[PlannerRole],
+        planner: Handle[PoolRole],
     ):
         self.names, self.planner = names, planner
         self.loaders = [list(loaders[n]) for n in names]  # current primaries
@@ -154,7 +154,7 @@ class PoolView:
             calls = []
             for s, k, mine in todo:
                 if k >= len(self.loaders[s]):  # a partition added after this view was made
-                    now = self.planner.call(PlannerRole.primaries, self.names[s]).result()
+                    now = self.planner.call(PoolRole.primaries, self.names[s]).result()
                     self.loaders[s] = list(now)
                 handle = self.loaders[s][k]
                 if handle is None:
@@ -175,7 +175,7 @@ class PoolView:
                         dead = self.loaders[s][k]
                         assert dead is not None
                         self.loaders[s][k] = self.planner.call(
-                            PlannerRole.failover, self.names[s], k, replica_name(dead)
+                            PoolRole.failover, self.names[s], k, replica_name(dead)
                         ).result()
                         todo.append((s, k, mine))
                     continue
@@ -551,6 +551,14 @@ class LoaderPool:
         actor, _, member = name.partition("/")
         handle = self.runtime.lookup(actor)
         return MemberHandle(handle, member) if member else handle
+
+    def forget_received(self) -> None:
+        """Forget where each slot's last block ended (trainers rewound the job).
+
+        A primary promoted from now on serves from the cursor's position that
+        :meth:`rewind` gives, not from past the rewind.
+        """
+        self._received.clear()
 
     def rewind(self, cursors: dict[str, dict[str, Any]]) -> None:
         """Have every replica serve again what the recovered state has not consumed."""

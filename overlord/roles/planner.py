@@ -8,6 +8,15 @@ when asked. It sees metadata only. Its loaders belong to its
 and hands what every rank consumed. Its state before each step is kept until
 every rank consumed the step; with a journal (:mod:`overlord.state.journal`) a
 restarted planner resumes there and re-plans the steps after it identically.
+
+The planner is composed of parts that each own their state: where planning
+stands (its cursors and mixture, here), the states kept before each step
+(:class:`~overlord.roles.ledger.Ledger`), what each rank consumed and the
+rewinds of trainers that restart (:class:`~overlord.roles.consumption.Consumption`),
+its loaders (:class:`~overlord.roles.loader_pool.LoaderPool`) and its
+monitoring counters (:class:`~overlord.monitor.figures.Figures`). It serves
+three Protocols of :mod:`overlord.roles.api`: planning and consumption
+(``PlannerRole``), the loaders (``PoolRole``) and operations (``OpsRole``).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,45 +33,28 @@ import numpy as np
 from overlord.errors import ActorDiedError, LoaderError, RanksApart
 from overlord.monitor.figures import Figures
 from overlord.monitor.prometheus import MetricsServer
-from overlord.plan.balance import lower_bound, rank_costs
-from overlord.plan.columns import rank_sums, stable_order
 from overlord.plan.cost import CostModel
-from overlord.plan.hierarchy import assign_step, group_count, step_bound
-from overlord.plan.hybrid import assign_modules, module_costs
-from overlord.plan.mesh import resolved_layout
+from overlord.plan.hierarchy import group_count
 from overlord.plan.schedule import Schedule
-from overlord.plan.select import MixState, select_items
+from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
-from overlord.roles.api import LoaderRole, PlannerRole
+from overlord.plan.step import plan_step, rank_slice
+from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
+from overlord.roles.consumption import Consumption
 from overlord.roles.cursor import SourceCursor
+from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
-from overlord.roles.monitoring import planner_figures
-from overlord.roles.peers import PeerConsumption
-from overlord.roles.rewind import TrainerRewind
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
-from overlord.state import format as statefmt
 from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.planner")
 
 HISTORY_STEPS = 100_000  # per-step statistics kept for reports
-TRAIN_EMA = 0.2  # weight of the newest step in the trainer's step-time average
-# what the planner needs of each chosen item, gathered from the cursors
-_COLUMNS = ("key", "loader", "file_index", "row", "chunk", "patches")
-# what a rank's plan holds of the step's columns
-_RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
-# what a rank's plan sums of the step's columns, and where the step keeps every rank's sum
-_SUMS = {c: f"{c}_by_rank" for c in ("cost", "cost_llm", "cost_encoder")}
 
 
-def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
-    """Per-rank cost terms a vision plan's history keeps (overlord.plan.hybrid)."""
-    return (("rank_cost_llm", llm), ("rank_cost_encoder", enc))
-
-
-class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord.roles.rewind
+class Planner:
     """Plans steps on demand and tracks what each DP rank consumed.
 
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
@@ -97,14 +90,22 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             runtime, count, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
         )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
-        self._train_s: float | None = None  # moving average of the trainer's step time
         self.figures = Figures(self.names, plan.world.dp)  # what monitoring shows
         self._metrics: MetricsServer | None = None
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
+        self.ledger = Ledger(plan, self._files)
+        self.consumption = Consumption(
+            plan,
+            self.figures,
+            self.ledger,
+            planned=lambda: self.next_step,
+            settle=self._settle,
+            rewind=self._rewind_to,
+        )
         self.pool = LoaderPool(
             *(plan, files, runtime, config),
-            consumed=self._consumed_cursor,
+            consumed=self.consumption.consumed_cursor,
             clock=lambda: self.next_step,
             journal=self.journal,
         )
@@ -117,7 +118,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             if recovered.loaders is not None:
                 self.pool.restore(recovered.loaders)
             self.pool.events.append(recovered.event())
-            self.pool.rewind({n: self._consumed_cursor(n) for n in self.names})
+            self.pool.rewind({n: self.consumption.consumed_cursor(n) for n in self.names})
             try:  # a restarted planner serves its metrics again (start is not called again)
                 self._serve_metrics()
             except LoaderError as e:
@@ -143,13 +144,14 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
             self.journal.snapshot(self._snapshot(), self.start_step - 1, self.pool.record())
 
     def _build(self, state: dict[str, Any] | None) -> None:
+        """Start planning from ``state`` (None: the plan's start), at its step."""
         sources = (state or {}).get("sources", {})
         self.cursors = [
             SourceCursor(
                 n,
-                lambda epoch, n=n: len(self.files[n].at(epoch)),  # type: ignore[misc]
-                lambda k, n=n: self.pool.metadata(n, k, self.plan.loading.timeout_s),  # type: ignore[misc]
-                lambda n=n: partitions(self.pool.parts[n]),  # type: ignore[misc]
+                partial(self._shards, n),
+                partial(self._fetch, n),
+                partial(self._partitions, n),
                 sources.get(n, {}).get("cursor"),
             )
             for n in self.names
@@ -160,30 +162,27 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         )
         self.start_step = int((state or {}).get("step", 0))
         self.next_step = self.start_step
-        self.consumed = [self.start_step - 1] * self.plan.world.dp
-        # the step every rank consumed, and how many ranks are still there: kept as ranks
-        # move, so that a step's calls cost O(1) each, not O(dp)
-        self.done, self._at_done = self.start_step - 1, self.plan.world.dp
+        self.consumption.restart(self.start_step)
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
-        self.snapshots: dict[int, dict[str, Any]] = {self.start_step: self._snapshot()}
+        self.ledger.restart(self.start_step, self._snapshot())
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
+
+    # what a source's cursor asks: its shards, its loaders' metadata, its partitions
+
+    def _shards(self, source: str, epoch: int) -> int:
+        return len(self.files[source].at(epoch))
+
+    def _fetch(self, source: str, k: int) -> list[dict[str, Any]]:
+        return self.pool.metadata(source, k, self.plan.loading.timeout_s)
+
+    def _partitions(self, source: str) -> list[tuple[tuple[int, int], int, int]]:
+        return partitions(self.pool.parts[source])
 
     # ---- state -----------------------------------------------------------------------------
 
     def _snapshot(self) -> dict[str, Any]:
-        return {
-            "step": self.next_step,
-            "sources": {
-                n: {
-                    "fingerprint": self.plan.source_fingerprint(n),
-                    "cursor": c.state(),
-                    "target": float(self.mix.target[i]),
-                    "placed": float(self.mix.placed[i]),
-                    "files": self._files[n],
-                }
-                for i, (n, c) in enumerate(zip(self.names, self.cursors))
-            },
-        }
+        """The state before the next step to plan."""
+        return self.ledger.snapshot(self.next_step, self.cursors, self.mix)
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """State before ``step`` (JSON-serializable).
@@ -194,131 +193,42 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         other ranks' consumption notices to arrive.
         """
         if step is None:
-            step = self.done + 1
-        self.checkpointed(step)  # a state handed out: trainers may rewind the job to it
-        while self.next_step < step and step > max(self.snapshots):
+            step = self.consumption.done + 1
+        self.consumption.checkpointed(step)  # a state handed out: trainers may rewind to it
+        while self.next_step < step and step > self.ledger.last:
             # not planned here yet (a rank received it from batches built before a rewind):
             # the state of a later step is the plan's, so plan up to it
             self._plan_next()
-        if step not in self.snapshots:
-            raise LoaderError(
-                f"no state for step {step}: states are kept from step {min(self.snapshots)} "
-                f"to {max(self.snapshots)} (steps not yet consumed by every rank)"
-            )
-        return {
-            "version": statefmt.STATE_VERSION,
-            "fingerprint": self.plan.stream_fingerprint(),
-            **self.snapshots[step],
-        }
-
-    def _consumed_step(self) -> int:
-        """The step after the last one every rank consumed (or the next to plan, if earlier).
-
-        A restarted planner may learn that ranks consumed steps it has not
-        re-planned yet; its state is then the one before the next step to plan.
-        """
-        return min(self.done + 1, self.next_step)
-
-    def _consumed_cursor(self, source: str) -> dict[str, Any]:
-        """Where ``source``'s order stands once every rank consumed what it received."""
-        cursor: dict[str, Any] = self.snapshots[self._consumed_step()]["sources"][source]["cursor"]
-        return cursor
+        return self.ledger.state_dict(step)
 
     # ---- planning --------------------------------------------------------------------------
 
     def _plan_next(self) -> None:
+        """Plan the next step (:func:`overlord.plan.step.plan_step`); keep its columns and state."""
         p = self.plan
         step = self.next_step
         t0 = time.perf_counter()
         weights = self.schedule.weights(step)
-        sel = select_items(
-            self.cursors, weights, self.mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
+        planned = plan_step(
+            p, self.cursors, weights, self.mix, self.cost, self.groups, self.assigners.run
         )
-        n = len(sel.source)
-        src, tokens, ref_row, pending = (
-            np.fromiter(x, dtype=np.int64, count=n)
-            for x in (sel.source, sel.tokens, sel.ref_row, sel.pending_index)
-        )
-        cols = self._take(src, pending)
-
-        # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
-        cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
-        per_cp_rank = p.world.tokens_per_cp_rank  # cp: dynamic (cp is then cp_max)
-        llm, enc = module_costs(self.cost, tokens, cols["patches"], cp, layout, per_cp_rank)
-        cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
-        dp, rpr, cap = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
-
-        def assign_by(c: np.ndarray) -> np.ndarray:  # in groups of ranks past group_ranks
-            return assign_step(
-                *(tokens, c, ref_row, dp, rpr, cap, p.balance.method, self.groups),
-                # a CP group shares a document's cost: the bound's terms too (padding aside)
-                lambda: step_bound(
-                    tokens, c, dp, rpr * cap, *(self.cost.alpha / cp, self.cost.beta / cp)
-                ),
-                self.assigners.run,
-            )
-
-        row = assign_modules(p.balance.modules, llm, enc, dp, rpr, assign_by)
-        by_row = stable_order(row)  # items grouped by rank, rows in order
-        self.plans[step] = {
-            "source": src[by_row],
-            "tokens": tokens[by_row],
-            "row": row[by_row] % rpr,  # within its rank
-            "cost": cost[by_row],
-            **{c: cols[c][by_row] for c in ("loader", "key", "file_index", "chunk")},
-            "rec_row": cols["row"][by_row],
-            "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rpr),
-        }
-        cols = self.plans[step]
-        if p.vision is not None:
-            cols.update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
-        for c in _SUMS:  # each rank's sums, computed at once: a rank's plan is then a slice
-            if c in cols:
-                cols[_SUMS[c]] = rank_sums(cols[c], cols["bounds"])
-        per_rank = rank_costs(cost, row, dp, rpr)
-        baseline = rank_costs(cost, ref_row, dp, rpr)
-        self.figures.planned(step, time.perf_counter() - t0, per_rank)
-        self.history.append(
-            {
-                "step": step,
-                "tokens": np.bincount(src, weights=tokens, minlength=len(self.names)).tolist(),
-                "weights": weights.tolist(),
-                "max_cost": float(per_rank.max()),
-                "mean_cost": float(per_rank.mean()),
-                "baseline_max_cost": float(baseline.max()),
-                "lower_bound": lower_bound(cost, dp),
-                "fill": float(tokens.sum()) / p.batch.tokens_per_step,
-                **(
-                    {c: rank_costs(x, row, dp, rpr).tolist() for c, x in _parts(llm, enc)}
-                    if p.vision is not None
-                    else {}
-                ),
-            }
-        )
+        self.plans[step] = planned.columns
+        self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
+        self.history.append({"step": step, **planned.stats})
         self.next_step += 1
-        self.snapshots[self.next_step] = self._snapshot()
+        after = self._snapshot()
+        self.ledger.keep(self.next_step, after)
         journaled = self.journal is not None and self.journal.planned(
-            step, self.snapshots[step], self.snapshots[step + 1]
+            step, self.ledger.at(step), after
         )  # a re-planned step is checked against the journal instead
+        done = self.consumption.done
         if journaled and self.next_step % p.recovery.snapshot_every == 0:
             assert self.journal is not None
-            self.journal.snapshot(self._snapshot(), self.done, self.pool.record())
-        if step <= self.done:
+            self.journal.snapshot(self._snapshot(), done, self.pool.record())
+        if step <= done:
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
-            self._prune()
-
-    def _take(self, src: np.ndarray, pending: np.ndarray) -> dict[str, np.ndarray]:
-        """Take the chosen items from their cursors: what the plan needs, in selection order."""
-        cols = {c: np.empty(len(src), dtype=np.int64) for c in _COLUMNS if c != "key"}
-        cols["key"] = np.empty((len(src), 3), dtype=np.int64)
-        for s, cursor in enumerate(self.cursors):
-            mine = np.flatnonzero(src == s)
-            if len(mine):
-                taken = cursor.take(pending[mine])
-                for c in _COLUMNS:
-                    cols[c][mine] = taken[c]
-        return cols
+            self.consumption.prune()
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
         """The plan of one rank for one step, planning up to it if needed.
@@ -328,29 +238,23 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         dp = self._dp
         if not 0 <= rank < dp:
             raise LoaderError(f"rank {rank} is outside the plan's world (dp={dp})")
-        lag = self.done
+        lag = self.consumption.done
         if step > lag + self._ahead:
             if self.wait_for_ranks:
                 return None
-            slow = self.consumed.index(lag)
+            slow = self.consumption.positions().index(lag)
             raise RanksApart(
                 f"rank {rank} asked for step {step} while rank {slow} has consumed only up to "
                 f"step {lag}: ranks may run at most batch.prefetch_steps+1={self._ahead} steps "
                 "apart (consume every rank's batch of a step before the next step)"
             )
-        if step < self.start_step or step <= self.consumed[rank] and step not in self.plans:
+        consumed = step < self.consumption.position(rank)
+        if step < self.start_step or consumed and step not in self.plans:
             raise LoaderError(f"step {step} of rank {rank} was consumed already")
         while self.next_step <= step:
             self._plan_next()
-        cols = self.plans[step]
-        bounds = cols["bounds"]
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
         out: dict[str, Any] = {"step": step, "rank": rank, "rows": self._rows_per_rank}
-        for c, by_rank in _SUMS.items():
-            if by_rank in cols:
-                out[c] = float(cols[by_rank][rank])
-        for c in _RANK_COLUMNS:  # slices: nothing built ahead
-            out[c] = cols[c][lo:hi]
+        out.update(rank_slice(self.plans[step], rank))  # slices of the step's columns
         return out
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
@@ -359,9 +263,11 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         for _ in range(steps):
             self._plan_next()
             self.plans.pop(self.next_step - 1)
-            self.snapshots.pop(self.next_step - 1, None)
+            self.ledger.forget(self.next_step - 1)
             out.append(self.history[-1])
         return out
+
+    # ---- consumption (overlord.roles.consumption) ------------------------------------------
 
     def mark_consumed(
         self,
@@ -373,74 +279,76 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
     ) -> None:
         """Record that ``rank`` received step ``step``; release what every rank has consumed.
 
-        ``train_s`` is the time the trainer spent on its last step before asking
-        for this one (not waiting for data): the autoscaler's demand. ``wait_s``
-        is how long it waited for this one (monitoring). ``since`` is the step
-        the sender's client started at: a notice of a client that started
-        before the last rewind comes from a trainer that was killed (it arrives
-        late, one-way) and is dropped.
+        ``train_s``: the trainer's time on its last step (the autoscaler's
+        demand); ``wait_s``: its wait for this one; ``since``: the step its
+        client started at (see :meth:`Consumption.mark_consumed`).
         """
-        if self.stale(since):
-            return
-        self.figures.trainer(rank, step, train_s, wait_s)
-        if train_s is not None and train_s >= 0:
-            old = self._train_s
-            self._train_s = train_s if old is None else old + TRAIN_EMA * (train_s - old)
-        before, was = self.done, self.consumed[rank]
-        if step <= was:
-            return
-        self.consumed[rank] = step
-        if was == before:
-            self._at_done -= 1
-            if self._at_done == 0:  # the last rank at the old minimum moved: once per step
-                self.done = min(self.consumed)
-                self._at_done = self.consumed.count(self.done)
-        done = self.done
-        if done <= before:
-            return
+        self.consumption.mark_consumed(rank, step, train_s, wait_s, since)
+
+    def attach(self, global_rank: int) -> int:
+        """Count ``global_rank`` among its DP rank's readers; the next step it should consume."""
+        return self.consumption.attach(global_rank)
+
+    def mark_rank_consumed(
+        self,
+        global_rank: int,
+        step: int,
+        train_s: float | None = None,
+        wait_s: float | None = None,
+        since: int | None = None,
+    ) -> None:
+        """``global_rank`` received ``step``; its DP rank's step is consumed once all peers have."""
+        self.consumption.mark_rank_consumed(global_rank, step, train_s, wait_s, since)
+
+    def position(self, rank: int) -> int:
+        """The next step ``rank`` should consume."""
+        return self.consumption.position(rank)
+
+    def reconnect(self, rank: int, state: dict[str, Any]) -> int:
+        """DP rank ``rank`` restarted from ``state``: rewind the job there (once); its step."""
+        return self.consumption.reconnect(rank, state)
+
+    def _settle(self, before: int, done: int) -> None:
+        """Every rank consumed up to ``done`` (up to ``before`` until now).
+
+        The journal records it, the steps no trainer can rewind to are
+        released, and the pool retires and scales its loaders.
+        """
         if self.journal is not None:
             self.journal.consumed(done)  # before the loaders forget the items
         for s in range(before + 1, done + 1):
             if s in self.plans:  # (a restarted planner may not have re-planned it yet)
                 self.figures.consumed(self.plans[s]["source"], self.plans[s]["tokens"])
-        keep = self.keep_from(done + 1)  # steps kept for trainers that rewind
+        keep = self.consumption.keep_from(done + 1)  # steps kept for trainers that rewind
         for s in sorted(s for s in self.plans if s < keep):
             self._release(self.plans.pop(s))
-        self._prune()
+        self.consumption.prune()
         self.pool.retire()
         every = self.plan.autoscale.every
-        if self._train_s and (done + 1) // every > (before + 1) // every:
+        train_s = self.consumption.train_s
+        if train_s and (done + 1) // every > (before + 1) // every:
             try:
-                self.pool.autoscale(done + 1, self._train_s, self.schedule.weights)
+                self.pool.autoscale(done + 1, train_s, self.schedule.weights)
             except ActorDiedError as e:  # a loader died: decide next time, after its failover
                 log.warning("autoscaler skipped a decision at step %d: %s", done + 1, e)
 
-    def _prune(self) -> None:
-        first = self.keep_from(self._consumed_step())
-        for s in [s for s in self.snapshots if s < first]:
-            del self.snapshots[s]
+    def _rewind_to(self, step: int) -> None:
+        """Plan again from the kept state before ``step``: trainers rewound the job there."""
+        history = [h for h in self.history if h["step"] < step]
+        self._build(self.state_dict(step))
+        self.history.extend(history)
+        # what each slot last sent is past the rewind: a shadow promoted now serves from the
+        # cursor's own position (the pool asks the cursor, as after a planner restart)
+        self.pool.forget_received()
+        self.pool.rewind({n: self.consumption.consumed_cursor(n) for n in self.names})
+        if self.journal is not None:  # a planner restarted later resumes from here
+            self.journal.restart(self._snapshot(), step - 1, self.pool.record())
+        self.pool.events.append({"event": "trainers-rewound", "step": step})
 
     def _release(self, cols: dict[str, Any]) -> None:
         self.pool.release(cols["source"], cols["loader"], cols["key"])
 
-    # ---- what the other roles ask ----------------------------------------------------------
-
-    def layout(self) -> dict[str, Any]:
-        """What a trainer that connects needs: the plan, its files and loaders, the ranks."""
-        return {
-            "plan": self.plan.model_dump(mode="json"),
-            "base_dir": str(self.plan.base_dir),
-            "files": dict(self._files),
-            "loaders": {n: self.pool.primaries(n) for n in self.names},
-            "dp": self.plan.world.dp,
-            "ranks_per_constructor": self.plan.placement.ranks_per_constructor,
-            "constructors": self.plan.placement.constructors.value,
-            "pad_id": self.pad_id,
-        }
-
-    def position(self, rank: int) -> int:
-        """The next step ``rank`` should consume."""
-        return self.consumed[rank] + 1
+    # ---- the loaders (PoolRole) ------------------------------------------------------------
 
     def failover(self, source: str, k: int, dead: str) -> Handle[LoaderRole]:
         """Replace the dead primary ``dead`` of slot ``k`` of ``source``; the new primary."""
@@ -463,23 +371,93 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         """Reader threads of every current loader of ``source``."""
         self.pool.set_threads(source, threads)
 
-    # ---- the rest --------------------------------------------------------------------------
+    # ---- operations (OpsRole) --------------------------------------------------------------
 
-    def pid(self) -> int:
-        """The process the planner runs in (chaos tests kill it)."""
-        return os.getpid()
+    def layout(self) -> dict[str, Any]:
+        """What a trainer that connects needs: the plan, its files and loaders, the ranks."""
+        return {
+            "plan": self.plan.model_dump(mode="json"),
+            "base_dir": str(self.plan.base_dir),
+            "files": dict(self._files),
+            "loaders": {n: self.pool.primaries(n) for n in self.names},
+            "dp": self.plan.world.dp,
+            "ranks_per_constructor": self.plan.placement.ranks_per_constructor,
+            "constructors": self.plan.placement.constructors.value,
+            "pad_id": self.pad_id,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Per-step history (mixture, balance), where each rank is, faults and the journal."""
+        return {
+            "sources": self.names,
+            "history": list(self.history),
+            "consumed": self.consumption.positions(),
+            "method": BalanceMethod(self.plan.balance.method).value,
+            "events": list(self.pool.events),
+            "scaling": list(self.pool.scaling),
+            "journal": self.journal.stats() if self.journal is not None else None,
+            "loaders": self.pool.stats(),
+            "autoscaler": self.pool.scaling_state(),
+        }
+
+    def monitor(self) -> dict[str, Any]:
+        """Everything monitoring shows: the planner's figures, its pool's and its loaders'.
+
+        Loader counters are asked of the current primaries; a loader that
+        cannot answer (dying, being replaced) is left out of this reading.
+        """
+        out = self.figures.as_dict()
+        stats = self._loader_stats()
+        weights = np.asarray(self.schedule.weights(self.consumption.done + 1), dtype=np.float64)
+        weights = weights / max(float(weights.sum()), 1e-300)
+        sources: dict[str, dict[str, Any]] = {}
+        for i, n in enumerate(self.names):
+            current = set(self.pool.current(n))
+            mine = [s for s in stats if s["source"] == n]
+            sources[n] = {
+                "tokens": out["tokens"][n],
+                "samples": out["samples"][n],
+                "share": out["share"][n],
+                "target_share": float(weights[i]),
+                "epoch": int(self.consumption.consumed_cursor(n)["epoch"]),
+                "loaders": len(current),
+                "threads": sum(int(s["threads"]) for s in mine if s["slot"] in current),
+                "buffered_tokens": sum(int(s.get("held_tokens", 0)) for s in mine),
+                "reads_in_flight": sum(int(s.get("reads_in_flight", 0)) for s in mine),
+                "skipped": sum(int(s.get("skipped", 0)) for s in mine),
+                "retries": sum(int(s.get("read_retries", 0)) for s in mine),
+            }
+        events = list(self.pool.events)
+        out["sources"] = sources
+        out["failovers"] = {
+            "loader": sum(e.get("event") == "failover" for e in events),
+            "planner": sum(e.get("event") == "planner-recovered" for e in events),
+        }
+        out["consumed"] = self.consumption.positions()
+        out["next_step"] = self.next_step
+        return out
+
+    def _loader_stats(self) -> list[dict[str, Any]]:
+        """The counters of every primary that answers, with its slot."""
+        stats: list[dict[str, Any]] = []
+        for n in self.names:
+            for k, h in enumerate(list(self.pool.primaries(n))):
+                if h is None:
+                    continue
+                try:
+                    s = h.call(LoaderRole.stats).result(timeout=10)
+                except Exception:  # noqa: BLE001 - a dying loader: left out of this reading
+                    continue
+                stats.append({**s, "slot": k})
+        return stats
 
     def metrics_url(self) -> str | None:
         """Where the Prometheus endpoint is (None: ``monitoring.port`` is not set)."""
         return None if self._metrics is None else self._metrics.url
 
-    def monitor(self) -> dict[str, Any]:
-        """What monitoring shows (:func:`overlord.roles.monitoring.planner_figures`)."""
-        return planner_figures(self)
-
-    def epoch_of(self, source: str) -> int:
-        """The epoch of ``source`` that the trainers consume."""
-        return int(self._consumed_cursor(source)["epoch"])
+    def pid(self) -> int:
+        """The process the planner runs in (chaos tests kill it)."""
+        return os.getpid()
 
     def close(self) -> None:
         """Stop serving metrics; close the journal (kept: only the job's owner removes it)."""
@@ -489,20 +467,8 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         if self.journal is not None:
             self.journal.close()
 
-    def stats(self) -> dict[str, Any]:
-        """Per-step history (mixture, balance), where each rank is, faults and the journal."""
-        return {
-            "sources": self.names,
-            "history": list(self.history),
-            "consumed": list(self.consumed),
-            "method": BalanceMethod(self.plan.balance.method).value,
-            "events": list(self.pool.events),
-            "scaling": list(self.pool.scaling),
-            "journal": self.journal.stats() if self.journal is not None else None,
-            "loaders": self.pool.stats(),
-            "autoscaler": self.pool.scaling_state(),
-        }
 
-
-if TYPE_CHECKING:  # the class answers every call of its role
+if TYPE_CHECKING:  # the class answers every call of its three roles
     _role: type[PlannerRole] = Planner
+    _pool_role: type[PoolRole] = Planner
+    _ops_role: type[OpsRole] = Planner

@@ -34,3 +34,45 @@ def windows(rng: np.random.Generator, n_sources: int, cap: int, n: int = 4000) -
         ArrayWindow(np.clip(rng.lognormal(5 + s, 1.2, n).astype(int), 1, cap))
         for s in range(n_sources)
     ]
+
+
+class ColumnWindow:
+    """A source's pending items that hands out the columns a step's plan needs of those taken.
+
+    An endless cycle over an array of lengths, as :class:`ArrayWindow`; the
+    ``i``-th item read has key ``(0, 0, i)``, loader slot ``i % loaders`` and
+    record row ``i``.
+    """
+
+    def __init__(self, lengths: np.ndarray, loaders: int = 2):
+        self.source = [int(x) for x in lengths]
+        self.loaders = loaders
+        self.read = 0
+        self.pending: list[int] = []
+        self.ids: list[int] = []  # the read order of each pending item
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.pending
+
+    def peek(self, i: int) -> int:
+        while i >= len(self.pending):
+            self.pending.append(self.source[self.read % len(self.source)])
+            self.ids.append(self.read)
+            self.read += 1
+        return self.pending[i]
+
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        ids = np.array([self.ids[int(i)] for i in indices], dtype=np.int64)
+        gone = {int(i) for i in indices}
+        self.pending = [x for i, x in enumerate(self.pending) if i not in gone]
+        self.ids = [x for i, x in enumerate(self.ids) if i not in gone]
+        zeros = np.zeros(len(ids), dtype=np.int64)
+        return {
+            "key": np.stack([zeros, zeros, ids], axis=1),
+            "loader": ids % self.loaders,
+            "file_index": zeros,
+            "row": ids,
+            "chunk": zeros - 1,
+            "patches": zeros,
+        }

@@ -1,0 +1,183 @@
+"""One step's plan from plain data: which items form it, and each one's rank and row.
+
+:func:`plan_step` selects a step's items from each source's window (mixing,
+DP-independent: :mod:`overlord.plan.select`), prices them with the cost
+model (the LLM's and the encoder's, per CP rank: :mod:`overlord.plan.hybrid`),
+balances them over the DP ranks' rows (:mod:`overlord.plan.hierarchy`) and
+returns the step as columns sorted by rank and row, with every rank's sums.
+A rank's plan is then a slice of each column (:func:`rank_slice`), cut when
+the rank asks: nothing is built ahead per rank.
+
+It sees metadata only. A window is whatever holds a source's pending items:
+their tokens for the selector, and the columns of the items it chose (the
+planner's :class:`~overlord.roles.cursor.SourceCursor`, or an array in a
+test). The windows and the mixture state are advanced past the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from overlord.plan.balance import lower_bound, rank_costs
+from overlord.plan.columns import rank_sums, stable_order
+from overlord.plan.cost import CostModel
+from overlord.plan.hierarchy import Runner, assign_step, run_here, step_bound
+from overlord.plan.hybrid import assign_modules, module_costs
+from overlord.plan.mesh import resolved_layout
+from overlord.plan.select import MixState, Window, select_items
+from overlord.plan.spec import Plan
+
+# what the plan needs of each chosen item, taken from its window
+TAKEN = ("key", "loader", "file_index", "row", "chunk", "patches")
+# what a rank's plan holds of the step's columns
+RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
+# what a rank's plan sums of the step's columns, and where the step keeps every rank's sum
+SUMS = {c: f"{c}_by_rank" for c in ("cost", "cost_llm", "cost_encoder")}
+
+
+class StepWindow(Window, Protocol):
+    """A source's pending items, which also hands out the columns of the ones chosen."""
+
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Remove pending items ``indices``; their :data:`TAKEN` columns, in that order.
+
+        Each column is an int64 array; ``key`` is ``(n, 3)``: epoch, shard
+        position, index.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """One step's plan.
+
+    ``columns``: the step's items sorted by rank and row (``source``,
+    ``tokens``, ``row`` within its rank, ``cost``, the taken columns with the
+    record's row as ``rec_row``), ``bounds`` (rank ``r``'s items are
+    ``bounds[r]:bounds[r + 1]``) and every rank's sums (``cost_by_rank``...).
+    ``rank_cost``: each DP rank's predicted cost. ``stats``: what the
+    planner's history keeps of the step (mixture, balance, fill).
+    """
+
+    columns: dict[str, np.ndarray]
+    rank_cost: np.ndarray
+    stats: dict[str, Any]
+
+
+def _parts(llm: np.ndarray, enc: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
+    """Per-rank cost terms a vision plan's history keeps (overlord.plan.hybrid)."""
+    return (("rank_cost_llm", llm), ("rank_cost_encoder", enc))
+
+
+def take_columns(
+    windows: Sequence[StepWindow], source: np.ndarray, pending: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Take the chosen items from their windows: what the plan needs, in selection order.
+
+    ``source[i]`` and ``pending[i]``: the window of the ``i``-th chosen item,
+    and its index among that window's pending items.
+    """
+    cols = {c: np.empty(len(source), dtype=np.int64) for c in TAKEN if c != "key"}
+    cols["key"] = np.empty((len(source), 3), dtype=np.int64)
+    for s, window in enumerate(windows):
+        mine = np.flatnonzero(source == s)
+        if len(mine):
+            taken = window.take(pending[mine])
+            for c in TAKEN:
+                cols[c][mine] = taken[c]
+    return cols
+
+
+def plan_step(
+    plan: Plan,
+    windows: Sequence[StepWindow],
+    weights: np.ndarray,
+    mix: MixState,
+    cost: CostModel,
+    groups: int = 1,
+    run: Runner = run_here,
+) -> StepColumns:
+    """Plan one step: its items from ``windows`` at mixture ``weights``, balanced over the ranks.
+
+    ``mix``: the mixture's account so far (advanced by the step); ``groups``:
+    groups of ranks balanced apart (:func:`overlord.plan.hierarchy.group_count`),
+    by ``run`` (where the groups are balanced: here, or on assigners).
+    """
+    p = plan
+    sel = select_items(
+        windows, weights, mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
+    )
+    n = len(sel.source)
+    src, tokens, ref_row, pending = (
+        np.fromiter(x, dtype=np.int64, count=n)
+        for x in (sel.source, sel.tokens, sel.ref_row, sel.pending_index)
+    )
+    taken = take_columns(windows, src, pending)
+
+    # what each item costs one rank of its DP group's CP ranks (overlord.plan.cp)
+    cp, layout = p.world.cp, resolved_layout(p.world.cp, p.batch.cp_layout)
+    per_cp_rank = p.world.tokens_per_cp_rank  # cp: dynamic (cp is then cp_max)
+    llm, enc = module_costs(cost, tokens, taken["patches"], cp, layout, per_cp_rank)
+    item_cost = llm + enc  # the encoder's and the LLM's (overlord.plan.hybrid)
+    dp, rows_per_rank, capacity = p.world.dp, p.rows_per_rank, p.batch.max_seq_len
+
+    def assign_by(c: np.ndarray) -> np.ndarray:  # in groups of ranks past group_ranks
+        def bound() -> float:
+            # a CP group shares a document's cost: the bound's terms too (padding aside)
+            alpha, beta = cost.alpha / cp, cost.beta / cp
+            return step_bound(tokens, c, dp, rows_per_rank * capacity, alpha, beta)
+
+        method = p.balance.method
+        args = (tokens, c, ref_row, dp, rows_per_rank, capacity, method, groups)
+        return assign_step(*args, bound, run)
+
+    row = assign_modules(p.balance.modules, llm, enc, dp, rows_per_rank, assign_by)
+    by_row = stable_order(row)  # items grouped by rank, rows in order
+    cols = {
+        "source": src[by_row],
+        "tokens": tokens[by_row],
+        "row": row[by_row] % rows_per_rank,  # within its rank
+        "cost": item_cost[by_row],
+        **{c: taken[c][by_row] for c in ("loader", "key", "file_index", "chunk")},
+        "rec_row": taken["row"][by_row],
+        "bounds": np.searchsorted(row[by_row], np.arange(dp + 1) * rows_per_rank),
+    }
+    if p.vision is not None:
+        cols.update(cost_llm=llm[by_row], cost_encoder=enc[by_row])
+    for c in SUMS:  # each rank's sums, computed at once: a rank's plan is then a slice
+        if c in cols:
+            cols[SUMS[c]] = rank_sums(cols[c], cols["bounds"])
+    per_rank = rank_costs(item_cost, row, dp, rows_per_rank)
+    baseline = rank_costs(item_cost, ref_row, dp, rows_per_rank)
+    stats = {
+        "tokens": np.bincount(src, weights=tokens, minlength=len(windows)).tolist(),
+        "weights": weights.tolist(),
+        "max_cost": float(per_rank.max()),
+        "mean_cost": float(per_rank.mean()),
+        "baseline_max_cost": float(baseline.max()),
+        "lower_bound": lower_bound(item_cost, dp),
+        "fill": float(tokens.sum()) / p.batch.tokens_per_step,
+        **(
+            {c: rank_costs(x, row, dp, rows_per_rank).tolist() for c, x in _parts(llm, enc)}
+            if p.vision is not None
+            else {}
+        ),
+    }
+    return StepColumns(cols, per_rank, stats)
+
+
+def rank_slice(columns: dict[str, np.ndarray], rank: int) -> dict[str, Any]:
+    """What rank ``rank``'s plan holds of a step's columns: its sums, and slices (no copies)."""
+    bounds = columns["bounds"]
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+    out: dict[str, Any] = {}
+    for c, by_rank in SUMS.items():
+        if by_rank in columns:
+            out[c] = float(columns[by_rank][rank])
+    for c in RANK_COLUMNS:  # slices: nothing built ahead
+        out[c] = columns[c][lo:hi]
+    return out

@@ -1,0 +1,101 @@
+"""The planner's ledger: the job's state before each step that not every rank has consumed.
+
+A state (:mod:`overlord.state.format`) is where each source's order stands
+(its cursor), how far the mixture has come (its target and placed tokens)
+and the files each source reads, before one step. The planner records one
+after each step it plans; the ledger keeps them until every rank consumed
+the step (longer for steps trainers may rewind to) and hands out the one a
+checkpoint asks for. It is the only part of the planner a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from overlord.errors import LoaderError
+from overlord.plan.select import MixState
+from overlord.plan.spec import Plan
+from overlord.roles.cursor import SourceCursor
+from overlord.state import format as statefmt
+
+
+class Ledger:
+    """The states before each step still kept, by step.
+
+    ``files``: each source's file record (constant for the job), as a state
+    holds it.
+    """
+
+    def __init__(self, plan: Plan, files: dict[str, Any]):
+        self.plan, self.names, self.files = plan, plan.source_names, files
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def snapshot(self, step: int, cursors: Sequence[SourceCursor], mix: MixState) -> dict[str, Any]:
+        """The state before ``step`` of cursors and a mixture that stand there (not kept)."""
+        return {
+            "step": step,
+            "sources": {
+                n: {
+                    "fingerprint": self.plan.source_fingerprint(n),
+                    "cursor": c.state(),
+                    "target": float(mix.target[i]),
+                    "placed": float(mix.placed[i]),
+                    "files": self.files[n],
+                }
+                for i, (n, c) in enumerate(zip(self.names, cursors))
+            },
+        }
+
+    def keep(self, step: int, state: dict[str, Any]) -> None:
+        """Keep ``state``, the state before ``step``."""
+        self._states[step] = state
+
+    def restart(self, step: int, state: dict[str, Any]) -> None:
+        """Keep only ``state``, the state before ``step`` (planning starts there)."""
+        self._states = {step: state}
+
+    def kept(self, step: int) -> dict[str, Any] | None:
+        """The state before ``step``, if it is kept."""
+        return self._states.get(step)
+
+    def at(self, step: int) -> dict[str, Any]:
+        """The state before ``step``, which must be kept (a step being planned or consumed)."""
+        return self._states[step]
+
+    @property
+    def first(self) -> int:
+        """The earliest step whose state is kept."""
+        return min(self._states)
+
+    @property
+    def last(self) -> int:
+        """The latest step whose state is kept."""
+        return max(self._states)
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The state before ``step`` as a checkpoint holds it (JSON-serializable)."""
+        if step not in self._states:
+            raise LoaderError(
+                f"no state for step {step}: states are kept from step {self.first} "
+                f"to {self.last} (steps not yet consumed by every rank)"
+            )
+        return {
+            "version": statefmt.STATE_VERSION,
+            "fingerprint": self.plan.stream_fingerprint(),
+            **self._states[step],
+        }
+
+    def cursor(self, step: int, source: str) -> dict[str, Any]:
+        """Where ``source``'s order stands before ``step``."""
+        cursor: dict[str, Any] = self.at(step)["sources"][source]["cursor"]
+        return cursor
+
+    def prune(self, first: int) -> None:
+        """Forget the states before step ``first``."""
+        for s in [s for s in self._states if s < first]:
+            del self._states[s]
+
+    def forget(self, step: int) -> None:
+        """Forget the state before ``step`` (a step planned only to be looked at)."""
+        self._states.pop(step, None)
