@@ -300,22 +300,28 @@ def test_groups_balanced_on_assigner_actors_give_the_embedded_stream(ray_session
 
 
 def test_allocators_are_made_lean_in_actors_only(ray_session):
+    """Where the runtime starts a process for a role asked to be lean, and nowhere else."""
     import pyarrow as pa
 
-    from overlord.runtime.threads import in_ray_actor, lean_allocators
+    from overlord.runtime.base import RoleOptions
+    from overlord.runtime.ray_runtime import RayRuntime
 
     pool = pa.default_memory_pool().backend_name
-    assert not in_ray_actor() and not lean_allocators()  # the driver: the user's process
-    assert pa.default_memory_pool().backend_name == pool
 
     class _Probe:  # local: pickled by value, the workers cannot import this module
-        def lean(self) -> tuple[bool, str]:
+        def pool(self) -> str:
             import pyarrow as pa
 
-            from overlord.runtime.threads import lean_allocators
+            return pa.default_memory_pool().backend_name
 
-            return lean_allocators(), pa.default_memory_pool().backend_name
-
-    actor = ray_session.remote(_Probe).options(num_cpus=0).remote()
-    assert ray_session.get(actor.lean.remote()) == (True, "system")
-    ray_session.kill(actor)
+    runtime = RayRuntime(f"t-lean-{os.getpid()}")
+    try:
+        lean = runtime.spawn(_Probe, name="lean", options=RoleOptions(lean=True))
+        plain = runtime.spawn(_Probe, name="plain")  # the same class, not asked to be lean
+        hosted = runtime.spawn(_Probe, name="p", options=RoleOptions(host="h", lean=True))
+        assert lean.call(_Probe.pool).result(timeout=60) == "system"
+        assert hosted.call(_Probe.pool).result(timeout=60) == "system"
+        assert plain.call(_Probe.pool).result(timeout=60) == pool
+    finally:
+        runtime.shutdown()
+    assert pa.default_memory_pool().backend_name == pool  # the driver: the user's process

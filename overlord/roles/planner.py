@@ -33,7 +33,7 @@ from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState, select_items
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.roles.api import LoaderRole, PlannerRole
-from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
+from overlord.roles.assigner import Assigners
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
 from overlord.roles.monitoring import planner_figures
@@ -67,6 +67,9 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
     (None) when each rank is its own process; in one process that consumes
     every rank, waiting would never end, so it is an error instead.
+
+    ``assigners``: how many assigner roles balance a step's groups (0: here;
+    the wiring's ``assigner_count``).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         journal: str | None = None,
         wait_for_ranks: bool = False,
         pad_id: int = 0,
+        assigners: int = 0,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self.wait_for_ranks = wait_for_ranks
@@ -90,11 +94,8 @@ class Planner(PeerConsumption, TrainerRewind):  # overlord.roles.peers, overlord
         self.cost = CostModel.from_spec(plan.balance.cost)
         # ranks are balanced in groups planned in parallel, on assigners (overlord.plan.hierarchy)
         self.groups = group_count(plan.world.dp, plan.balance.group_ranks)
-        count = plan.placement.assigners
-        if count is None:
-            count = min(self.groups, DEFAULT_ASSIGNERS) if runtime.isolated else 0
         self.assigners = Assigners(
-            runtime, count, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
+            runtime, assigners, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
         )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self._train_s: float | None = None  # moving average of the trainer's step time
