@@ -158,3 +158,22 @@ def test_on_ray_each_view_is_one_stored_object_that_peers_map_read_only(ray_sess
     assert tensors["input_ids"].dtype == torch.int64
     assert np.array_equal(tensors["position_ids"].numpy(), want[0][0].position_ids)
     assert json.dumps(got[0][0].samples) == json.dumps(want[0][0].samples)
+
+
+@pytest.mark.ray
+def test_a_connected_mesh_rank_maps_its_view_from_the_object_store(ray_session, big):
+    from overlord import connect
+
+    plan = mesh_plan(big, tp=2)
+    with Loader(plan) as loader:
+        clients = [loader.rank_client(g) for g in range(plan.world.size)]
+        want = [[dump_line(next(c)) for c in clients] for _ in range(2)]
+    with Loader(plan, runtime="ray", job="t-store-connect"):
+        clients = [
+            connect("t-store-connect", global_rank=g, stop_step=2) for g in range(plan.world.size)
+        ]
+        got = [[next(c) for c in clients] for _ in range(2)]
+        for c in clients:
+            c.close()
+    assert [[dump_line(b) for b in step] for step in got] == want
+    assert all(not b.input_ids.flags.writeable for step in got for b in step)  # mapped

@@ -94,7 +94,7 @@ class Gone:
 
 @dataclass(frozen=True)
 class RoleOptions:
-    """How a runtime places one role (the ``ray`` runtime reads them; ``inline`` needs none)."""
+    """How a runtime places one role (``ray`` reads them all; ``inline`` only ``host``)."""
 
     num_cpus: float = 0.0
     max_concurrency: int = 1  # calls the role serves at once
