@@ -19,6 +19,7 @@ from overlord.plan.settings import ConstructorSite, LoaderPlacement
 from overlord.plan.spec import Plan, validate_plan
 from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
+from overlord.roles.assigner import assigner_count
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.loader_pool import PoolConfig
@@ -53,7 +54,12 @@ def loader_options(plan: Plan) -> dict[str, RoleOptions]:
     spread = "SPREAD" if p.loader_strategy is LoaderPlacement.SPREAD else None
     return {
         s.name: RoleOptions(
-            p.loader_cpus, SourceLoader.CONCURRENCY, spread, p.loader_nodes.get(s.name)
+            p.loader_cpus,
+            SourceLoader.CONCURRENCY,
+            spread,
+            p.loader_nodes.get(s.name),
+            # a process of loaders tunes its allocators (overlord.runtime.hosting.lean_allocators)
+            lean=True,
         )
         for s in plan.sources
     }
@@ -145,9 +151,10 @@ class Loader:
         )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)
-        # roles in processes of their own can die alone: shadows and a planner journal by
-        # default; their memory is their own; ranks wait for each other
-        distributed = self.runtime.isolated
+        # roles in processes of their own (Ray's actors) can die alone: shadows and a planner
+        # journal by default; their memory is their own; ranks wait for each other; groups
+        # are balanced by assigners in parallel
+        distributed = runtime != "inline"
         # the planner's journal, for a planner that Ray restarts; a fresh folder per run
         self.journal: str | None = None
         recovery = self.plan.recovery
@@ -176,7 +183,7 @@ class Loader:
             planner = self.runtime.spawn(
                 Planner,
                 *(self.plan, self.files, self.runtime, config, state, self.journal),
-                *(distributed, pad_id),
+                *(distributed, pad_id, assigner_count(self.plan, distributed)),
                 name="planner",
                 options=RoleOptions(p.planner_cpus, 1, restartable=True),
             )
@@ -196,7 +203,7 @@ class Loader:
                     DataConstructor,
                     *(self.plan, self.files, self.planner, self._pool, layout["loaders"]),
                     *(ranks, prefetch),
-                    pad_id,
+                    *(pad_id, self.runtime.objects),
                     name=f"constructor-{i}",
                     options=RoleOptions(p.constructor_cpus, 1, restartable=True),
                 )
@@ -250,6 +257,8 @@ class Loader:
         start = self.planner.call(PlannerRole.attach, global_rank).result()
         constructor = self._constructor_of[dp]
         notices = self._notices
+        # a constructor of the runtime's puts views in its object store; one of ours has none
+        objects = None if self._owned else self.runtime.objects
         return Client(
             dp,
             constructor,
@@ -258,6 +267,7 @@ class Loader:
             stop_step,
             notices=notices,
             global_rank=global_rank,
+            objects=objects,
         )
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:

@@ -124,7 +124,7 @@ def connect(
     :mod:`overlord.roles.consumption`; ``recovery.rewind_steps`` bounds how far).
     """
     from overlord.plan.spec import validate_plan
-    from overlord.runtime.ray_runtime import init_ray, lookup
+    from overlord.runtime.ray_runtime import RayObjects, init_ray, lookup
 
     if (rank is None) == (global_rank is None):
         raise ValueError("connect takes a DP rank or a global_rank=, one of the two")
@@ -155,12 +155,13 @@ def connect(
         if not 0 <= rank < dp:
             raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
         dp_rank = rank
-    owned = None
+    owned, objects = None, None
     if layout["constructors"] == ConstructorSite.TRAINER.value:
         owned = local_constructor(layout, planner, pool, dp_rank)
         constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{dp_rank}")
     else:
         constructor = lookup(job, f"constructor-{dp_rank // layout['ranks_per_constructor']}")
+        objects = RayObjects()  # the actor puts a mesh rank's view in Ray's object store
     if state is not None:
         start = planner.call(PlannerRole.reconnect, dp_rank, state).result()
     if global_rank is None:
@@ -168,7 +169,16 @@ def connect(
             start = planner.call(PlannerRole.position, dp_rank).result()
     else:
         start = planner.call(PlannerRole.attach, global_rank).result()
-    return Client(dp_rank, constructor, planner, start, stop_step, owned, global_rank=global_rank)
+    return Client(
+        dp_rank,
+        constructor,
+        planner,
+        start,
+        stop_step,
+        owned,
+        global_rank=global_rank,
+        objects=objects,
+    )
 
 
 def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:

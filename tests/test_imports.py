@@ -297,9 +297,16 @@ def test_every_module_imports_only_its_own_unit_and_the_layers_below() -> None:
     assert violations == [], "imports against the layer order:\n" + "\n".join(violations)
 
 
-# what a role may know of the runtime layer: the seam, its capabilities' Protocols, threads
+# what a role may know of the runtime layer: the seam (its package's face, which imports no
+# runtime), its capabilities' Protocols, and threads; never a runtime (inline, ray, hosting)
 SEAM = {"overlord.runtime", "overlord.runtime.base", "overlord.runtime.objects"}
 SEAM |= {"overlord.runtime.threads"}
+
+
+def test_the_seam_package_imports_no_runtime() -> None:
+    assert import_graph()["overlord.runtime"] <= SEAM | {"overlord.runtime.hosting"}
+    hosting = import_graph()["overlord.runtime.hosting"]
+    assert not hosting & {"overlord.runtime.inline", "overlord.runtime.ray_runtime"}
 
 
 def test_no_module_under_roles_names_a_runtime() -> None:

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import load_plan
 from overlord.plan.spec import validate_plan
+from overlord.roles.api import LoaderRole
 from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import DEFAULT_OPTIONS, RoleOptions
@@ -52,10 +53,11 @@ class StubRuntime(InlineRuntime):
     """The inline runtime, with stubs wherever a SourceLoader is asked for."""
 
     def spawn(self, cls: type, *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS):
-        return super().spawn(StubLoader if cls is SourceLoader else cls, *args, name=name)
+        stub = StubLoader if cls is SourceLoader else cls
+        return super().spawn(stub, *args, name=name, options=options)
 
 
-def pool_of(tmp_path, **autoscale: Any) -> LoaderPool:
+def pool_of(tmp_path, processes: int | None = None, **autoscale: Any) -> LoaderPool:
     path = make_corpus(
         tmp_path,
         {
@@ -70,7 +72,7 @@ def pool_of(tmp_path, **autoscale: Any) -> LoaderPool:
     files = job_files([(s.name, [s.path]) for s in plan.sources], str(plan.base_dir))
     start = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
     pool = LoaderPool(
-        plan, files, StubRuntime(), PoolConfig(shadows={"web": 1, "code": 0}),
+        plan, files, StubRuntime(), PoolConfig(shadows={"web": 1, "code": 0}, processes=processes),
         consumed=lambda source: start, clock=lambda: 0,
     )  # fmt: skip
     pool.start()
@@ -93,6 +95,21 @@ def test_a_repartition_starts_new_loaders_from_the_boundary_and_limits_the_old(t
     assert pool.repartition("web", 3) is None  # already that size
     with pytest.raises(ValueError, match="at least one loader"):
         pool.repartition("web", 0)
+
+
+def test_loaders_hosted_together_are_recorded_by_host_and_found_again(tmp_path):
+    """``placement.loader_processes``: the loaders share hosts, their shadows other hosts."""
+    pool = pool_of(tmp_path, processes=1)
+    record = pool.record()
+    web, code = record["slots"]["web"], record["slots"]["code"]
+    primaries = {name.partition("/")[0] for name in (web[0][0], web[1][0], code[0][0])}
+    shadows = {name.partition("/")[0] for name in (web[0][1], web[1][1])}
+    assert len(primaries) == len(shadows) == 1 and primaries != shadows
+    assert [web[0][0].partition("/")[2], code[0][0].partition("/")[2]] == ["web-0", "code-0"]
+    pool.restore(record)  # a restarted planner finds them by those names
+    assert pool.slots["web"][1][0].name == web[1][0]
+    pool.set_threads("web", 3)
+    assert [h.call(LoaderRole.stats).result()["threads"] for h in pool.primaries("web")] == [3, 3]
 
 
 def test_loaders_a_repartition_just_started_keep_their_source_measured(tmp_path):

@@ -2,8 +2,8 @@
 
 On Ray a mesh rank's client asks its DataConstructor for ``[ref]``: the view
 of its ``(step, dp, cp, stage)``, put in the node's object store once for all
-its TP peers. The bookkeeping is checked on the embedded runtime with a fake
-store (fast, no Ray); the real store under Ray (tools/loopback).
+its TP peers. The bookkeeping is checked on the embedded runtime given a fake
+store as its capability (fast, no Ray); the real store under Ray (tools/loopback).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import Loader, LoaderError, load_plan, validate_plan
 from overlord.ops.run import dump_line
 from overlord.roles.api import ConstructorRole
-from overlord.runtime import ray_runtime
-from overlord.runtime.inline import InlineHandle
+from overlord.runtime.inline import InlineRuntime
 
 pytestmark = pytest.mark.integration
 
@@ -47,22 +46,39 @@ def big(tmp_path_factory) -> Path:
 
 
 class FakeRef:
-    """What ``put_object`` returns here: the value itself, and a count of puts."""
+    """What the fake store's ``put`` returns: the value itself."""
 
     def __init__(self, value: Any):
         self.value = value
 
 
+class FakeStore:
+    """An object store for the embedded runtime: puts counted, refs that hold their value."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[int, int, int]] = []
+        self.lost = 0  # the next gets that find the object gone (its owner died)
+
+    def put(self, value: Any) -> FakeRef:
+        self.puts.append((value.step, value.rank, value.cp_rank))
+        return FakeRef(value)
+
+    def get(self, ref: FakeRef, what: str) -> Any:
+        if self.lost:
+            self.lost -= 1
+            return None
+        return ref.value
+
+
+def with_store(monkeypatch) -> FakeStore:
+    """The embedded runtime offers ``store``: the Loader hands it to constructors and clients."""
+    store = FakeStore()
+    monkeypatch.setattr(InlineRuntime, "objects", store)
+    return store
+
+
 def test_tp_peers_share_one_put_per_view_and_old_ones_are_dropped(big, monkeypatch):
-    puts: list[tuple[int, int, int]] = []
-
-    def put(view):
-        puts.append((view.step, view.rank, view.cp_rank))
-        return FakeRef(view)
-
-    monkeypatch.setattr(ray_runtime, "put_object", put)
-    monkeypatch.setattr(ray_runtime, "get_object", lambda refs, what: refs[0].value)
-    monkeypatch.setattr(InlineHandle, "object_store", True, raising=False)
+    store = with_store(monkeypatch)
     plan = mesh_plan(big, cp=2, tp=2)
     with Loader(plan) as loader:
         clients = [loader.rank_client(g) for g in range(plan.world.size)]
@@ -74,7 +90,8 @@ def test_tp_peers_share_one_put_per_view_and_old_ones_are_dropped(big, monkeypat
         held = [obj._stored for obj in (h.obj for h in loader.constructors)]
         packed = [h.obj.stats() for h in loader.constructors]
     # one put per (step, dp, cp), not per rank
-    assert sorted(puts) == sorted({(s, d, c) for s in range(STEPS) for d in (0, 1) for c in (0, 1)})
+    every = {(s, d, c) for s in range(STEPS) for d in (0, 1) for c in (0, 1)}
+    assert sorted(store.puts) == sorted(every)
     # each DP rank's batch packed once per step for its 4 peers (steps built ahead included)
     assert all(p["builds"] == p["distinct"] >= STEPS and p["bytes"] > 0 for p in packed)
     # every peer asked for the last step: the constructor holds no earlier step's object
@@ -82,7 +99,7 @@ def test_tp_peers_share_one_put_per_view_and_old_ones_are_dropped(big, monkeypat
 
 
 def test_a_rewind_drops_the_stored_objects_of_the_rank(big, monkeypatch):
-    monkeypatch.setattr(ray_runtime, "put_object", FakeRef)
+    with_store(monkeypatch)
     plan = mesh_plan(big, tp=2)
     with Loader(plan) as loader:
         obj = loader.constructors[0].obj
@@ -95,24 +112,15 @@ def test_a_rewind_drops_the_stored_objects_of_the_rank(big, monkeypatch):
 
 
 def test_a_batch_lost_with_its_constructor_is_asked_for_again_then_named(big, monkeypatch):
-    lost = {"left": 1}
-
-    def get(refs, what):  # the first get of every step finds the object gone (its owner died)
-        if lost["left"]:
-            lost["left"] -= 1
-            return None
-        lost["left"] = 1
-        return refs[0].value
-
-    monkeypatch.setattr(ray_runtime, "put_object", FakeRef)
-    monkeypatch.setattr(ray_runtime, "get_object", get)
-    monkeypatch.setattr(InlineHandle, "object_store", True, raising=False)
+    store = with_store(monkeypatch)
     plan = mesh_plan(big, tp=2)
     with Loader(plan) as loader:
         clients = [loader.rank_client(g) for g in range(plan.world.size)]
         for step in range(2):
-            assert [next(c).step for c in clients] == [step] * 4
-        monkeypatch.setattr(ray_runtime, "get_object", lambda refs, what: None)
+            for c in clients:  # the first get of every batch finds the object gone
+                store.lost = 1
+                assert next(c).step == step
+        store.lost = 3
         with pytest.raises(LoaderError, match="rank 0: the batch of step 2 was lost 3 times"):
             next(clients[0])
 
@@ -150,3 +158,22 @@ def test_on_ray_each_view_is_one_stored_object_that_peers_map_read_only(ray_sess
     assert tensors["input_ids"].dtype == torch.int64
     assert np.array_equal(tensors["position_ids"].numpy(), want[0][0].position_ids)
     assert json.dumps(got[0][0].samples) == json.dumps(want[0][0].samples)
+
+
+@pytest.mark.ray
+def test_a_connected_mesh_rank_maps_its_view_from_the_object_store(ray_session, big):
+    from overlord import connect
+
+    plan = mesh_plan(big, tp=2)
+    with Loader(plan) as loader:
+        clients = [loader.rank_client(g) for g in range(plan.world.size)]
+        want = [[dump_line(next(c)) for c in clients] for _ in range(2)]
+    with Loader(plan, runtime="ray", job="t-store-connect"):
+        clients = [
+            connect("t-store-connect", global_rank=g, stop_step=2) for g in range(plan.world.size)
+        ]
+        got = [[next(c) for c in clients] for _ in range(2)]
+        for c in clients:
+            c.close()
+    assert [[dump_line(b) for b in step] for step in got] == want
+    assert all(not b.input_ids.flags.writeable for step in got for b in step)  # mapped

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import two_sources
 
+from conftest import two_sources
 from overlord import Loader, LoaderError, SourceError, connect, load_plan
 from overlord.ops.run import dump_line, run_plan
 
@@ -259,8 +259,9 @@ def test_a_file_added_mid_run_is_not_read_by_a_loader_a_failover_starts(ray_sess
     It used to list the folder again and the job died in the constructor
     (``could not broadcast input array from shape (55,) into shape (54,)``).
     """
-    from conftest import make_corpus, write_file
     from support.jobs import kill, run_job
+
+    from conftest import make_corpus, write_file
 
     plan = load_plan(
         make_corpus(
@@ -300,22 +301,28 @@ def test_groups_balanced_on_assigner_actors_give_the_embedded_stream(ray_session
 
 
 def test_allocators_are_made_lean_in_actors_only(ray_session):
+    """Where the runtime starts a process for a role asked to be lean, and nowhere else."""
     import pyarrow as pa
 
-    from overlord.runtime.threads import in_ray_actor, lean_allocators
+    from overlord.runtime.base import RoleOptions
+    from overlord.runtime.ray_runtime import RayRuntime
 
     pool = pa.default_memory_pool().backend_name
-    assert not in_ray_actor() and not lean_allocators()  # the driver: the user's process
-    assert pa.default_memory_pool().backend_name == pool
 
     class _Probe:  # local: pickled by value, the workers cannot import this module
-        def lean(self) -> tuple[bool, str]:
+        def pool(self) -> str:
             import pyarrow as pa
 
-            from overlord.runtime.threads import lean_allocators
+            return pa.default_memory_pool().backend_name
 
-            return lean_allocators(), pa.default_memory_pool().backend_name
-
-    actor = ray_session.remote(_Probe).options(num_cpus=0).remote()
-    assert ray_session.get(actor.lean.remote()) == (True, "system")
-    ray_session.kill(actor)
+    runtime = RayRuntime(f"t-lean-{os.getpid()}")
+    try:
+        lean = runtime.spawn(_Probe, name="lean", options=RoleOptions(lean=True))
+        plain = runtime.spawn(_Probe, name="plain")  # the same class, not asked to be lean
+        hosted = runtime.spawn(_Probe, name="p", options=RoleOptions(host="h", lean=True))
+        assert lean.call(_Probe.pool).result(timeout=60) == "system"
+        assert hosted.call(_Probe.pool).result(timeout=60) == "system"
+        assert plain.call(_Probe.pool).result(timeout=60) == pool
+    finally:
+        runtime.shutdown()
+    assert pa.default_memory_pool().backend_name == pool  # the driver: the user's process

@@ -2,12 +2,14 @@
 
 One small role runs on ``inline`` and on ``ray``: a call's Ref resolves
 itself, a role's error is raised where the result is asked for with the role
-and the method named, a gone role answers as a dead one does, and a one-way
-call's error reaches its sender.
+and the method named, a gone role answers as a dead one does, a one-way
+call's error reaches its sender, and roles asked to share a host share its
+process behind handles that take the same calls.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any
@@ -18,7 +20,8 @@ import pytest
 from overlord.batch import Batch
 from overlord.errors import ActorDiedError, LoaderError
 from overlord.roles.client import Client
-from overlord.runtime.base import Gone, OneWay
+from overlord.runtime.base import Gone, OneWay, RoleOptions
+from overlord.runtime.hosting import HostRole, call_each, spread
 from overlord.runtime.inline import InlineRuntime
 
 
@@ -34,6 +37,9 @@ def echo_role() -> type:
 
         def fail(self, why: str) -> None:
             raise ValueError(why)
+
+        def pid(self) -> int:
+            return os.getpid()
 
     return Echo
 
@@ -131,3 +137,52 @@ def test_a_consumption_notice_that_fails_reaches_the_trainer(runtime):
         for _ in range(50):
             next(client)
         client.close()  # waits for the notices still in flight
+
+
+def test_lookup_or_spawn_finds_the_live_role_else_starts_one(runtime):
+    Echo = echo_role()
+    first = runtime.lookup_or_spawn(Echo, 1, name="echo")
+    again = runtime.lookup_or_spawn(Echo, 100, name="echo")  # found: not built again
+    assert again.call(Echo.add, 1).result(timeout=30) == 2
+    assert first.call(Echo.add, 1).result(timeout=30) == 2
+
+
+def test_roles_of_one_host_share_its_process_and_take_the_same_calls(runtime):
+    Echo = echo_role()
+    hosted = RoleOptions(host="host")
+    a = runtime.spawn(Echo, 1, name="a", options=hosted)
+    b = runtime.spawn(Echo, 10, name="b", options=hosted)
+    alone = runtime.spawn(Echo, 100, name="alone")
+    assert (a.name, b.name) == ("host/a", "host/b")  # what a journal records, and finds again
+    assert a.call(Echo.add, 2).result(timeout=30) == 3
+    assert a.call(Echo.pid).result(timeout=30) == b.call(Echo.pid).result(timeout=30)
+    if runtime.name == "ray":
+        assert a.call(Echo.pid).result(timeout=30) != alone.call(Echo.pid).result(timeout=30)
+    # one call per process: the host answers for both of its roles at once
+    refs = call_each(Echo.add, [(a, 1), (alone, 1), (b, 1), (a, 5)])
+    assert [r.result(timeout=30) for r in refs] == [2, 101, 11, 6]
+    found = runtime.lookup("host/b")
+    assert found.name == "host/b" and found.call(Echo.add, 0).result(timeout=30) == 10
+    assert isinstance(runtime.lookup("no-such-host/b"), Gone)
+    with pytest.raises(Exception, match="boom"):
+        b.call(Echo.fail, "boom").result(timeout=30)
+    runtime.kill(a)  # the host keeps its other role
+    with pytest.raises(ActorDiedError):
+        a.call(Echo.add, 1).result(timeout=30)
+    assert b.call(Echo.add, 1).result(timeout=30) == 11
+    host = runtime.lookup("host")
+    runtime.kill(b)  # its last role: the host goes too
+    with pytest.raises(ActorDiedError):
+        host.call(HostRole.pid).result(timeout=30)
+
+
+def test_a_hosted_roles_construction_error_is_raised_by_its_calls(runtime):
+    Echo = echo_role()
+    broken = runtime.spawn(Echo, name="broken", options=RoleOptions(host="host"))  # no base
+    with pytest.raises(Exception, match="base"):
+        broken.call(Echo.add, 1).result(timeout=30)
+
+
+def test_members_spread_over_hosts_round_robin():
+    assert spread(list(range(5)), 2) == [[0, 2, 4], [1, 3]]
+    assert spread([1], 3) == [[1]]

@@ -16,7 +16,7 @@ import threading
 import time
 
 # Ray titles an actor's process by its class: these are overlord's roles
-ACTOR_TITLES = ("ray::SourceLoader", "ray::LoaderGroup", "ray::Planner", "ray::DataConstructor")
+ACTOR_TITLES = ("ray::SourceLoader", "ray::RoleHost", "ray::Planner", "ray::DataConstructor")
 # what ``classify`` sorts a run's processes into
 CATEGORIES = ["trainers", "loader workers", "driver", "ray system", "actors"]
 

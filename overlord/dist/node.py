@@ -52,7 +52,7 @@ import torch.distributed as dist
 from overlord.batch import Batch, Sample
 from overlord.errors import LoaderError
 from overlord.plan.spec import Plan
-from overlord.runtime.threads import lean_allocators
+from overlord.runtime.hosting import lean_allocators
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
 _ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
@@ -212,7 +212,7 @@ class NodeClient(Iterator[Batch]):
             # this process hosts every loader of the node, as a Ray design's loader process
             # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it in the
             # same sweep (32 sources at index, benchmarks/memory.py --designs overlord-node)
-            lean_allocators(host=True)
+            lean_allocators()
             with self._make_loader(plan, state) as loader:
                 self.loader = loader
                 # a DP rank's batch is built once, its views cut once for all its peers

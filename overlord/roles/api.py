@@ -72,30 +72,6 @@ class LoaderRole(Protocol):
         ...
 
 
-class LoaderGroupRole(Protocol):
-    """Several SourceLoaders in one process, by member name."""
-
-    def call(self, member: str, method: str, *args: Any) -> Any:
-        """``method(*args)`` on one member."""
-        ...
-
-    def take_many(self, keys: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
-        """``take`` on several members in one call."""
-        ...
-
-    def release_many(self, keys: dict[str, np.ndarray]) -> None:
-        """``release`` on several members in one call."""
-        ...
-
-    def pid(self) -> int:
-        """The group's process."""
-        ...
-
-    def close(self) -> None:
-        """Close every member."""
-        ...
-
-
 class PlannerRole(Protocol):
     """The planner as the trainers and constructors see it: step plans and consumption.
 
@@ -238,7 +214,7 @@ class ConstructorRole(Protocol):
         ...
 
     def rank_batch_ref(self, step: int, global_rank: int) -> list[Any]:
-        """The same, as ``[ref]``: one object of the node's object store (Ray only)."""
+        """The same, as ``[ref]``: one object of the store it was given (the wiring's choice)."""
         ...
 
     def stats(self) -> dict[str, int]:

@@ -22,14 +22,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from overlord.errors import ActorDiedError
-from overlord.plan.hierarchy import Job, run_here
+from overlord.plan.hierarchy import Job, group_count, run_here
+from overlord.plan.spec import Plan
 from overlord.roles.api import AssignerRole
-from overlord.runtime.base import Gone, Handle, RoleOptions, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime
 
 log = logging.getLogger("overlord.assigner")
 
 # assigners on a distributed runtime when the plan does not say (never more than groups)
 DEFAULT_ASSIGNERS = 16
+
+
+def assigner_count(plan: Plan, distributed: bool) -> int:
+    """The assigners a job's planner uses: the plan's count, else a default for the runtime.
+
+    ``distributed``: roles run in processes of their own, where groups are
+    balanced in parallel; in one process the planner balances them itself (0).
+    """
+    count = plan.placement.assigners
+    if count is not None:
+        return count
+    groups = group_count(plan.world.dp, plan.balance.group_ranks)
+    return min(groups, DEFAULT_ASSIGNERS) if distributed else 0
 
 
 class Assigner:
@@ -61,9 +75,7 @@ class Assigners:
     def _ready(self, count: int) -> list[Handle[AssignerRole]]:
         while len(self._handles) < count:
             name = f"assigner-{len(self._handles)}"
-            found = self.runtime.lookup(name)
-            if isinstance(found, Gone):
-                found = self.runtime.spawn(Assigner, name=name, options=self.options)
+            found = self.runtime.lookup_or_spawn(Assigner, name=name, options=self.options)
             self._handles.append(found)
         return self._handles[:count]
 

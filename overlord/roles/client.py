@@ -10,6 +10,7 @@ from overlord.batch import Batch
 from overlord.errors import LoaderError, RanksApart
 from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.runtime.base import Handle, OneWay
+from overlord.runtime.objects import ObjectStore
 
 LOST_TRIES = 3  # a stored batch lost with its constructor is asked for again, this many times
 
@@ -23,6 +24,10 @@ class Client(Iterator[Batch]):
     Consumption notices go to the planner one way (the trainer does not wait
     for them); an error of one is raised by the next ``next()``, or by
     :meth:`close`, naming the call.
+
+    ``objects``: the store the constructor puts a mesh rank's view in (given by
+    the wiring where the constructor has one); the client then fetches the
+    view as the one object its peers share.
     """
 
     def __init__(
@@ -35,6 +40,7 @@ class Client(Iterator[Batch]):
         owned: ConstructorRole | None = None,
         notices: OneWay | None = None,
         global_rank: int | None = None,
+        objects: ObjectStore | None = None,
     ):
         self.rank, self.global_rank = rank, global_rank
         self._constructor, self._planner = constructor, planner
@@ -47,8 +53,8 @@ class Client(Iterator[Batch]):
         self.step = self._since = start_step
         self.stop_step = stop_step
         self._returned: float | None = None  # when the last batch was handed over
-        # a mesh rank of an actor constructor takes its view as the node's one stored object
-        self._by_ref = global_rank is not None and getattr(constructor, "object_store", False)
+        # a mesh rank takes its view as the one stored object its peers share, given a store
+        self._objects = objects if global_rank is not None else None
 
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
@@ -95,22 +101,21 @@ class Client(Iterator[Batch]):
     def _fetch(self) -> Batch:
         if self.global_rank is None:
             return self._constructor.call(ConstructorRole.batch, self.step, self.rank).result()
-        if not self._by_ref:
+        if self._objects is None:
             call = self._constructor.call(ConstructorRole.rank_batch, self.step, self.global_rank)
             return call.result()
-        from overlord.runtime.ray_runtime import get_object
-
         for _ in range(LOST_TRIES):
             asked = self._constructor.call(
                 ConstructorRole.rank_batch_ref, self.step, self.global_rank
             )
-            batch = get_object(asked.result(), "the batch of a DataConstructor")
+            batch = self._objects.get(asked.result()[0], "the batch of a DataConstructor")
             if batch is not None:
                 return batch
-            # the constructor died between putting the object and our get: Ray restarted it
+            # the constructor died between putting the object and our get: it was restarted
         raise LoaderError(
             f"global rank {self.global_rank}: the batch of step {self.step} was lost "
-            f"{LOST_TRIES} times in a row (its DataConstructor died each time); see the Ray logs"
+            f"{LOST_TRIES} times in a row (its DataConstructor died each time); see the "
+            "runtime's logs"
         )
 
     def flush(self) -> None:

@@ -33,8 +33,9 @@ from overlord.plan.mesh import resolved_layout
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole, PoolRole
 from overlord.roles.loader_pool import PoolView, by_slot
+from overlord.runtime import Builder
 from overlord.runtime.base import Handle
-from overlord.runtime.threads import Builder
+from overlord.runtime.objects import ObjectStore
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.images import image_token_id
 from overlord.sources.tokenizers import make_tokenizer
@@ -46,6 +47,8 @@ class DataConstructor:
 
     ``planner`` answers the step plans; ``pool`` is the same planner seen as
     the owner of the loaders, asked when a loader died or a partition was added.
+    ``objects``: the object store of the runtime it runs on, where it has one
+    (:meth:`rank_batch_ref` puts views in it).
     """
 
     def __init__(
@@ -58,14 +61,16 @@ class DataConstructor:
         ranks: list[int],
         prefetch: int = 0,
         pad_id: int = 0,
+        objects: ObjectStore | None = None,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
+        self.objects = objects
         self.planner, self.ranks = planner, list(ranks)
         self.prefetch = prefetch
         self._lock = threading.Lock()
         self._built: dict[tuple[int, int], Future[list[Batch] | None]] = {}
         self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
-        # the same views put in the object store of this node (Ray), once each: see rank_batch_ref
+        # the same views put in the object store, once each: see rank_batch_ref
         self._stored: dict[tuple[int, int, int, str], Any] = {}
         self._asked: dict[int, int] = {}  # global rank -> the last step it asked for
         self._gen = 0  # bumped when a rank asks for an earlier step (trainers rewound the job)
@@ -94,24 +99,27 @@ class DataConstructor:
         return self._view(step, global_rank)[1]
 
     def rank_batch_ref(self, step: int, global_rank: int) -> list[Any]:
-        """:meth:`rank_batch` as one object of this node's object store: ``[ref]`` (Ray only).
+        """:meth:`rank_batch` as one object of the object store it was given: ``[ref]``.
 
         The view of a ``(step, dp, cp, stage)`` is put once, and every peer
-        that asks gets a reference to that one object, which ``ray.get`` maps
-        without a copy (read-only) on this node; the list keeps Ray from
+        that asks gets a reference to that one object, which the store (Ray's)
+        maps without a copy (read-only) on this node; the list keeps Ray from
         copying the object into the reply. The constructor drops its
         reference with the view, once every peer that asks moved past the
         step (or the job rewound); the object goes when the trainers drop
         theirs. Views under Ray's inlining threshold (100 KiB) are small
         objects Ray copies anyway.
         """
-        from overlord.runtime.ray_runtime import put_object  # called on a Ray actor only
-
+        if self.objects is None:
+            raise LoaderError(
+                "rank_batch_ref: this DataConstructor was given no object store (its runtime "
+                "has none): ask for rank_batch"
+            )
         key, view = self._view(step, global_rank)
         with self._lock:
             ref = self._stored.get(key)
         if ref is None:
-            made = put_object(view)  # outside the lock: the other ranks' calls go on
+            made = self.objects.put(view)  # outside the lock: the other ranks' calls go on
             with self._lock:
                 ref = self._stored.setdefault(key, made)
         return [ref]

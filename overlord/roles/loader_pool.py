@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,10 +30,10 @@ from overlord.errors import ActorDiedError, LoaderError
 from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
 from overlord.plan.budget import token_budget
 from overlord.plan.spec import Plan
-from overlord.roles.api import SHARD_END, LoaderGroupRole, LoaderRole, PoolRole
-from overlord.roles.loader_group import LoaderGroup, assign_groups
+from overlord.roles.api import SHARD_END, LoaderRole, PoolRole
 from overlord.roles.source_loader import SourceLoader
-from overlord.runtime.base import Handle, OneWay, Ref, RoleOptions, Runtime
+from overlord.runtime import call_each, spread
+from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 from overlord.state.journal import Journal
 
@@ -73,24 +73,6 @@ def partitions(parts: list[Part]) -> list[tuple[Position, int, int]]:
     return [(p.start, k, p.loaders) for k, p in enumerate(parts) if p.loader == 0]
 
 
-class MemberHandle:
-    """A handle to one SourceLoader inside a :class:`LoaderGroup`; calls go through the group."""
-
-    def __init__(self, group: Handle[LoaderGroupRole], member: str):
-        self.group, self.name = group, member
-
-    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref[Any]:
-        """Start ``method(*args)`` on the member."""
-        return self.group.call(LoaderGroupRole.call, self.name, method.__name__, *args, **kwargs)
-
-
-def replica_name(handle: Handle[Any]) -> str:
-    """A loader's name in the journal: its role name, ``group/member`` inside a group."""
-    if isinstance(handle, MemberHandle):
-        return f"{handle.group.name}/{handle.name}"
-    return handle.name
-
-
 def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     """Item indexes per ``(source, loader)`` slot, in slot order.
 
@@ -103,29 +85,6 @@ def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.n
     order = np.argsort(key, kind="stable")
     cuts = np.flatnonzero(np.diff(key[order])) + 1
     return [(int(source[g[0]]), int(loader[g[0]]), g) for g in np.split(order, cuts)]
-
-
-def _grouped(
-    calls: list[tuple[Handle[LoaderRole], np.ndarray, Any]],
-) -> list[tuple[Handle[Any], dict[str, np.ndarray] | np.ndarray, list[tuple[str | None, Any]]]]:
-    """Calls to loaders, with those that share a process (a group) merged into one.
-
-    Each entry: the handle to call, its keys (by member name for a group),
-    and ``(member, tag)`` of every loader the call answers for.
-    """
-    out: list[Any] = []
-    groups: dict[str, Any] = {}  # by the group's name: handles to one process may be copies
-    for handle, keys, tag in calls:
-        if isinstance(handle, MemberHandle):
-            entry = groups.get(handle.group.name)
-            if entry is None:
-                entry = groups[handle.group.name] = [handle.group, {}, []]
-                out.append(entry)
-            entry[1][handle.name] = keys
-            entry[2].append((handle.name, tag))
-        else:
-            out.append([handle, keys, [(None, tag)]])
-    return [tuple(e) for e in out]
 
 
 class PoolView:
@@ -151,7 +110,7 @@ class PoolView:
         out = []
         todo = slots
         for _ in range(MAX_FAILOVERS):
-            calls = []
+            calls: list[tuple[Handle[LoaderRole], np.ndarray]] = []
             for s, k, mine in todo:
                 if k >= len(self.loaders[s]):  # a partition added after this view was made
                     now = self.planner.call(PoolRole.primaries, self.names[s]).result()
@@ -159,27 +118,18 @@ class PoolView:
                 handle = self.loaders[s][k]
                 if handle is None:
                     raise LoaderError(f"loader {k} of '{self.names[s]}' was retired")
-                calls.append((handle, keys[mine], (s, k, mine)))
-            refs: list[tuple[Ref[Any], list[tuple[str | None, Any]]]] = []
-            for target, asked, members in _grouped(calls):
-                if isinstance(asked, dict):
-                    refs.append((target.call(LoaderGroupRole.take_many, asked), members))
-                else:
-                    refs.append((target.call(LoaderRole.take, asked), members))
-            todo = []
-            for ref, members in refs:
+                calls.append((handle, keys[mine]))
+            # loaders that share a process are asked in one call to it
+            refs = call_each(LoaderRole.take, calls)
+            asked, todo = todo, []
+            for (s, k, mine), (handle, _), ref in zip(asked, calls, refs):
                 try:
-                    got: Any = ref.result()
+                    out.append((mine, ref.result()))
                 except ActorDiedError:
-                    for _, (s, k, mine) in members:
-                        dead = self.loaders[s][k]
-                        assert dead is not None
-                        self.loaders[s][k] = self.planner.call(
-                            PoolRole.failover, self.names[s], k, replica_name(dead)
-                        ).result()
-                        todo.append((s, k, mine))
-                    continue
-                out += [(mine, got if m is None else got[m]) for m, (_, _, mine) in members]
+                    self.loaders[s][k] = self.planner.call(
+                        PoolRole.failover, self.names[s], k, handle.name
+                    ).result()
+                    todo.append((s, k, mine))
             if not todo:
                 return out
         raise LoaderError(
@@ -261,10 +211,10 @@ class LoaderPool:
             ]
 
     def _start_grouped(self, processes: int) -> None:
-        """SourceLoaders spread over ``processes`` LoaderGroup actors (shadows over as many more).
+        """SourceLoaders hosted in ``processes`` processes (their shadows in as many more).
 
-        Shadow ``j`` of every member of group ``g`` lives in group ``shadow{j}-g``,
-        so that a group's process dying never takes a slot's shadow with it.
+        Shadow ``j`` of every loader of group ``g`` lives in host ``shadow{j}-group{g}``,
+        so that a host's process dying never takes a slot's shadow with it.
         """
         specs = {s.name: s for s in self.plan.sources}
         wanted = [(s.name, k) for s in self.plan.sources for k in range(s.loaders)]
@@ -272,21 +222,23 @@ class LoaderPool:
         tag = uuid.uuid4().hex[:6]
         for name, spec in specs.items():
             self.slots[name] = [[] for _ in range(spec.loaders)]
-        for g, group in enumerate(assign_groups(wanted, processes)):
+        for g, group in enumerate(spread(wanted, processes)):
+            # a host starts with the options of its first loader's source
+            options = self.options.get(group[0][0], RoleOptions())
             for j in range(1 + copies):
-                members = [
-                    (f"{src}-{k}", src, k, specs[src].loaders, self._consumed(src))
-                    for src, k in group
-                    if j <= self.shadows[src]
-                ]
-                if not members:
-                    continue
-                name = f"loader-group{g}-{tag}" if j == 0 else f"loader-shadow{j}-group{g}-{tag}"
-                args = (self.plan, self.files, members, self.config.keep_payloads, j > 0)
-                options = self.options.get(group[0][0], RoleOptions())
-                handle = self.runtime.spawn(LoaderGroup, *args, name=name, options=options)
-                for member, src, k, *_ in members:
-                    self.slots[src][k].append(MemberHandle(handle, member))
+                host = f"loader-group{g}-{tag}" if j == 0 else f"loader-shadow{j}-group{g}-{tag}"
+                for src, k in group:
+                    if j > self.shadows[src]:
+                        continue
+                    start, n = self._consumed(src), specs[src].loaders
+                    args = (self.plan, self.files[src], src, k, n, start)
+                    handle: Handle[LoaderRole] = self.runtime.spawn(
+                        SourceLoader,
+                        *(*args, self.config.keep_payloads, j > 0),
+                        name=f"{src}-{k}",
+                        options=replace(options, host=host),
+                    )
+                    self.slots[src][k].append(handle)
 
     def _spawn(self, source: str, k: int, shadow: bool) -> Handle[LoaderRole]:
         """A loader for slot ``k`` that starts where every rank has consumed (or its partition)."""
@@ -325,7 +277,7 @@ class LoaderPool:
             try:
                 blocks = handle.call(LoaderRole.metadata, timeout).result()
             except ActorDiedError:
-                self.failover(source, k, replica_name(handle))
+                self.failover(source, k, handle.name)
                 continue
             if blocks:
                 b = blocks[-1]
@@ -340,15 +292,13 @@ class LoaderPool:
         than a dead replica's) is raised at the next release.
         """
         calls = [
-            (replica, keys[mine], None)
+            (replica, keys[mine])
             for s, k, mine in by_slot(source, loader)
             for replica in self.slots[self.names[s]][k]
         ]
-        for handle, asked, _ in _grouped(calls):
-            if isinstance(asked, dict):
-                self._releases.send(handle, LoaderGroupRole.release_many, asked)
-            else:
-                self._releases.send(handle, LoaderRole.release, asked)
+        # loaders that share a process are told in one call to it
+        for (handle, _), ref in zip(calls, call_each(LoaderRole.release, calls)):
+            self._releases.keep(ref, f"{handle.name}.release")
 
     # ---- faults ----------------------------------------------------------------------------
 
@@ -361,7 +311,7 @@ class LoaderPool:
         the state every rank consumed. A new shadow is then started.
         """
         slot = self.slots[source][k]
-        if slot and replica_name(slot[0]) != dead:
+        if slot and slot[0].name != dead:
             return slot[0]
         t0 = time.perf_counter()
         after = self._received.get((source, k))
@@ -388,7 +338,7 @@ class LoaderPool:
                 "source": source,
                 "loader": k,
                 "dead": dead,
-                "now": replica_name(slot[0]),
+                "now": slot[0].name,
                 "how": how,
                 "step": self._clock(),
                 "seconds": time.perf_counter() - t0,
@@ -520,8 +470,7 @@ class LoaderPool:
         """What a restarted planner needs: every slot's replicas by name, partitions, scaling."""
         record: dict[str, Any] = {
             "slots": {
-                n: [[replica_name(h) for h in slot] for slot in slots]
-                for n, slots in self.slots.items()
+                n: [[h.name for h in slot] for slot in slots] for n, slots in self.slots.items()
             },
             "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
         }
@@ -538,7 +487,7 @@ class LoaderPool:
     def restore(self, record: dict[str, Any]) -> None:
         """Find the loaders of a :meth:`record` again (a dead one fails over when asked)."""
         self.slots = {
-            n: [[self._lookup(name) for name in slot] for slot in slots]
+            n: [[self.runtime.lookup(name) for name in slot] for slot in slots]
             for n, slots in record["slots"].items()
         }
         self.parts = {n: [Part.of(r) for r in rs] for n, rs in record["parts"].items()}
@@ -546,11 +495,6 @@ class LoaderPool:
         if scaled is not None and self.scaler is not None:
             self.scaler.load_state_dict(scaled["policy"])
             self.cost = {n: float(c) for n, c in scaled["cost"].items()}
-
-    def _lookup(self, name: str) -> Handle[LoaderRole]:
-        actor, _, member = name.partition("/")
-        handle = self.runtime.lookup(actor)
-        return MemberHandle(handle, member) if member else handle
 
     def forget_received(self) -> None:
         """Forget where each slot's last block ended (trainers rewound the job).

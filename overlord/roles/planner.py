@@ -40,7 +40,7 @@ from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.plan.step import plan_step, rank_slice
 from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
-from overlord.roles.assigner import DEFAULT_ASSIGNERS, Assigners
+from overlord.roles.assigner import Assigners
 from overlord.roles.consumption import Consumption
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.ledger import Ledger
@@ -60,6 +60,9 @@ class Planner:
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
     (None) when each rank is its own process; in one process that consumes
     every rank, waiting would never end, so it is an error instead.
+
+    ``assigners``: how many assigner roles balance a step's groups (0: here;
+    the wiring's ``assigner_count``).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Planner:
         journal: str | None = None,
         wait_for_ranks: bool = False,
         pad_id: int = 0,
+        assigners: int = 0,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self.wait_for_ranks = wait_for_ranks
@@ -83,11 +87,8 @@ class Planner:
         self.cost = CostModel.from_spec(plan.balance.cost)
         # ranks are balanced in groups planned in parallel, on assigners (overlord.plan.hierarchy)
         self.groups = group_count(plan.world.dp, plan.balance.group_ranks)
-        count = plan.placement.assigners
-        if count is None:
-            count = min(self.groups, DEFAULT_ASSIGNERS) if runtime.isolated else 0
         self.assigners = Assigners(
-            runtime, count, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
+            runtime, assigners, RoleOptions(plan.placement.planner_cpus, 1, restartable=True)
         )
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self.figures = Figures(self.names, plan.world.dp)  # what monitoring shows

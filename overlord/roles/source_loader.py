@@ -54,7 +54,7 @@ from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
 from overlord.roles.read_stats import ReadStats, rss
-from overlord.runtime.threads import in_daemon_thread, lean_allocators
+from overlord.runtime import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardIO, ShardItems, Window, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import source_tokenizer
@@ -105,7 +105,6 @@ class SourceLoader:
         shadow: bool = False,
         limit: list[int] | None = None,
     ):
-        lean_allocators()  # threads per source and per piece: see the function
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan, self.files = plan, files  # the job's files, listed once when it started
         self.spec = next(s for s in self.plan.sources if s.name == source)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from overlord.errors import ActorDiedError, LoaderError
+from overlord.runtime.objects import ObjectStore
 from overlord.runtime.threads import Builder
 
 log = logging.getLogger("overlord.runtime")
@@ -93,7 +94,7 @@ class Gone:
 
 @dataclass(frozen=True)
 class RoleOptions:
-    """How a runtime places one role (the ``ray`` runtime reads them; ``inline`` needs none)."""
+    """How a runtime places one role (``ray`` reads them all; ``inline`` only ``host``)."""
 
     num_cpus: float = 0.0
     max_concurrency: int = 1  # calls the role serves at once
@@ -101,6 +102,11 @@ class RoleOptions:
     node: str | None = None  # pin the role to this node (a Ray node id)
     # the runtime restarts the role (same constructor arguments) and retries calls in flight
     restartable: bool = False
+    # co-location: the role is built in the process of the host of this name, with the
+    # roles spawned there before it (overlord.runtime.hosting); None: a process of its own
+    host: str | None = None
+    # a process started for this role tunes its allocators first (hosting.lean_allocators)
+    lean: bool = False
 
 
 DEFAULT_OPTIONS = RoleOptions()
@@ -109,14 +115,18 @@ DEFAULT_OPTIONS = RoleOptions()
 class Runtime(Protocol):
     """What runs the roles.
 
-    ``isolated`` says whether each role runs in a process of its own (so one
-    can die while the others live on, and its memory is its own): what the
-    wiring decides defaults by (shadows, a journal for the planner), never a
-    role.
+    ``objects`` is the runtime's object store, a capability the wiring hands
+    to the roles that use one (None: the runtime has none). Whether roles run
+    in processes of their own is the wiring's to know (it chose the runtime),
+    and it passes what follows from it to the roles; a role never asks.
     """
 
     name: str
-    isolated: bool
+
+    @property
+    def objects(self) -> ObjectStore | None:
+        """The runtime's object store, if it has one."""
+        ...
 
     def spawn(
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
@@ -126,6 +136,12 @@ class Runtime(Protocol):
 
     def lookup(self, name: str) -> Handle[Any]:
         """The live role called ``name``, or a :class:`Gone` stand-in; never raises."""
+        ...
+
+    def lookup_or_spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
+    ) -> Handle[Any]:
+        """The live role called ``name`` (one that outlived its spawner), else a new one."""
         ...
 
     def kill(self, handle: Handle[Any]) -> None:
@@ -180,7 +196,12 @@ class OneWay:
                 ref = handle.call(method, *args, **kwargs)
             else:
                 ref = self._thread.submit(lambda: handle.call(method, *args, **kwargs).result())
-            self._pending.append((ref, f"{handle.name}.{method.__name__}"))
+            self.keep(ref, f"{handle.name}.{method.__name__}")
+
+    def keep(self, ref: Ref[Any], what: str) -> None:
+        """Keep a call started elsewhere (``what`` names it) as one of these one-way calls."""
+        with self._lock:
+            self._pending.append((ref, what))
             while len(self._pending) > self.limit:
                 self._settle(*self._pending.popleft(), timeout=None)
         self.check()

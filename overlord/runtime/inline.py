@@ -1,4 +1,9 @@
-"""The embedded runtime: every role is an object in this process."""
+"""The embedded runtime: every role is an object in this process.
+
+It has no object store (a batch is handed over by reference anyway), and
+leaves the allocators alone (this is the user's process). Roles asked to
+share a host share one here too, so that co-location behaves alike everywhere.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError
 from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptions
+from overlord.runtime.hosting import SEP, HostedHandle, Hosts, close_role, drop, hosted
 
 
 class InlineHandle:
@@ -48,15 +54,16 @@ class InlineRuntime:
     """Roles as plain objects. Loaders still read ahead on their own threads."""
 
     name = "inline"
-    isolated = False  # one process: a role dies only with the trainer
+    objects = None  # no object store: a payload is passed by reference in one process
 
     def __init__(self) -> None:
         self._handles: list[InlineHandle] = []
         self._closed = False
+        self._hosts = Hosts(self.spawn)
 
     def spawn(
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
-    ) -> InlineHandle:
+    ) -> Handle[Any]:
         """Construct the role here (``options`` place actors; here there is one process).
 
         After :meth:`shutdown` nothing is spawned (a failover under way when the
@@ -64,16 +71,29 @@ class InlineRuntime:
         """
         if self._closed:
             raise LoaderError(f"cannot start '{name}': the job's runtime was shut down")
+        if options.host is not None:
+            return self._hosts.spawn(cls, args, name, options)
         h = InlineHandle(cls(*args), name, cls, args, serial=options.max_concurrency == 1)
         self._handles.append(h)
         return h
 
     def lookup(self, name: str) -> Handle[Any]:
         """The live role called ``name``, or a :class:`Gone` stand-in."""
+        if SEP in name:
+            return hosted(name, self.lookup)
         for h in self._handles:
             if h.name == name and not h.dead:
                 return h
         return Gone(name)
+
+    def lookup_or_spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
+    ) -> Handle[Any]:
+        """The live role called ``name``, else a new one."""
+        found = self.lookup(name)
+        if isinstance(found, Gone):
+            return self.spawn(cls, *args, name=name, options=options)
+        return found
 
     def restart(self, handle: InlineHandle) -> None:
         """Close the role and construct it again from the same arguments, as Ray restarts one.
@@ -82,16 +102,21 @@ class InlineRuntime:
         """
         assert handle._cls is not None, "only a spawned role can be restarted"
         with handle._lock:
-            _close(handle.obj)
+            close_role(handle.obj)
             handle.obj = handle._cls(*handle._args)
 
     def kill(self, handle: Handle[Any]) -> None:
         """Close the role (stops its threads); later calls to it fail with ActorDiedError."""
+        if isinstance(handle, HostedHandle):
+            if drop(handle):  # the host's last role: the host goes too
+                self._hosts.forget(handle.host.name)
+                self.kill(handle.host)
+            return
         if not isinstance(handle, InlineHandle):
             return  # a Gone stand-in: nothing runs
         with handle._lock:
             handle.dead = True
-        _close(handle.obj)
+        close_role(handle.obj)
         if handle in self._handles:
             self._handles.remove(handle)
 
@@ -100,9 +125,3 @@ class InlineRuntime:
         self._closed = True
         for h in reversed(list(self._handles)):
             self.kill(h)
-
-
-def _close(obj: Any) -> None:
-    close = getattr(obj, "close", None)
-    if close is not None:
-        close()

@@ -22,6 +22,7 @@ from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError, OverlordError
 from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, Ref, RoleOptions
+from overlord.runtime.hosting import SEP, HostedHandle, Hosts, drop, hosted, leaned
 
 NAMESPACE = "overlord"
 
@@ -57,8 +58,6 @@ class RayRef:
 class RayHandle:
     """A role running as a Ray actor."""
 
-    object_store = True  # a constructor's batches may be fetched as one object per node
-
     def __init__(self, actor: Any, name: str):
         self.actor = actor
         self.name = name
@@ -76,24 +75,29 @@ class RayHandle:
             return Done(error=LoaderError(f"{what} failed: TypeError: {e}"))
 
 
-def put_object(value: Any) -> Any:
-    """``value`` put once in this node's object store; its ObjectRef (numpy arrays zero-copy)."""
-    return _ray().put(value)
+class RayObjects:
+    """Ray's object store (:class:`overlord.runtime.objects.ObjectStore`): one object per put.
 
-
-def get_object(refs: list[Any], what: str) -> Any:
-    """The value of the one ObjectRef in ``refs``; None if it was lost (its owner died).
-
-    On the node that holds it, numpy arrays in it are mapped from the store
-    without a copy, read-only.
+    Stateless, so it is sent to the actors that use it with their arguments.
     """
-    ray = _ray()
-    try:
-        return ray.get(refs[0])
-    except ray.exceptions.ObjectLostError:  # the constructor died: ask its successor again
-        return None
-    except ray.exceptions.RayError as e:
-        raise _unwrap(e, what) from None
+
+    def put(self, value: Any) -> Any:
+        """``value`` put once in this node's object store; its ObjectRef (numpy: zero-copy)."""
+        return _ray().put(value)
+
+    def get(self, ref: Any, what: str) -> Any:
+        """The value of ObjectRef ``ref``; None if it was lost (its owner died).
+
+        On the node that holds it, numpy arrays in it are mapped from the store
+        without a copy, read-only.
+        """
+        ray = _ray()
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ObjectLostError:  # the owner died: ask its successor again
+            return None
+        except ray.exceptions.RayError as e:
+            raise _unwrap(e, what) from None
 
 
 def _unwrap(err: BaseException, what: str) -> BaseException:
@@ -121,11 +125,12 @@ class RayRuntime:
     """
 
     name = "ray"
-    isolated = True  # every role an actor, a process of its own
+    objects = RayObjects()
 
     def __init__(self, job: str, address: str | None = None, connect: bool = True):
         self.job = job
         self._handles: list[RayHandle] = []
+        self._hosts = Hosts(self.spawn)
         self._started_ray = False
         # inside an actor (the planner spawning a loader) an actor must not be owned by the
         # caller, or it dies with it: it is detached, and removed by the job's name prefix
@@ -143,8 +148,17 @@ class RayRuntime:
 
     def spawn(
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
-    ) -> RayHandle:
-        """Create ``cls(*args)`` as a named actor; fails if the name is taken."""
+    ) -> Handle[Any]:
+        """Create ``cls(*args)`` as a named actor; fails if the name is taken.
+
+        With ``options.host`` the role is built in that host's actor instead
+        (started with these options if it is new); with ``options.lean`` the
+        actor's process tunes its allocators before it builds the role.
+        """
+        if options.host is not None:
+            return self._hosts.spawn(cls, args, name, options)
+        if options.lean:
+            cls = leaned(cls)
         ray = _ray()
         kwargs: dict[str, Any] = {
             "name": self.actor_name(name),
@@ -185,14 +199,30 @@ class RayRuntime:
 
     def lookup(self, name: str) -> Handle[Any]:
         """The running actor of role ``name`` of this job, or a :class:`Gone` stand-in."""
+        if SEP in name:
+            return hosted(name, self.lookup)
         try:
             actor = _ray().get_actor(self.actor_name(name), namespace=NAMESPACE)
         except ValueError:
             return Gone(name)
         return RayHandle(actor, name)
 
+    def lookup_or_spawn(
+        self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
+    ) -> Handle[Any]:
+        """The running actor called ``name`` (it outlived a planner), else a new one."""
+        found = self.lookup(name)
+        if isinstance(found, Gone):
+            return self.spawn(cls, *args, name=name, options=options)
+        return found
+
     def kill(self, handle: Handle[Any]) -> None:
-        """Stop one actor."""
+        """Stop one actor; a hosted role is closed, and its host stopped once it holds none."""
+        if isinstance(handle, HostedHandle):
+            if drop(handle):
+                self._hosts.forget(handle.host.name)
+                self.kill(handle.host)
+            return
         if not isinstance(handle, RayHandle):
             return  # a Gone stand-in
         _ray().kill(handle.actor, no_restart=True)
