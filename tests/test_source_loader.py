@@ -48,8 +48,8 @@ def held_back(loader: SourceLoader) -> dict[str, Any]:
         if s["waits_on"] == "budget":
             return s
         assert time.monotonic() < deadline, f"the reader never reached its budget: {s}"
-        with loader._lock:  # wake when it publishes or starts waiting (no fixed sleep)
-            loader._lock.wait(0.05)
+        with loader.reader.lock:  # wake when it publishes or starts waiting (no fixed sleep)
+            loader.reader.lock.wait(0.05)
 
 
 def test_loaders_of_a_source_share_its_read_ahead(tmp_path):
