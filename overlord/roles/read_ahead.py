@@ -222,10 +222,10 @@ class Reader:
     """A loader's two threads: its shards read a window at a time, tokenized a piece at a time.
 
     ``shards`` are the loader's shards in order, from shard ``start`` on;
-    ``policy`` is its
-    :class:`ReadAhead` rule; ``lock`` is the loader's. The threads run from
-    :meth:`start` until :meth:`stop`. A read that fails is published in
-    order, after what was read before it, and kept in :attr:`error`.
+    ``policy`` is its :class:`ReadAhead` rule; ``lock`` is the loader's. The
+    threads run from :meth:`start` until :meth:`stop`. A read that fails is
+    published in order, after what was read before it, and kept in
+    :attr:`error`.
     """
 
     def __init__(
@@ -241,8 +241,13 @@ class Reader:
         outlet: Outlet,
         name: str,
     ):
-        self.plan, self.spec, self.files, self.tokenizer = plan, spec, files, tokenizer
-        self.lock, self.policy, self.outlet = lock, policy, outlet
+        self.plan = plan
+        self.spec = spec
+        self.files = files
+        self.tokenizer = tokenizer
+        self.lock = lock
+        self.policy = policy
+        self.outlet = outlet
         self.cache = ShardIO(plan.loading.retries)  # line indexes (every epoch), retries
         self.windows: deque[Window | Task | BaseException] = deque()  # read, not cut yet
         self.cutting: Cutting | None = None  # the window being cut

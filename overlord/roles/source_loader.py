@@ -101,6 +101,9 @@ class SourceLoader:
     ``shadow`` reads and holds the same items but serves no metadata until it
     is promoted. ``limit`` (``[epoch, shard_pos]``) ends the loader's shards
     there: another partition of the source reads from it on.
+
+    Its :attr:`reader` (:class:`~overlord.roles.read_ahead.Reader`) reads
+    ahead; its :attr:`progress` says how far it got.
     """
 
     # calls served at once: the planner (which may wait for data) and constructors
