@@ -46,13 +46,13 @@ RAMP = 32  # a new loader reads 1/RAMP of its budget ahead before the planner as
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 LEAD_SHARE = 0.5  # a primary reads its next window once this share of the one being cut is left
 
-Piece = tuple[ShardItems, float]  # a tokenized piece's items, and the CPU seconds it took
+Tokenized = tuple[ShardItems, float]  # a tokenized piece's items, and the CPU seconds it took
 
 
 # ---- the rule ------------------------------------------------------------------------------
 
 
-class LoaderState(NamedTuple):
+class LoaderSide(NamedTuple):
     """What the rule reads of the loader's side, as plain numbers (taken under the lock)."""
 
     held: int  # tokens of the items published and not released
@@ -164,7 +164,7 @@ class Task:
     window: Window | None = None  # counts (no piece) or a piece of it
     lo: int = 0
     hi: int = 0
-    piece: Future[Piece] | None = None
+    piece: Future[Tokenized] | None = None
     estimate: int = 0  # tokens the piece is expected to hold while it is tokenized
     end: bool = False
 
@@ -191,9 +191,9 @@ class Cutting:
 class Outlet:
     """The loader's side of a :class:`Reader`; each is called with the lock held."""
 
-    state: Callable[[], LoaderState]  # what the rule reads of the loader
+    state: Callable[[], LoaderSide]  # what the rule reads of the loader
     backlogged: Callable[[], bool]  # its metadata queue is full: publish nothing yet
-    publish: Callable[[Task, Piece | None], None]  # make a task's items visible
+    publish: Callable[[Task, Tokenized | None], None]  # make a task's items visible
 
 
 @dataclass
@@ -454,7 +454,7 @@ class Reader:
         with self.lock:
             self.lock.notify_all()
 
-    def _tokenize(self, window: Window, lo: int, hi: int) -> Piece:
+    def _tokenize(self, window: Window, lo: int, hi: int) -> Tokenized:
         """One piece's items, and the CPU seconds (this thread's) it took."""
         c0 = time.thread_time()
         items = cut_items(self.plan, self.tokenizer, window, lo, hi)

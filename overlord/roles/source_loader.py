@@ -63,7 +63,7 @@ from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
-from overlord.roles.read_ahead import LoaderState, Outlet, Piece, ReadAhead, Reader, Task
+from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime.threads import lean_allocators
 from overlord.sources.catalog import SourceFiles
@@ -154,8 +154,8 @@ class SourceLoader:
 
     # ---- the reader's outlet (lock held) ---------------------------------------------------
 
-    def _state(self) -> LoaderState:
-        return LoaderState(
+    def _state(self) -> LoaderSide:
+        return LoaderSide(
             held=self._held.tokens,
             served=self.progress.served,
             asked=self.progress.asked,
@@ -166,7 +166,7 @@ class SourceLoader:
     def _backlogged(self) -> bool:
         return self._serving and len(self._queue) >= MAX_QUEUED_BLOCKS
 
-    def _publish(self, task: Task, got: Piece | None) -> None:
+    def _publish(self, task: Task, got: Tokenized | None) -> None:
         """Make a finished task's items (or a window's counts, or a shard's end) visible."""
         at = task.at
         name = self.files.at(at[0])[task.file_index].name
