@@ -34,7 +34,7 @@ import numpy as np
 from overlord import load_plan
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources.catalog import job_files
-from overlord.sources.shard import Packed, Window
+from overlord.sources.window import Packed
 
 BLOCK, BLOCKS = 1 << 20, 8
 WINDOW = BLOCK * BLOCKS
@@ -42,11 +42,8 @@ WINDOW = BLOCK * BLOCKS
 
 def held(loader: SourceLoader) -> int:
     """Bytes of text in the pieces a loader's windows still hold (compressed: as held)."""
-    with loader._lock:
-        windows = [loader._cut[0]] if loader._cut else []
-        windows += [w for w in loader._windows if isinstance(w, Window)]
-        parts = [p for w in windows for p in w.parts if p is not None]
-        return sum(p.data.size if isinstance(p, Packed) else p.texts.nbytes for p in parts)
+    pieces = [p for w in loader.reader.view().windows for p in w.pieces if p is not None]
+    return sum(p.data.size if isinstance(p, Packed) else p.texts.nbytes for p in pieces)
 
 
 def main() -> int:

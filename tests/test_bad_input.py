@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_corpus
 from support.runs import run
 
+from conftest import make_corpus
 from overlord import Loader, LoaderError, PlanError, SourceError, load_plan
 from overlord.ops.run import dump_line
 
@@ -101,7 +101,7 @@ def test_shard_deleted_after_load_plan_before_any_read(tmp_path: Path) -> None:
 def test_loader_crash_is_reraised_in_the_trainer_naming_the_loader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import overlord.roles.source_loader as sl
+    import overlord.roles.read_ahead as sl
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("disk on fire")
@@ -117,7 +117,7 @@ def test_loader_crash_is_reraised_in_the_trainer_naming_the_loader(
 def test_stuck_loader_times_out_naming_source_and_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import overlord.roles.source_loader as sl
+    import overlord.roles.read_ahead as sl
 
     release = threading.Event()
     real = sl.shard_windows

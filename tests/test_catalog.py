@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_corpus, write_file
 from support.jobs import run_job
 
+from conftest import make_corpus, write_file
 from overlord import CheckpointError, Loader, load_plan
 from overlord.sources.catalog import File, SourceFiles, job_files
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord.ops.cli import main
 
 integration = pytest.mark.integration

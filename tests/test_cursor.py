@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import make_corpus
 from support.roundtrip import Part, check_save_restore
 
+from conftest import make_corpus
 from overlord import load_plan
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.source_loader import SourceLoader

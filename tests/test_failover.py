@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_corpus, write_file
 from support.jobs import kill, repartition, restart_planner, run_job, set_threads
 
+from conftest import make_corpus, write_file
 from overlord import Loader, load_plan
 from overlord.plan.spec import validate_plan
 from overlord.roles.api import ConstructorRole

@@ -16,9 +16,9 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from conftest import doc_text, make_corpus, overlord_cli
 from support.runs import byte_tokens, good, ids, run, sample_tokens
 
+from conftest import doc_text, make_corpus, overlord_cli
 from overlord import SourceError
 from overlord.plan.spec import Format
 from overlord.sources.files import Shard

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import Loader, load_plan
 from overlord.plan.schedule import Schedule
 from overlord.plan.spec import validate_plan

@@ -14,9 +14,10 @@ import pytest
 
 from conftest import make_corpus
 from overlord import load_plan
+from overlord.plan.partition import partitions
 from overlord.plan.spec import validate_plan
 from overlord.roles.api import LoaderRole
-from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
+from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime.base import DEFAULT_OPTIONS, RoleOptions
 from overlord.runtime.inline import InlineRuntime

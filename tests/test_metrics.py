@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import two_sources
 
+from conftest import two_sources
 from overlord import Loader, load_plan
 from overlord.monitor.figures import Figures, Histogram
 from overlord.monitor.prometheus import METRICS

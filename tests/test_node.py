@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_corpus
 from support.jobs import run_job
 from support.node_worker import digest
 
+from conftest import make_corpus
 from overlord import Loader, LoaderError, load_plan, validate_plan
 
 pytest.importorskip("torch")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import load_plan
 from overlord.sources.probe import check_sources
 

@@ -15,8 +15,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import load_plan
 from overlord.errors import OverlordError
 from overlord.ops.run import run_plan

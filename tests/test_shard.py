@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_corpus, overlord_cli
 from support.runs import byte_tokens, run, sample_tokens
 
+from conftest import make_corpus, overlord_cli
 from overlord import load_plan
 from overlord.sources.files import resolve_files
 from overlord.sources.shard import load_shard_items

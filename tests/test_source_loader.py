@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import Loader, LoaderError, load_plan
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources.catalog import job_files
@@ -48,8 +48,8 @@ def held_back(loader: SourceLoader) -> dict[str, Any]:
         if s["waits_on"] == "budget":
             return s
         assert time.monotonic() < deadline, f"the reader never reached its budget: {s}"
-        with loader._lock:  # wake when it publishes or starts waiting (no fixed sleep)
-            loader._lock.wait(0.05)
+        with loader.reader.lock:  # wake when it publishes or starts waiting (no fixed sleep)
+            loader.reader.lock.wait(0.05)
 
 
 def test_loaders_of_a_source_share_its_read_ahead(tmp_path):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import PlanError, load_plan
 from overlord.plan.spec import validate_plan
 

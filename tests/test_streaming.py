@@ -6,7 +6,6 @@ lines that start in each ``block_bytes`` of it), not from the reader's code.
 
 from __future__ import annotations
 
-import gc
 import gzip
 import json
 import threading
@@ -17,19 +16,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import make_corpus
 from overlord import CheckpointError, Loader, Plan, load_plan
-from overlord.roles import source_loader as source_loader_module
+from overlord.roles import read_ahead as read_ahead_module
+from overlord.roles.read_ahead import ReadView
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources import shard as shard_module
 from overlord.sources.catalog import job_files
 from overlord.sources.formats import line_index
 from overlord.sources.shard import (
-    Packed,
-    Window,
     block_order,
     cut_items,
     load_shard_items,
@@ -37,6 +35,7 @@ from overlord.sources.shard import (
     window_order,
 )
 from overlord.sources.tokenizers import BytesTokenizer
+from overlord.sources.window import Packed
 
 HANG_GUARD_S = 30.0  # only a hang takes this long
 
@@ -153,6 +152,7 @@ def test_the_line_index_finds_every_block_start(lines: list[bytes], tail: bool, 
             assert rows[k] == data[:first].count(b"\n")
 
 
+@pytest.mark.integration
 def test_a_long_document_is_read_once_not_once_per_chunk(tmp_path: Path, monkeypatch) -> None:
     """long_docs: split of a 2 MB single-document file opens it once per epoch."""
     (tmp_path / "data").mkdir()
@@ -162,7 +162,7 @@ def test_a_long_document_is_read_once_not_once_per_chunk(tmp_path: Path, monkeyp
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     opened: list[str] = []
     epochs: list[int] = []
-    real_open, real_windows = shard_module.open_shard, source_loader_module.shard_windows
+    real_open, real_windows = shard_module.open_shard, read_ahead_module.shard_windows
 
     def counting(source, shard, *args):
         opened.append(shard.name)
@@ -173,7 +173,7 @@ def test_a_long_document_is_read_once_not_once_per_chunk(tmp_path: Path, monkeyp
         return real_windows(plan, spec, files, epoch, *args)
 
     monkeypatch.setattr(shard_module, "open_shard", counting)
-    monkeypatch.setattr(source_loader_module, "shard_windows", reading)
+    monkeypatch.setattr(read_ahead_module, "shard_windows", reading)
     with Loader(tmp_path / "plan.json") as loader:
         client = loader.client(0)
         ids = [s.id for _ in range(20) for s in next(client).samples]
@@ -185,6 +185,7 @@ def test_a_long_document_is_read_once_not_once_per_chunk(tmp_path: Path, monkeyp
     assert opened == ["data/a.jsonl"] * len(epochs)
 
 
+@pytest.mark.integration
 def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> None:
     """A 12 MB shard, a budget of some 20K tokens: the loader reads a few windows, then waits."""
     (tmp_path / "data").mkdir()
@@ -204,11 +205,7 @@ def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> Non
     pool = pa.default_memory_pool()
     loader = SourceLoader(plan, files["web"], "web", 0, 1)
     try:
-        deadline = time.monotonic() + HANG_GUARD_S
-        while loader.stats()["waits_on"] != "budget":
-            assert time.monotonic() < deadline, loader.stats()
-            time.sleep(0.01)
-        time.sleep(0.2)  # it stays there: nothing is released
+        _wait_settled(loader)  # it stays there: nothing is released
         s = loader.stats()
         budget, piece = s["budget_tokens"], 256 << 10
         assert s["held_tokens"] <= budget + piece  # the budget, or one piece past it
@@ -220,13 +217,18 @@ def test_a_loader_holds_its_budget_not_a_shard_far_larger(tmp_path: Path) -> Non
         loader.close()
 
 
-def _wait_on_budget(loader: SourceLoader, ahead: bool) -> None:
-    """Wait until ``loader`` waits on its budget (with a window read ahead, if ``ahead``)."""
+def _wait_settled(loader: SourceLoader) -> ReadView:
+    """What ``loader`` holds once its budget alone holds it back (nothing moves after that).
+
+    Its scheduler waits on the budget with no piece in flight and its window
+    thread waits too: until an item is released or asked for, neither reads.
+    """
     deadline = time.monotonic() + HANG_GUARD_S
-    while loader.stats()["waits_on"] != "budget" or (ahead and not loader._windows):
-        assert time.monotonic() < deadline, loader.stats()
-        time.sleep(0.01)
-    time.sleep(0.3)  # a window thread that reads on would have read the next by now
+    while not (view := loader.reader.view()).settled:
+        assert time.monotonic() < deadline, (view, loader.stats())
+        with loader.reader.lock:  # wake when the reader moves (no fixed sleep)
+            loader.reader.lock.wait(0.05)
+    return view
 
 
 def _lines_file(tmp_path: Path, name: str) -> Path:
@@ -248,64 +250,6 @@ def _one_source_plan(tmp_path: Path, tokens_per_step: int) -> Plan:
     )
 
 
-def _windows_alive(name: str) -> list[Window]:
-    gc.collect()
-    return [o for o in gc.get_objects() if type(o) is Window and o.name.endswith(name)]
-
-
-def test_the_next_window_is_read_once_half_the_one_being_cut_has_started(tmp_path: Path) -> None:
-    """Until then a loader holds one window (the one being cut); then one more, never three.
-
-    The window thread used to read the next window as soon as the one read ahead was
-    taken, and once to read it and wait holding it (three windows of text).
-    """
-    path = _lines_file(tmp_path, "three.jsonl")
-    plan = _one_source_plan(tmp_path, 4096)
-    files = job_files([("web", [str(path)])], str(plan.base_dir))
-    loader = SourceLoader(plan, files["web"], "web", 0, 1)
-    try:
-        _wait_on_budget(loader, ahead=False)
-        with loader._lock:
-            assert loader._cut is not None
-            window, left = loader._cut
-            assert window.holds_over(left, 0.5) and not loader._windows  # a few pieces started
-        assert len(_windows_alive("three.jsonl")) == 1
-        with loader._lock:  # a budget of 3/4 of a window (bytes tokens): the next one is read
-            loader._budget = 3 * window.text_bytes(0, len(window)) // 4
-            loader._served = loader._budget // 2
-            loader._lock.notify_all()
-        _wait_on_budget(loader, ahead=True)
-        assert len(_windows_alive("three.jsonl")) == 2  # the one being cut, one ahead
-    finally:
-        loader.close()
-
-
-def test_a_shadow_reads_its_next_window_once_all_of_the_one_being_cut_has_started(
-    tmp_path: Path,
-) -> None:
-    """A standby serves nothing: it holds about half a window, not one (until promoted)."""
-    path = _lines_file(tmp_path, "shadow.jsonl")
-    plan = _one_source_plan(tmp_path, 4096)
-    files = job_files([("web", [str(path)])], str(plan.base_dir))
-    loader = SourceLoader(plan, files["web"], "web", 0, 1, shadow=True)
-    try:
-        _wait_on_budget(loader, ahead=False)
-        with loader._lock:  # 3/4 of the window may start: a primary would read the next
-            assert loader._cut is not None
-            window = loader._cut[0]
-            loader._budget = 3 * window.text_bytes(0, len(window)) // 4
-            loader._served = loader._budget // 2
-            loader._lock.notify_all()
-        _wait_on_budget(loader, ahead=False)
-        with loader._lock:
-            assert loader._cut is not None and loader._cut[0] is window
-            assert not window.holds_over(loader._cut[1], 0.5) and not loader._windows
-        loader.promote(None)  # promoted, it reads ahead as a primary does
-        _wait_on_budget(loader, ahead=True)
-    finally:
-        loader.close()
-
-
 def test_a_packed_window_cuts_into_the_same_items(tmp_path: Path) -> None:
     """A standby holds its pieces compressed: unpacked, they are the same records and items."""
     path = _lines_file(tmp_path, "packed.jsonl")
@@ -314,11 +258,11 @@ def test_a_packed_window_cuts_into_the_same_items(tmp_path: Path) -> None:
     spec, tok = plan.sources[0], BytesTokenizer()
     plain, packed = (next(shard_windows(plan, spec, files, 0, 0)) for _ in range(2))
     packed.pack()
-    assert all(isinstance(p, Packed) for p in packed.parts)
-    held = sum(p.data.size for p in packed.parts if isinstance(p, Packed))
+    assert all(isinstance(p, Packed) for p in packed.pieces)
+    held = sum(p.data.size for p in packed.pieces if isinstance(p, Packed))
     assert held < packed.text_bytes(0, len(packed)) // 4  # "z" * 3000 compresses well
     lo, hi = packed.cut[1][0] + 1, packed.cut[3][1] - 1  # a run across pieces
-    assert packed.part(lo, hi).texts.equals(plain.part(lo, hi).texts)
+    assert packed.arrays(lo, hi).texts.equals(plain.arrays(lo, hi).texts)
     for a, b in packed.cut:
         want, got = cut_items(plan, tok, plain, a, b), cut_items(plan, tok, packed, a, b)
         assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.row, want.row)
@@ -326,6 +270,7 @@ def test_a_packed_window_cuts_into_the_same_items(tmp_path: Path) -> None:
     assert packed.released
 
 
+@pytest.mark.integration
 def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:
     """The window being cut holds its pieces not cut yet; Arrow holds no more than that.
 
@@ -338,23 +283,22 @@ def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:
     pool = pa.default_memory_pool()
     loader = SourceLoader(plan, files["web"], "web", 0, 1)
     try:
-        _wait_on_budget(loader, ahead=False)
-        with loader._lock:
-            assert loader._cut is not None and not loader._pending
-            window, left = loader._cut
-            started = len(window.cut) - len(left)
-            released = [p is None for p in window.parts]
-            held = window.text_bytes(left[0][0], len(window)) if left else 0
-            ahead = loader._windows[0] if loader._windows else None
-            arrow = pool.bytes_allocated()
+        view = _wait_settled(loader)
+        arrow = pool.bytes_allocated()
+        window, left = view.cutting, view.left
+        assert window is not None
+        started = len(window.cut) - len(left)
+        released = [p is None for p in window.pieces]
+        held = window.text_bytes(left[0][0], len(window)) if left else 0
         assert started >= 3  # 16, 32, 64 KiB and more: the first pieces are cut ...
         assert released == [k < started for k in range(len(window.cut))]  # ... and gone
         with pytest.raises(RuntimeError, match="released"):
-            window.part(0, 1)
+            window.arrays(0, 1)
         assert held < window.text_bytes(0, len(window)) - (100 << 10)
         whole = 0
-        if ahead is not None:  # read once the last half of the window being cut started
-            assert isinstance(ahead, Window) and not window.holds_over(left, 0.5)
+        if view.ahead:  # read once the last half of the window being cut started
+            (ahead,) = view.ahead
+            assert 2 * held <= window.text_bytes(0, len(window))
             whole = ahead.text_bytes(0, len(ahead))
         # the uncut pieces and any window ahead, with their offsets; not the whole window
         assert arrow < held + whole + (256 << 10), (arrow, held, whole)
@@ -362,6 +306,7 @@ def test_a_window_lets_go_of_each_piece_once_it_is_cut(tmp_path: Path) -> None:
         loader.close()
 
 
+@pytest.mark.integration
 def test_a_checkpoint_of_format_2_is_refused_naming_the_version(tmp_path: Path) -> None:
     plan_path = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": 20}}})
     with Loader(plan_path) as loader:
@@ -372,6 +317,7 @@ def test_a_checkpoint_of_format_2_is_refused_naming_the_version(tmp_path: Path) 
         Loader(plan_path, state=state)
 
 
+@pytest.mark.integration
 def test_the_shuffle_settings_are_part_of_a_source_order(tmp_path: Path) -> None:
     """A checkpoint does not resume a plan whose blocks or windows differ (other positions)."""
     plan_path = make_corpus(tmp_path, {"web": {"files": {"data/web/a.jsonl": 20}}})
@@ -401,6 +347,7 @@ def test_a_truncated_gzip_streams_what_precedes_the_cut(tmp_path: Path) -> None:
     assert rows == list(range(len(rows))) and 100 < len(rows) < 300  # the lines before it
 
 
+@pytest.mark.integration
 def test_reads_stop_when_the_loader_closes_mid_shard(tmp_path: Path) -> None:
     """Closing a loader in the middle of a large shard ends its threads."""
     (tmp_path / "data").mkdir()

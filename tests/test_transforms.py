@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import Loader, PlanError, SourceError, load_plan
 from overlord.sources.transforms import clean_text, pack_zlib_json, zlib_json
 

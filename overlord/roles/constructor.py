@@ -30,9 +30,10 @@ from overlord.batch.stages import stage_of, stage_view
 from overlord.errors import LoaderError, RanksApart
 from overlord.plan.cost import CostModel
 from overlord.plan.mesh import resolved_layout
+from overlord.plan.partition import by_slot
 from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole, PoolRole
-from overlord.roles.loader_pool import PoolView, by_slot
+from overlord.roles.pool_view import PoolView
 from overlord.runtime import Builder
 from overlord.runtime.base import Handle
 from overlord.runtime.objects import ObjectStore

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from overlord.errors import LoaderError, SourceError
+from overlord.plan.partition import Span, owner
 
 Key = tuple[int, int, int]
 _KEY = ("epoch", "shard_pos", "index")  # an item's position: its key's three parts
@@ -43,12 +44,12 @@ class SourceCursor:
         name: str,
         shards: Callable[[int], int],
         fetch: Callable[[int], list[dict[str, Any]]],
-        partitions: Callable[[], list[tuple[tuple[int, int], int, int]]],
+        partitions: Callable[[], list[Span]],
         start: dict[str, Any] | None = None,
     ):
         self.name, self.shards, self.fetch = name, shards, fetch
         # partitions of the source's order: (first shard, first slot, loaders), by shard;
-        # slot ``first + shard_pos % loaders`` reads a shard (re-partitioning adds one)
+        # re-partitioning adds one (who reads a shard: overlord.plan.partition.owner)
         self.partitions = partitions
         self._blocks: dict[int, deque[dict[str, Any]]] = {}  # per slot
         start = start or {}
@@ -122,10 +123,7 @@ class SourceCursor:
 
     def loader_of(self, epoch: int, pos: int) -> int:
         """The loader that reads shard ``pos`` of epoch ``epoch``."""
-        for at, first, count in reversed(self.partitions()):
-            if (epoch, pos) >= at:
-                return first + pos % count
-        raise AssertionError("the first partition starts at the first shard")
+        return owner((epoch, pos), self.partitions())
 
     def _joined(self) -> dict[str, np.ndarray]:
         """The pending items' columns, the blocks received since the last call joined in."""

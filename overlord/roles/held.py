@@ -97,8 +97,12 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
 
 
 @dataclass
-class Piece:
-    """Items ``base ..`` of a shard, held until released."""
+class HeldPiece:
+    """Items ``base ..`` of a shard, held until released: one piece of a window, tokenized.
+
+    (The piece's records, before they are tokenized, are a
+    :class:`overlord.sources.window.Piece`.)
+    """
 
     base: int
     items: ShardItems
@@ -110,7 +114,7 @@ class HeldItems:
 
     def __init__(self, start: dict[str, Any]):
         self.consumed_from(start)
-        self.shards: dict[Position, list[Piece]] = {}  # the open shards have an entry
+        self.shards: dict[Position, list[HeldPiece]] = {}  # the open shards have an entry
         self.open: set[Position] = set()  # shards whose closing block is not published
         self.tokens = 0  # tokens of the items held
         self._released_ahead: dict[Position, list[int]] = {}  # releases of items not read
@@ -160,11 +164,11 @@ class HeldItems:
         """Hold the items of a piece in ``keep``; the tokens they hold."""
         tokens = int(items.length[keep].sum())
         if keep.any():
-            self.shards.setdefault(at, []).append(Piece(base, items, keep))
+            self.shards.setdefault(at, []).append(HeldPiece(base, items, keep))
             self.tokens += tokens
         return tokens
 
-    def piece_of(self, at: Position, i: int) -> Piece | None:
+    def piece_of(self, at: Position, i: int) -> HeldPiece | None:
         """The held piece of shard ``at`` that item ``i`` is in."""
         pieces = self.shards.get(at)
         if not pieces:

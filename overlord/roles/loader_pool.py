@@ -9,28 +9,32 @@ every rank consumed, re-partitions a source online, sizes it as the
 autoscaler decides, closes partitions once consumed, and records all of it in
 the planner's journal so that a restarted planner finds its loaders again.
 
-It lives in the planner's process and never imports the planner (what it needs
-of it comes through two callables). Constructors use a :class:`PoolView`.
+It lives in the planner's process and never imports the planner: what it
+needs of it (the state every rank consumed, the step being planned) comes
+through two callables. Who reads which shard is
+:mod:`overlord.plan.partition`; the autoscaler's measurements and actions are
+:mod:`overlord.roles.scaling`. Constructors elsewhere use a
+:class:`~overlord.roles.pool_view.PoolView`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from overlord.errors import ActorDiedError, LoaderError
-from overlord.plan.autoscale import Autoscaler, Budget, Decision, SourceProfile
-from overlord.plan.budget import token_budget
+from overlord.errors import ActorDiedError
+from overlord.plan.autoscale import Decision
+from overlord.plan.partition import Partition, Position, by_slot
 from overlord.plan.spec import Plan
-from overlord.roles.api import SHARD_END, LoaderRole, PoolRole
+from overlord.roles.api import SHARD_END, LoaderRole
+from overlord.roles.scaling import Scaling
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import call_each, spread
 from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
@@ -39,103 +43,7 @@ from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.pool")
 
-MAX_FAILOVERS = 8  # replacements of one batch's loaders before giving up
-Position = tuple[int, int]
 
-
-class Part(NamedTuple):
-    """What a loader slot reads: loader ``loader`` of ``loaders``, shards ``start`` to ``limit``."""
-
-    loader: int
-    loaders: int
-    start: Position
-    limit: Position | None  # None: the source's current partition, without an end
-
-    def record(self) -> list[Any]:
-        """As JSON: ``[loader, loaders, start, limit]``."""
-        limit = None if self.limit is None else list(self.limit)
-        return [self.loader, self.loaders, list(self.start), limit]
-
-    @classmethod
-    def of(cls, record: list[Any]) -> Part:
-        """From :meth:`record`."""
-        loader, loaders, (e, p), limit = record
-        return cls(loader, loaders, (e, p), None if limit is None else (limit[0], limit[1]))
-
-
-def partitions(parts: list[Part]) -> list[tuple[Position, int, int]]:
-    """A source's partitions, ``(first shard, first slot, loaders)``, from its slots' parts.
-
-    >>> old = [Part(k, 2, (0, 0), (0, 4)) for k in range(2)]
-    >>> partitions([*old, Part(0, 1, (0, 4), None)])
-    [((0, 0), 0, 2), ((0, 4), 2, 1)]
-    """
-    return [(p.start, k, p.loaders) for k, p in enumerate(parts) if p.loader == 0]
-
-
-def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
-    """Item indexes per ``(source, loader)`` slot, in slot order.
-
-    >>> [(s, k, i.tolist()) for s, k, i in by_slot(np.array([1, 0, 1]), np.array([0, 0, 0]))]
-    [(0, 0, [1]), (1, 0, [0, 2])]
-    """
-    if len(source) == 0:
-        return []
-    key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
-    order = np.argsort(key, kind="stable")
-    cuts = np.flatnonzero(np.diff(key[order])) + 1
-    return [(int(source[g[0]]), int(loader[g[0]]), g) for g in np.split(order, cuts)]
-
-
-class PoolView:
-    """The loaders as a DataConstructor sees them: handles, and the planner for failovers.
-
-    Takes only read, so asking a replacement again for what a dead loader
-    was asked is safe.
-    """
-
-    def __init__(
-        self,
-        names: list[str],
-        loaders: dict[str, list[Handle[LoaderRole] | None]],
-        planner: Handle[PoolRole],
-    ):
-        self.names, self.planner = names, planner
-        self.loaders = [list(loaders[n]) for n in names]  # current primaries
-
-    def take(
-        self, slots: list[tuple[int, int, np.ndarray]], keys: np.ndarray
-    ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """Payloads of each ``(source, loader, item indexes)``, every loader asked at once."""
-        out = []
-        todo = slots
-        for _ in range(MAX_FAILOVERS):
-            calls: list[tuple[Handle[LoaderRole], np.ndarray]] = []
-            for s, k, mine in todo:
-                if k >= len(self.loaders[s]):  # a partition added after this view was made
-                    now = self.planner.call(PoolRole.primaries, self.names[s]).result()
-                    self.loaders[s] = list(now)
-                handle = self.loaders[s][k]
-                if handle is None:
-                    raise LoaderError(f"loader {k} of '{self.names[s]}' was retired")
-                calls.append((handle, keys[mine]))
-            # loaders that share a process are asked in one call to it
-            refs = call_each(LoaderRole.take, calls)
-            asked, todo = todo, []
-            for (s, k, mine), (handle, _), ref in zip(asked, calls, refs):
-                try:
-                    out.append((mine, ref.result()))
-                except ActorDiedError:
-                    self.loaders[s][k] = self.planner.call(
-                        PoolRole.failover, self.names[s], k, handle.name
-                    ).result()
-                    todo.append((s, k, mine))
-            if not todo:
-                return out
-        raise LoaderError(
-            f"loaders of sources {sorted({self.names[s] for s, _, _ in todo})} kept dying: "
-            f"{MAX_FAILOVERS} failovers in a row"
-        )
 
 
 @dataclass(frozen=True)
@@ -167,30 +75,23 @@ class LoaderPool:
         clock: Callable[[], int],
         journal: Journal | None = None,
     ):
-        self.plan, self.files, self.runtime, self.config = plan, files, runtime, config
-        self.shadows, self.options, self.journal = config.shadows, config.options, journal
-        self._consumed, self._clock = consumed, clock
+        self.plan = plan
+        self.files = files
+        self.runtime = runtime
+        self.config = config
+        self.shadows = config.shadows
+        self.options = config.options
+        self.journal = journal
+        self._consumed = consumed
+        self._clock = clock
         self.names = plan.source_names
         self.slots: dict[str, list[list[Handle[LoaderRole]]]] = {n: [] for n in self.names}
-        self.parts: dict[str, list[Part]] = {n: [] for n in self.names}
+        self.parts: dict[str, list[Partition]] = {n: [] for n in self.names}  # per slot
         self._received: dict[tuple[str, int], list[int]] = {}  # end of the last block it got
         self._releases = OneWay("planner", ignore=(ActorDiedError,))
         self.events: list[dict[str, Any]] = []  # failovers and re-partitions
-        self.scaling: list[dict[str, Any]] = []  # the autoscaler's decisions, with reasons
-        # CPU seconds per token each source's loaders measured last: a source's cost, which
-        # loaders a re-partition just started have not measured yet
-        self.cost: dict[str, float] = {}
-        a = plan.autoscale
-        self.scaler = None
-        if a.cpus is not None:
-            memory = math.inf if a.memory_gb is None else a.memory_gb * 2**30
-            budget = Budget(a.cpus, memory, a.max_threads_per_loader, a.min_loaders)
-            self.scaler = Autoscaler(
-                budget,
-                headroom=a.headroom,
-                cooldown_steps=a.cooldown_steps,
-                horizon_steps=a.horizon_steps,
-            )
+        # None: the sizes stay as planned (autoscale.cpus not set)
+        self.autoscaler = Scaling.of(plan, files, config.measure_rss)
 
     # ---- the slots -------------------------------------------------------------------------
 
@@ -198,7 +99,7 @@ class LoaderPool:
         """Spawn every source's loaders (in ``config.processes`` shared processes, if set)."""
         for spec in self.plan.sources:
             self.parts[spec.name] = [
-                Part(k, spec.loaders, (0, 0), None) for k in range(spec.loaders)
+                Partition(k, spec.loaders, (0, 0), None) for k in range(spec.loaders)
             ]
         if self.config.processes is not None:
             self._start_grouped(self.config.processes)
@@ -280,9 +181,9 @@ class LoaderPool:
                 self.failover(source, k, handle.name)
                 continue
             if blocks:
-                b = blocks[-1]
-                end = SHARD_END if b["last"] else int(b["stop"])
-                self._received[(source, k)] = [int(b["epoch"]), int(b["shard_pos"]), end]
+                last = blocks[-1]
+                end = SHARD_END if last["last"] else int(last["stop"])
+                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
             return blocks
 
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:
@@ -379,7 +280,7 @@ class LoaderPool:
         for k in current:
             parts[k] = parts[k]._replace(limit=at)
         first = len(slots)
-        parts += [Part(j, count, at, None) for j in range(count)]
+        parts += [Partition(j, count, at, None) for j in range(count)]
         for k in range(first, first + count):
             copies = 1 + self.shadows[source]
             slots.append([self._spawn(source, k, s > 0) for s in range(copies)])
@@ -421,48 +322,16 @@ class LoaderPool:
         self, step: int, train_s: float, weights: Callable[[int], np.ndarray]
     ) -> Decision | None:
         """Measure every source's current loaders, decide, and re-size what the decision moved."""
-        if self.scaler is None:
+        if self.autoscaler is None:
             return None
-        a = self.plan.autoscale
-        profiles, now = [], {}
-        for name in self.names:
-            mine = self.current(name)
-            stats = [self.slots[name][k][0].call(LoaderRole.stats).result() for k in mine]
-            costs = [s["cpu_s_per_token"] for s in stats if not math.isnan(s["cpu_s_per_token"])]
-            if costs:
-                self.cost[name] = float(np.mean(costs))
-            # a loader in a process of its own reports its memory; embedded, a loader's
-            # memory is what its budget lets it hold
-            own = [s["rss_bytes"] for s in stats] if self.config.measure_rss else []
-            memory = float(np.mean(own)) if own else 4.0 * token_budget(self.plan, len(mine), name)
-            threads = stats[0]["threads"] if stats else 1
-            now[name] = (len(mine), threads)
-            profiles.append(
-                SourceProfile(
-                    name,
-                    self.cost.get(name, 0.0),
-                    memory,
-                    len(mine),
-                    threads,
-                    thread_efficiency=a.thread_efficiency,
-                    max_loaders=max(len(fs) for _, fs in self.files[name].lists),
-                )
-            )
-        ahead = self.scaler.weights_ahead(weights, step)
-        decision = self.scaler.decide(
-            step, profiles, ahead, self.plan.batch.tokens_per_step, train_s
-        )
-        self.scaling.append(_decision_record(step, train_s, decision))
-        for d in decision.sources:
-            loaders, threads = now[d.name]
-            if d.loaders != loaders:
-                self.repartition(d.name, d.loaders)
-            if d.threads != threads or d.loaders != loaders:  # new loaders start with 1
-                self.set_threads(d.name, d.threads)
-            if (d.loaders, d.threads) != (loaders, threads):
-                log.warning("autoscaler: %s", d.reason)
+        decision = self.autoscaler.scale(self, step, train_s, weights)
         self._journal()  # the timers moved: a restarted planner keeps them
         return decision
+
+    @property
+    def scaling(self) -> list[dict[str, Any]]:
+        """The autoscaler's decisions so far, with their reasons (the run summary's)."""
+        return [] if self.autoscaler is None else self.autoscaler.decisions
 
     # ---- journal and restart ---------------------------------------------------------------
 
@@ -474,15 +343,13 @@ class LoaderPool:
             },
             "parts": {n: [p.record() for p in parts] for n, parts in self.parts.items()},
         }
-        if self.scaler is not None:
-            record["autoscaler"] = self.scaling_state()
+        if self.autoscaler is not None:
+            record["autoscaler"] = self.autoscaler.state_dict()
         return record
 
     def scaling_state(self) -> dict[str, Any] | None:
         """The autoscaler's hysteresis timers and each source's measured cost (None: off)."""
-        if self.scaler is None:
-            return None
-        return {"policy": self.scaler.state_dict(), "cost": dict(self.cost)}
+        return None if self.autoscaler is None else self.autoscaler.state_dict()
 
     def restore(self, record: dict[str, Any]) -> None:
         """Find the loaders of a :meth:`record` again (a dead one fails over when asked)."""
@@ -490,11 +357,10 @@ class LoaderPool:
             n: [[self.runtime.lookup(name) for name in slot] for slot in slots]
             for n, slots in record["slots"].items()
         }
-        self.parts = {n: [Part.of(r) for r in rs] for n, rs in record["parts"].items()}
+        self.parts = {n: [Partition.of(r) for r in rs] for n, rs in record["parts"].items()}
         scaled = record.get("autoscaler")
-        if scaled is not None and self.scaler is not None:
-            self.scaler.load_state_dict(scaled["policy"])
-            self.cost = {n: float(c) for n, c in scaled["cost"].items()}
+        if scaled is not None and self.autoscaler is not None:
+            self.autoscaler.load_state_dict(scaled)
 
     def forget_received(self) -> None:
         """Forget where each slot's last block ended (trainers rewound the job).
@@ -528,25 +394,3 @@ class LoaderPool:
             for h in self.primaries(n)
             if h is not None
         ]
-
-
-def _decision_record(step: int, train_s: float, decision: Decision) -> dict[str, Any]:
-    """An autoscaler decision as the run summary shows it."""
-    return {
-        "step": step,
-        "step_time_s": train_s,
-        "bottleneck": decision.bottleneck,
-        "cpu_cores": decision.cpu_cores,
-        "reason": decision.reason,
-        "sources": {
-            d.name: {
-                "loaders": d.loaders,
-                "threads": d.threads,
-                "demand_tokens_per_s": d.demand_tokens_per_s,
-                "capacity_tokens_per_s": d.capacity_tokens_per_s,
-                "cpu_cores": d.cpu_cores,
-                "reason": d.reason,
-            }
-            for d in decision.sources
-        },
-    }

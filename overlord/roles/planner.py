@@ -35,6 +35,7 @@ from overlord.monitor.figures import Figures
 from overlord.monitor.prometheus import MetricsServer
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import group_count
+from overlord.plan.partition import partitions
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
@@ -44,7 +45,7 @@ from overlord.roles.assigner import Assigners
 from overlord.roles.consumption import Consumption
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.ledger import Ledger
-from overlord.roles.loader_pool import LoaderPool, PoolConfig, partitions
+from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 from overlord.state.journal import Journal

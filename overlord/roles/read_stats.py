@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from overlord.sources.remote import Retries
-from overlord.sources.shard import ShardItems, Window
+from overlord.sources.shard import ShardItems
+from overlord.sources.window import Window
 
 COST_EMA = 0.2  # weight of the newest piece in the moving averages of its costs
 EXAMPLES = 20  # bad records kept as examples

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from overlord.errors import CheckpointError
+from overlord.plan.partition import owner
 from overlord.sources.files import find_shards
 from overlord.sources.remote import file_size
 
@@ -64,13 +65,15 @@ class SourceFiles:
     def owned(self, start: tuple[int, int], index: int, count: int) -> Iterator[tuple[int, int]]:
         """The shards ``(epoch, pos)`` from ``start`` that loader ``index`` of ``count`` reads.
 
-        Those with ``pos % count == index``; it ends if no later epoch has one.
+        Those whose :func:`~overlord.plan.partition.owner` in a partition of
+        ``count`` loaders is ``index``; it ends if no later epoch has one.
         """
+        alone = [((0, 0), 0, count)]  # the loader's partition, as the only one
         epoch, pos = start
         while True:
             n = len(self.at(epoch))
             for p in range(pos, n):
-                if p % count == index:
+                if owner((epoch, p), alone) == index:
                     yield epoch, p
             if epoch >= self.lists[-1][0] and index >= n:
                 return  # more loaders than shards: this one owns none from here on

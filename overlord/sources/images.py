@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from overlord.errors import PlanError, SourceError
 from overlord.plan.vision import BYTES_IMAGE_ID, IMAGE_PAD, VisionSpec, image_tokens, resized
-
-if TYPE_CHECKING:
-    from overlord.sources.shard import Part, Window
+from overlord.sources.window import Piece, Window
 
 
 def _pillow() -> Any:
@@ -107,7 +105,7 @@ class Fused:
 def fuse_images(
     window: Window,
     lo: int,
-    part: Part,
+    piece: Piece,
     tokens: np.ndarray,
     offsets: np.ndarray,
     v: VisionSpec,
@@ -115,21 +113,21 @@ def fuse_images(
     max_seq_len: int,
     skip: bool,
 ) -> Fused:
-    """Decode the images of ``part`` (records ``lo`` on of ``window``) and prepend their tokens.
+    """Decode the images of ``piece`` (records ``lo`` on of ``window``) and prepend their tokens.
 
     A record whose image cannot be decoded, or whose image tokens alone exceed
     ``max_seq_len``, is a bad record (``SourceError`` naming the file, the row
     and the tar member; skipped and counted under ``on_error: skip``).
     """
-    assert part.images is not None
+    assert piece.images is not None
     text_len = np.diff(offsets)
     n = len(text_len)
     n_img = np.zeros(n, dtype=np.int64)
     ok = np.ones(n, dtype=bool)
     patches: list[np.ndarray | None] = [None] * n
     skipped: list[SourceError] = []
-    images = part.images
-    keys = part.keys.to_pylist() if part.keys is not None else None
+    images = piece.images
+    keys = piece.keys.to_pylist() if piece.keys is not None else None
     for i in range(n):
         if text_len[i] == 0:
             continue  # empty: not a sample, its image is not decoded

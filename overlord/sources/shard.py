@@ -7,8 +7,9 @@ The order of a source in epoch ``e`` (the README states it as the contract):
    from ``(seed, source, e, shard)``, or in file order for a compressed file
    (a stream cannot seek);
 3. the blocks in that order taken ``shuffle.window_blocks`` at a time into
-   *windows*; the records of a window (good and not blank, in block order)
-   in a permutation drawn from ``(seed, source, e, shard, window)``;
+   *windows* (:mod:`overlord.sources.window`); the records of a window (good
+   and not blank, in block order) in a permutation drawn from
+   ``(seed, source, e, shard, window)``;
 4. each record in that order gives its document, or the chunks of one longer
    than ``max_seq_len`` (``long_docs: split``): these are the *items*.
 
@@ -32,11 +33,10 @@ records are taken out.
 
 from __future__ import annotations
 
-import bisect
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -53,10 +53,7 @@ from overlord.sources.token_files import open_token_shard
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
-
-PIECE_BYTES = 256 << 10  # text tokenized at once: tens of ms of work at most
-PACK_CODEC = "zstd"  # a standby's pieces, held compressed until cut
-FIRST_PIECE_BYTES = 16 << 10  # a window's first piece: its first items come fast
+from overlord.sources.window import EMPTY_TEXTS, PIECE_BYTES, Packed, Piece, Window, piece_bounds
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -86,139 +83,6 @@ def window_order(
 ) -> np.ndarray:
     """Permutation of the ``n`` records of one window."""
     return _rng(seed, _name_key(source), epoch, 0xB2, file_index, window).permutation(n)
-
-
-class Part(NamedTuple):
-    """The records of one piece of a window, in arrays of their own."""
-
-    texts: pa.Array  # large_string
-    images: pa.Array | None = None  # large_binary per record: image-text sources only
-    keys: pa.Array | None = None  # large_string per record: a tar's image members
-
-
-class Packed(NamedTuple):
-    """A piece held compressed (a standby's, until it is cut): its text's bytes in zstd."""
-
-    records: int
-    offsets: pa.Buffer  # the text's int64 offsets, as they were
-    data: pa.Buffer  # the text's bytes, compressed
-    size: int  # the text's bytes
-    images: pa.Array | None = None
-    keys: pa.Array | None = None
-
-    @classmethod
-    def of(cls, part: Part) -> Packed | Part:
-        """``part`` compressed (a part with nulls or an offset stays as it is)."""
-        _, offsets, data = part.texts.buffers()
-        if part.texts.null_count or part.texts.offset or data is None:
-            return part
-        packed = pa.compress(data, codec=PACK_CODEC, asbytes=False)
-        return cls(len(part.texts), offsets, packed, data.size, part.images, part.keys)
-
-    def unpacked(self) -> Part:
-        """The piece's arrays, its text decompressed."""
-        data = pa.decompress(self.data, self.size, codec=PACK_CODEC, asbytes=False)
-        texts = pa.Array.from_buffers(pa.large_string(), self.records, [None, self.offsets, data])
-        return Part(texts, self.images, self.keys)
-
-
-@dataclass
-class Window:
-    """The records of one window, in the source's order: transformed, not blank, permuted.
-
-    Its records are held a piece (:attr:`cut`) at a time, each piece in arrays of
-    its own, so that a loader lets go of a piece's text (and images) once it is
-    cut (:meth:`release`): a window being cut holds what is left of it, not all
-    of it.
-    """
-
-    epoch: int
-    shard_pos: int
-    file_index: int
-    number: int
-    rows: np.ndarray  # int64: the row of each record in its file
-    offsets: np.ndarray  # int64, one more than records: where each record's bytes start
-    cut: list[tuple[int, int]]  # its pieces, ``_pieces`` of ``PIECE_BYTES``
-    parts: list[Part | Packed | None]  # per piece of ``cut``; None once released
-    skipped: list[SourceError] = field(default_factory=list)
-    records: int = 0  # records its blocks hold: good, empty and bad
-    empty: int = 0  # blank texts: not samples
-    has_images: bool = False  # an image-text source's window
-    source: str = ""
-    name: str = ""  # the file, for errors
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def text_bytes(self, lo: int, hi: int) -> int:
-        """Bytes of records ``[lo, hi)``: their text's, and their images'."""
-        return int(self.offsets[hi] - self.offsets[lo])
-
-    def part(self, lo: int, hi: int) -> Part:
-        """The arrays of records ``[lo, hi)``, from the pieces not released."""
-        first = bisect.bisect_right(self.cut, (lo, len(self.rows) + 1)) - 1
-        got: list[Part] = []
-        for k in range(max(first, 0), len(self.cut)):
-            a, b = self.cut[k]
-            if a >= hi:
-                break
-            held = self.parts[k]
-            if held is None:
-                raise RuntimeError(
-                    f"records {a}-{b} of window {self.number} of {self.name} were released"
-                )
-            part = held.unpacked() if isinstance(held, Packed) else held
-            s, e = max(lo, a) - a, min(hi, b) - a
-            got.append(Part(*(None if x is None else x.slice(s, e - s) for x in part)))
-        if len(got) == 1:
-            return got[0]
-        if not got:
-            return Part(_EMPTY_TEXTS, *((_EMPTY_BINARY, _EMPTY_TEXTS) if self.has_images else ()))
-        return Part(*(None if x[0] is None else pa.concat_arrays(list(x)) for x in zip(*got)))
-
-    def pack(self) -> None:
-        """Hold its pieces' text compressed until each is cut (a standby's window)."""
-        self.parts = [Packed.of(p) if isinstance(p, Part) else p for p in self.parts]
-
-    def release(self, lo: int, hi: int) -> None:
-        """Let go of the pieces wholly inside records ``[lo, hi)``."""
-        k = bisect.bisect_left(self.cut, (lo, 0))
-        while k < len(self.cut) and self.cut[k][1] <= hi:
-            self.parts[k] = None
-            k += 1
-
-    def holds_over(self, left: list[tuple[int, int]], share: float) -> bool:
-        """Whether its last pieces ``left`` hold more than ``share`` of its bytes."""
-        return bool(left) and self.text_bytes(left[0][0], len(self)) > share * self.offsets[-1]
-
-    @property
-    def released(self) -> bool:
-        """Whether every piece was let go (the window holds no records' bytes)."""
-        return all(p is None for p in self.parts)
-
-
-_EMPTY_TEXTS = pa.array([], pa.large_string())
-_EMPTY_BINARY = pa.array([], pa.large_binary())
-
-
-def _pieces(offsets: np.ndarray, piece_bytes: int) -> list[tuple[int, int]]:
-    """Runs ``[lo, hi)`` of records (byte ``offsets``) holding about ``piece_bytes`` each.
-
-    The first pieces are smaller (from ``FIRST_PIECE_BYTES``, doubling): a window's
-    first items are ready soon after it is read.
-    """
-    n = len(offsets) - 1
-    if n <= 0:
-        return []
-    offs = offsets - offsets[0]
-    size, at, targets = min(FIRST_PIECE_BYTES, piece_bytes), 0, []
-    while at + size < offs[-1]:
-        at += size
-        targets.append(at)
-        size = min(2 * size, piece_bytes)
-    cuts = np.searchsorted(offs, np.asarray(targets, dtype=np.int64))
-    bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
-    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
 @dataclass
@@ -365,7 +229,7 @@ def _window(
     block = RecordBlock(
         number,
         np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
-        pa.concat_arrays([b.texts for b in blocks]) if blocks else _EMPTY_TEXTS,
+        pa.concat_arrays([b.texts for b in blocks]) if blocks else EMPTY_TEXTS,
         [e for b in blocks for e in b.skipped],
         images=_concat([b.images for b in blocks], pa.large_binary()),
         keys=_concat([b.keys for b in blocks], pa.large_string()),
@@ -380,9 +244,9 @@ def _window(
     if block.images is not None:  # a piece's work is mostly its images' decoding
         size = size + np.diff(_array_offsets(block.images))
     offsets = np.concatenate(([0], np.cumsum(size[order], dtype=np.int64)))
-    cut = _pieces(offsets, PIECE_BYTES)
-    parts: list[Part | Packed | None] = [
-        Part(
+    cut = piece_bounds(offsets, PIECE_BYTES)
+    pieces: list[Piece | Packed | None] = [
+        Piece(
             *(
                 None if a is None else a.take(pa.array(order[lo:hi]))
                 for a in (block.texts, block.images, block.keys)
@@ -398,7 +262,7 @@ def _window(
         rows=block.rows[order],
         offsets=offsets,
         cut=cut,
-        parts=parts,
+        pieces=pieces,
         skipped=block.skipped,
         records=records,
         empty=empty,
@@ -410,15 +274,15 @@ def _window(
 
 def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int) -> ShardItems:
     """Tokenize records ``[lo, hi)`` of a window and cut them into items, in order."""
-    part = window.part(lo, hi)
-    texts = part.texts
+    piece = window.arrays(lo, hi)
+    texts = piece.texts
     tokens, offsets = tokenizer.encode(texts)
     cap = plan.batch.max_seq_len
     fused = None
-    if part.images is not None:  # image tokens go before each text (overlord.plan.vision)
+    if piece.images is not None:  # image tokens go before each text (overlord.plan.vision)
         assert plan.vision is not None
         fused = fuse_images(
-            *(window, lo, part, tokens, offsets, plan.vision),
+            *(window, lo, piece, tokens, offsets, plan.vision),
             image_token_id(plan.vision, tokenizer),
             cap,
             plan.on_error is OnError.SKIP,
@@ -468,7 +332,7 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         kept = np.flatnonzero(keep)
         items.text_bytes = window.text_bytes(lo, hi)  # images too: what tokens_per_byte sees
         items.skipped = fused.skipped
-        keys = None if part.keys is None else part.keys.to_pylist()
+        keys = None if piece.keys is None else piece.keys.to_pylist()
         width = 3 * plan.vision.patch_size**2 if plan.vision is not None else 0
         image_payload(items, [fused.patches[i] for i in kept], doc_of, k, keys, kept, width)
     return items

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from conftest import doc_text
-
 from overlord import Loader
 from overlord.sources.tokenizers import BytesTokenizer
 

@@ -1,0 +1,93 @@
+"""Who reads which shard of a source: its partitions among loader slots, as plain values.
+
+A source is read by loader *slots*. A *partition* of its order is ``n``
+loaders reading from a shard boundary on: the shard at place ``p`` of an
+epoch's order belongs to loader ``p % n`` of it (:func:`owner`, the one place
+that says so). Re-partitioning (the autoscaler choosing another ``n``) ends
+the current partition at a boundary and starts one of new slots there, so a
+source's slots hold a list of :class:`Partition`, each slot one loader of one
+partition, and :func:`partitions` gives the partitions themselves.
+
+Pure: numbers in, numbers out; the loader pool keeps them, the planner's
+cursors and the loaders ask :func:`owner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Position = tuple[int, int]  # (epoch, shard_pos): a shard's place in the source's order
+Span = tuple[Position, int, int]  # a partition: (first shard, first slot, loaders)
+
+
+class Partition(NamedTuple):
+    """What a loader slot reads: loader ``loader`` of ``loaders``, shards ``start`` to ``limit``.
+
+    >>> Partition.of(Partition(1, 2, (0, 4), None).record())
+    Partition(loader=1, loaders=2, start=(0, 4), limit=None)
+    """
+
+    loader: int
+    loaders: int
+    start: Position
+    limit: Position | None  # None: the source's current partition, without an end
+
+    def record(self) -> list[Any]:
+        """As JSON: ``[loader, loaders, start, limit]``."""
+        limit = None if self.limit is None else list(self.limit)
+        return [self.loader, self.loaders, list(self.start), limit]
+
+    @classmethod
+    def of(cls, record: list[Any]) -> Partition:
+        """From :meth:`record`."""
+        loader, loaders, (e, p), limit = record
+        return cls(loader, loaders, (e, p), None if limit is None else (limit[0], limit[1]))
+
+
+def partitions(parts: Sequence[Partition]) -> list[Span]:
+    """A source's partitions, ``(first shard, first slot, loaders)``, from its slots' parts.
+
+    >>> old = [Partition(k, 2, (0, 0), (0, 4)) for k in range(2)]
+    >>> partitions([*old, Partition(0, 1, (0, 4), None)])
+    [((0, 0), 0, 2), ((0, 4), 2, 1)]
+    """
+    return [(p.start, k, p.loaders) for k, p in enumerate(parts) if p.loader == 0]
+
+
+def owner(at: Position, spans: Sequence[Span]) -> int:
+    """The slot that reads shard ``at``: loader ``shard_pos % n`` of the partition it falls in.
+
+    ``spans`` are a source's partitions by first shard (:func:`partitions`);
+    the first starts at or before ``at``. A lone loader asks with its own
+    partition alone, numbered from slot 0.
+
+    >>> spans = [((0, 0), 0, 2), ((0, 4), 2, 3)]
+    >>> [owner((0, p), spans) for p in range(7)]
+    [0, 1, 0, 1, 3, 4, 2]
+    >>> owner((1, 0), spans)  # the last partition reads every later epoch
+    2
+    """
+    for start, first, loaders in reversed(spans):
+        if at >= start:
+            return first + at[1] % loaders
+    raise ValueError(
+        f"shard {at} lies before the source's first partition, which starts at "
+        f"{spans[0][0] if spans else 'no shard (no partition)'}"
+    )
+
+
+def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """Item indexes per ``(source, loader)`` slot, in slot order.
+
+    >>> [(s, k, i.tolist()) for s, k, i in by_slot(np.array([1, 0, 1]), np.array([0, 0, 0]))]
+    [(0, 0, [1]), (1, 0, [0, 2])]
+    """
+    if len(source) == 0:
+        return []
+    key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
+    order = np.argsort(key, kind="stable")
+    cuts = np.flatnonzero(np.diff(key[order])) + 1
+    return [(int(source[g[0]]), int(loader[g[0]]), g) for g in np.split(order, cuts)]
