@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from overlord.loader import Loader
     from overlord.plan.spec import Plan, load_plan, validate_plan
     from overlord.serve import connect
+    from overlord.streams import RankStream
     from overlord.world import World
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "OverlordError",
     "Plan",
     "PlanError",
+    "RankStream",
     "Sample",
     "SourceError",
     "World",
@@ -57,6 +59,7 @@ _HOMES = {
     "load_plan": "overlord.plan.spec",
     "validate_plan": "overlord.plan.spec",
     "connect": "overlord.serve",
+    "RankStream": "overlord.streams",
     "World": "overlord.world",
 }
 
