@@ -144,7 +144,7 @@ def stream_kind(
     world must be the plan's.
 
     >>> from overlord.plan.spec import validate_plan
-    >>> plan = validate_plan({"sources": [{"name": "a", "path": "a/*.jsonl"}],
+    >>> plan = validate_plan({"sources": [{"name": "a", "path": "a/*", "format": "jsonl"}],
     ...                       "batch": {"tokens_per_step": 64, "max_seq_len": 16},
     ...                       "world": {"dp": 2}})
     >>> stream_kind(plan, env={}).value, stream_kind(plan, env={"WORLD_SIZE": "2"}).value
