@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterator, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from overlord.batch import Batch
 from overlord.errors import LoaderError
@@ -49,6 +49,7 @@ from overlord.state.checkpoint import check_state
 from overlord.world import World
 
 
+@runtime_checkable
 class RankStream(Protocol):
     """The batches of one trainer process's rank, with the state of what it received.
 
@@ -136,9 +137,9 @@ def stream_kind(
     """Whether this process's stream of ``plan`` is its own (embedded) or its node's.
 
     Node mode is the embedded runtime shared by the processes of one node: it
-    is chosen with ``node=True``, or by default (``node=None``) where the
-    launcher started several processes (``WORLD_SIZE`` > 1, as ``torchrun``
-    does) and the plan's world has more than one. ``node=False``, and any
+    is chosen with ``node=True``, or by default (``node=None``) where
+    ``torchrun`` started several processes (``WORLD_SIZE`` > 1) and the plan's
+    world has more than one. ``node=False``, and any
     runtime but ``inline`` (whose roles are actors that every process could
     reach), keep the stream this process's own. In node mode the launcher's
     world must be the plan's.
@@ -154,7 +155,9 @@ def stream_kind(
     """
     if runtime != "inline" or node is False:
         return StreamKind.EMBEDDED
-    if node is None and not (World.launch(env).size > 1 and plan.world.size > 1):
+    launch = World.launch(env)
+    torchrun = launch.launcher == "torchrun" and launch.size > 1  # SLURM alone may span nodes
+    if node is None and not (torchrun and plan.world.size > 1):
         return StreamKind.EMBEDDED
     world = World.detect(plan=plan, env=env)  # RANK inside a world of WORLD_SIZE processes
     if world.dp != plan.world.dp:

@@ -35,6 +35,7 @@ class Launch(NamedTuple):
     rank: int  # this process's global rank
     size: int  # processes in all
     local_size: int | None  # processes on this process's node, where the launcher says
+    launcher: str | None  # "torchrun" (WORLD_SIZE is set), "slurm", or None: started alone
 
 
 class Coords(NamedTuple):
@@ -231,15 +232,16 @@ class World(BaseModel):
         :class:`World` or this value.
 
         >>> World.launch({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
-        Launch(rank=3, size=8, local_size=4)
+        Launch(rank=3, size=8, local_size=4, launcher='torchrun')
         >>> World.launch({})
-        Launch(rank=0, size=1, local_size=None)
+        Launch(rank=0, size=1, local_size=None, launcher=None)
         """
         env = os.environ if env is None else env
         size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
         rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
         local = env.get("LOCAL_WORLD_SIZE")
-        return Launch(rank, size, None if local is None else int(local))
+        launcher = "torchrun" if "WORLD_SIZE" in env else "slurm" if "SLURM_NTASKS" in env else None
+        return Launch(rank, size, None if local is None else int(local), launcher)
 
     @staticmethod
     def rank_from_env(env: Mapping[str, str] | None = None) -> int:
