@@ -85,9 +85,10 @@ class Loader:
     itself; the node's rank 0 runs the one Loader that reads each source, and
     each process's :meth:`client` (a mesh: :meth:`rank_client`) gives its own
     batches, a :class:`~overlord.dist.node.NodeClient` (``node=False`` makes a
-    Loader of this process alone). :meth:`state_dict` is then this rank's
-    stream's, :meth:`stats` rank 0's, and what steers the node's loaders
-    (re-partitioning, threads, slots) is rank 0's alone and not offered.
+    Loader of this process alone; ``loader.node`` says which). :meth:`state_dict`
+    is then this rank's stream's, :meth:`stats` rank 0's, and what steers the
+    node's loaders (re-partitioning, threads, slots) is rank 0's alone and not
+    offered.
     """
 
     def __init__(
@@ -249,6 +250,7 @@ class Loader:
         return self._stream
 
     def _roles_here(self) -> None:
+        """Refuse what only the roles can do in node mode: they are rank 0's stream's."""
         if self.node:
             raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
 
