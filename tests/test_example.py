@@ -58,6 +58,26 @@ def torchrun(*args: str, timeout: float = 240) -> tuple[str, dict[int, tuple[flo
     return out, steps
 
 
+# what a user may import: the package and its top-level public modules
+PUBLIC = {"overlord", "overlord.torch", "overlord.hf", "overlord.checkpoint", "overlord.errors",
+          "overlord.world", "overlord.serve", "overlord.streams"}  # fmt: skip
+
+
+def test_examples_import_only_the_public_surface() -> None:
+    import ast
+
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )  # fmt: skip
+            for name in names:
+                if name.split(".")[0] == "overlord":
+                    assert name in PUBLIC, f"{path.name}:{node.lineno} imports {name}"
+
+
 def test_document_causal_mask_follows_cu_seqlens() -> None:
     mask_of = load_example().document_causal_mask
     lengths, rows = np.array([2, 3, 1, 4]), np.array([0, 0, 1, 1])
