@@ -38,9 +38,9 @@ and the same tokenizer (``--tokenizer``: ``bpe``, the byte-level BPE of 8,000 to
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``;
   torchrun's agent process is not run: a DP job's trainers have a launcher in every design,
   so it is no loader's cost) and each calls ``overlord.Loader(plan).client(rank)``:
-  a ``NodeLoader``, whose rank 0 runs the embedded Loader (every SourceLoader as threads in
-  rank 0's process, the planner, the constructors) and sends each other rank its batches
-  over gloo. The Ray design's plan with ``world.dp = R`` and no standby (``shadows: 0``).
+  a ``Loader`` in node mode, whose rank 0 runs the embedded Loader (every SourceLoader as
+  threads in rank 0's process, the planner, the constructors) and sends each other rank its
+  batches over gloo. The Ray design's plan with ``world.dp = R`` and no standby (``shadows: 0``).
   The report splits its memory between rank 0 and the other trainers.
 
 Sources are clones of 4 base sources (the records of ``overlord demo``'s sources, repeated
@@ -222,8 +222,8 @@ def _node_stream(a: argparse.Namespace, d: Path) -> Iterator[dict[str, Any]]:
     from overlord.torch import to_torch
 
     loader = overlord.Loader(a.plan)
-    if type(loader).__name__ != "NodeLoader":
-        raise RuntimeError(f"expected a NodeLoader under torchrun's variables, got {loader!r}")
+    if not loader.node:
+        raise RuntimeError(f"expected node mode under torchrun's variables, got {loader!r}")
     client = loader.client(a.rank)
     assert isinstance(client, NodeClient)
     for b in client:

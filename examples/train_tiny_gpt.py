@@ -1,23 +1,28 @@
-"""Train a tiny GPT on CPU with ``torchrun`` and DDP, from an overlord job on Ray.
+"""Train a tiny GPT on CPU with ``torchrun`` and DDP, from overlord's node mode (or a Ray job).
 
-Run it (Ray kept on loopback, as on any shared machine)::
+Run it::
 
+    torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 30 --checkpoint-dir ckpt
+    torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 60 --checkpoint-dir ckpt \
+        --resume ckpt
+    torchrun --nproc_per_node 4 examples/train_tiny_gpt.py --steps 10 --cp 2
+    # the data from a job on Ray instead (Ray kept on loopback, as on any shared machine)
     unshare -n sh -c 'ip link set lo up && \
-        torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 30 --checkpoint-dir ckpt'
-    unshare -n sh -c 'ip link set lo up && \
-        torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 60 --checkpoint-dir ckpt \
-            --resume ckpt'
-    unshare -n sh -c 'ip link set lo up && \
-        torchrun --nproc_per_node 4 examples/train_tiny_gpt.py --steps 10 --cp 2'
+        torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 30 --ray'
 
 What happens:
 
-- Rank 0 starts the overlord job in its own process: ``overlord.Loader(plan,
-  runtime="ray", job=JOB, state=...)`` starts a local Ray instance and the
-  Planner, SourceLoader and one DataConstructor per DP rank as Ray actors; they
-  live as long as rank 0 does. Every rank (rank 0 too) then connects to the job
-  with ``OverlordIterableDataset.from_job`` (``overlord.connect``) and reads its
-  own rank's batches through a ``DataLoader(num_workers=0)``.
+- By default, without Ray: every rank builds the same plan and calls
+  ``OverlordIterableDataset.from_plan``. Under torchrun on one node that is
+  overlord's node mode: rank 0 runs the node's one Loader (each source read
+  once), and sends every rank its own batches (its CP slice with ``--cp``)
+  over a gloo group; each rank reads them through a ``DataLoader(num_workers=0)``.
+- With ``--ray``, rank 0 starts the overlord job in its own process instead:
+  ``overlord.Loader(plan, runtime="ray", job=JOB, state=...)`` starts a local
+  Ray instance and the Planner, SourceLoader and one DataConstructor per DP
+  rank as Ray actors; they live as long as rank 0 does. Every rank (rank 0
+  too) then connects to the job with ``OverlordIterableDataset.from_job``
+  (``overlord.connect``). The batches are the same either way.
 - Attention is causal inside each document only: the mask is built from the
   batch's ``cu_seqlens`` (:func:`document_causal_mask`), and positions restart
   at every document (the batch's ``position_ids``).
@@ -40,9 +45,10 @@ What happens:
   would build one communicator per sub-group from ``cp_groups`` instead).
 - Every ``--checkpoint-every`` steps and at the end, rank 0 writes
   ``CKPT/step-NNNNNNNN/`` with ``trainer.pt`` (model, optimizer, step) and the
-  job's state (``overlord.checkpoint.save``). ``--resume`` restores the model
-  and the optimizer on every rank and starts the job from that state, so the
-  data stream continues exactly where the checkpoint was taken.
+  stream's state (``overlord.checkpoint.save``). ``--resume`` restores the model
+  and the optimizer on every rank and starts the stream (or the job) from that
+  state, so the data continues exactly where the checkpoint was taken, in
+  either mode.
 
 Without ``--plan`` it trains on ``examples/tiny_plan.yaml`` over a corpus it
 writes once from Python's standard library into ``--data-dir``.
@@ -73,7 +79,6 @@ from torch.utils.data import DataLoader
 
 import overlord
 from overlord import checkpoint
-from overlord.serve import wait_for_job
 from overlord.torch import OverlordIterableDataset
 
 HERE = Path(__file__).resolve().parent
@@ -279,14 +284,14 @@ def save_checkpoint(
 ) -> Path:
     """Write ``root/step-NNNNNNNN/`` (trainer state and the job's state) atomically.
 
-    The job's state is a small JSON file that ``overlord serve --resume`` reads too.
+    The stream's state is a small JSON file that ``overlord serve --resume`` reads too.
     """
     final = root / f"step-{step:08d}"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-"))
     trainer = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
     torch.save(trainer, tmp / TRAINER_FILE)
-    state = data.overlord_state()  # the job's state as of this rank's position
+    state = data.overlord_state()  # the stream's state as of this rank's position
     assert state["step"] == step, (state["step"], step)
     checkpoint.save(tmp, state)
     if final.exists():
@@ -325,7 +330,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--resume", type=Path, help="a checkpoint dir (newest step) or step folder")
-    p.add_argument("--job", help="name of the overlord job (default: a fresh one)")
+    p.add_argument(
+        "--ray", action="store_true",
+        help="read from an overlord job on Ray that rank 0 starts (default: node mode, no Ray)",
+    )  # fmt: skip
+    p.add_argument("--job", help="with --ray: name of the overlord job (default: a fresh one)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -364,8 +373,8 @@ def cp_arg(text: str) -> int | str:
     return value
 
 
-def start_job(args: argparse.Namespace, world: overlord.World, state: dict[str, Any] | None) -> Any:
-    """Rank 0: the job's roles as Ray actors, alive while the returned Loader is open."""
+def make_plan(args: argparse.Namespace, world: overlord.World) -> overlord.Plan:
+    """The data plan for this run's mesh (the same on every rank)."""
     plan = overlord.load_plan(args.plan or write_corpus(args.data_dir))
     # the stream does not depend on the mesh: any dp and cp resume it
     data = plan.model_dump(mode="json")
@@ -375,9 +384,46 @@ def start_job(args: argparse.Namespace, world: overlord.World, state: dict[str, 
         data["world"].update(cp="dynamic", tokens_per_cp_rank=args.tokens_per_cp_rank)
         data["world"]["cp_max"] = world.cp
         data["batch"]["cp_layout"] = None
-    plan = overlord.validate_plan(data, base_dir=plan.base_dir)
-    job = args.job or f"tiny-gpt-{uuid.uuid4().hex[:8]}"
-    return overlord.Loader(plan, runtime="ray", job=job, state=state)
+    return overlord.validate_plan(data, base_dir=plan.base_dir)
+
+
+def join_job(
+    args: argparse.Namespace, plan: overlord.Plan, rank: int, state: dict[str, Any] | None
+) -> tuple[OverlordIterableDataset, overlord.Loader | None]:
+    """``--ray``: rank 0 starts the job (alive while its Loader is open); every rank connects."""
+    from overlord.serve import wait_for_job
+
+    loader = None
+    info: list[Any] = [None]
+    if rank == 0:
+        # only for the address that the other ranks connect to; they import Ray when they
+        # connect, after overlord has chosen how they authenticate
+        import ray
+
+        job = args.job or f"tiny-gpt-{uuid.uuid4().hex[:8]}"
+        loader = overlord.Loader(plan, runtime="ray", job=job, state=state)
+        address = os.environ.get("RAY_ADDRESS") or ray.get_runtime_context().gcs_address
+        info = [{"job": loader.job, "address": address}]
+    dist.broadcast_object_list(info, src=0)
+    job, address = info[0]["job"], info[0]["address"]
+    if rank != 0:
+        wait_for_job(job, address=address)
+    ds = OverlordIterableDataset.from_job(
+        job, address=address, stop_step=args.steps, global_rank=rank
+    )
+    return ds, loader
+
+
+def leave_job(rank: int, loader: overlord.Loader | None) -> None:
+    """``--ray``: every rank leaves the Ray cluster before rank 0 stops the job (and its Ray)."""
+    dist.barrier()
+    if rank != 0:
+        import ray
+
+        ray.shutdown()
+    dist.barrier()
+    if loader is not None:
+        loader.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -397,23 +443,17 @@ def main(argv: list[str] | None = None) -> None:
 
     resume = find_checkpoint(args.resume) if args.resume else None
     data_state = checkpoint.load(resume) if resume else None
+    if rank == 0 and not args.plan:
+        write_corpus(args.data_dir)  # once, before any rank reads it
+    dist.barrier()
+    plan = make_plan(args, topology)
     loader = None
-    info: list[Any] = [None]
-    if rank == 0:
-        import ray  # only for the address that the other ranks connect to
+    if args.ray:
+        ds, loader = join_job(args, plan, rank, data_state)
+    else:  # node mode: rank 0 runs the node's one Loader; each rank gets its own batches
+        ds = OverlordIterableDataset.from_plan(plan, stop_step=args.steps)
 
-        loader = start_job(args, topology, data_state)
-        address = os.environ.get("RAY_ADDRESS") or ray.get_runtime_context().gcs_address
-        info = [{"job": loader.job, "address": address, "seq": loader.plan.batch.max_seq_len}]
-    dist.broadcast_object_list(info, src=0)
-    job, address, seq_len = info[0]["job"], info[0]["address"], info[0]["seq"]
-    if rank != 0:
-        wait_for_job(job, address=address)
-    ds = OverlordIterableDataset.from_job(
-        job, address=address, stop_step=args.steps, global_rank=rank
-    )
-
-    model = TinyGPT(seq_len, args.d_model, args.layers, args.heads)
+    model = TinyGPT(plan.batch.max_seq_len, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if resume is not None and data_state is not None:
         saved = torch.load(resume / TRAINER_FILE, weights_only=True)
@@ -421,14 +461,16 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{resume}: trainer step {saved['step']} != data step {data_state['step']}")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        ds.load_state_dict(data_state)  # checks that the job started from this state
+        # node mode: the stream starts there; a job: checks that it started there
+        ds.load_state_dict(data_state)
         say(f"resumed from step {saved['step']}: model, optimizer and data ({resume})")
     ddp = DistributedDataParallel(model)
     mode = args.cp_layout if cp else "no CP"
     if args.dynamic:
         mode = f"dynamic, cp_max {args.cp_max}, {args.tokens_per_cp_rank} tokens per CP rank"
+    where = "a job on Ray" if args.ray else "node mode"
     say(
-        f"job {job}: dp {dp} x cp {args.cp_size} ({mode}), "
+        f"{where}: dp {dp} x cp {args.cp_size} ({mode}), "
         f"{sum(p.numel() for p in model.parameters())} parameters, "
         f"steps {ds.step}..{args.steps - 1}",
         flush=True,
@@ -465,15 +507,10 @@ def main(argv: list[str] | None = None) -> None:
         say(f"checkpoint {save_checkpoint(args.checkpoint_dir, ds.step, model, opt, ds)}")
     train_s = time.perf_counter() - t_train
 
-    # every rank leaves the Ray cluster before rank 0 stops the job (and its Ray instance)
+    ds.close()  # on every rank: node mode's rank 0 stops the node's Loader
+    if args.ray:
+        leave_job(rank, loader)
     dist.barrier()
-    if rank != 0:
-        import ray
-
-        ray.shutdown()
-    dist.barrier()
-    if loader is not None:
-        loader.close()
     dist.destroy_process_group()
     if losses:
         k = min(args.average, len(losses))

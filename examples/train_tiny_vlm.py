@@ -26,7 +26,9 @@ What happens:
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -67,10 +69,27 @@ shuffle: {{block_bytes: 65536, window_blocks: 4}}
 """
 
 
+def encode(pixels: np.ndarray, fmt: str) -> bytes:
+    """An RGB image as the bytes of a ``fmt`` file (png, jpg)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format={"jpg": "JPEG"}.get(fmt, fmt.upper()))
+    return out.getvalue()
+
+
+def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
+    """A WebDataset tar: every sample's members ``key.ext``, in order."""
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
 def write_corpus(folder: Path, shards: int = 2, per_shard: int = 400) -> None:
     """Tar shards of pictures with captions that describe them (written once)."""
-    from overlord.ops.vision_data import encode, write_tar
-
     if (folder / "pictures-0.tar").exists():
         return
     folder.mkdir(parents=True, exist_ok=True)
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     losses, t0 = [], time.perf_counter()
-    loader = overlord.Loader(plan)  # a NodeLoader under torchrun: rank 0 reads for the node
+    loader = overlord.Loader(plan)  # node mode under torchrun: rank 0 reads for the node
     client = loader.client(dist.get_rank(), stop_step=args.steps)
     for batch in client:
         b = {k: torch.from_numpy(v) for k, v in batch.arrays().items()}

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from overlord.plan.spec import Plan
     from overlord.plans import load_plan, validate_plan
     from overlord.serve import connect
+    from overlord.streams import RankStream
     from overlord.world import World
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "OverlordError",
     "Plan",
     "PlanError",
+    "RankStream",
     "Sample",
     "SourceError",
     "World",
@@ -58,6 +60,7 @@ _HOMES = {
     "load_plan": "overlord.plans",
     "validate_plan": "overlord.plans",
     "connect": "overlord.serve",
+    "RankStream": "overlord.streams",
     "World": "overlord.world",
 }
 

@@ -7,16 +7,15 @@ loaders) and the constructors, and hands out clients.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from overlord.errors import LoaderError
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
-from overlord.plan.spec import Plan, validate_plan
+from overlord.plan.spec import Plan
 from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.assigner import assigner_count
@@ -28,13 +27,10 @@ from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import RUNTIMES
 from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
 from overlord.runtime.inline import InlineHandle, InlineRuntime
-from overlord.sources.catalog import SourceFiles, job_files
+from overlord.sources.catalog import job_files
 from overlord.sources.tokenizers import make_tokenizer
 from overlord.state.checkpoint import check_state
-from overlord.world import World
-
-if TYPE_CHECKING:
-    from overlord.dist.node import NodeClient
+from overlord.streams import RankStream, StreamKind, local_constructor, open_stream, stream_kind
 
 
 def make_runtime(name: str, job: str, address: str | None = None) -> Runtime:
@@ -74,25 +70,6 @@ def constructor_ranks(dp: int, per_constructor: int) -> list[list[int]]:
     return [list(range(r, min(r + per_constructor, dp))) for r in range(0, dp, per_constructor)]
 
 
-def local_constructor(
-    layout: dict[str, Any], planner: Handle[PlannerRole], pool: Handle[PoolRole], rank: int
-) -> DataConstructor:
-    """A DataConstructor for ``rank`` in this process, pulling from the job's loaders.
-
-    ``layout`` is the planner's: the plan, the job's files (never listed again
-    here) and the loaders. ``planner`` and ``pool``: the planner's handle, as
-    the Protocol of its plans and as that of its loaders.
-    """
-    plan = validate_plan(layout["plan"], base_dir=layout["base_dir"])
-    files = {
-        n: SourceFiles.of_record(n, record, layout["base_dir"])
-        for n, record in layout["files"].items()
-    }
-    loaders: dict[str, list[Handle[LoaderRole] | None]] = layout["loaders"]
-    prefetch = plan.batch.prefetch_steps
-    return DataConstructor(plan, files, planner, pool, loaders, [rank], prefetch, layout["pad_id"])
-
-
 class Loader:
     """Runs a data plan: source loaders, a planner and the data constructors.
 
@@ -110,23 +87,16 @@ class Loader:
     the loaders keep no payloads and only :meth:`dry_run` is available.
 
     Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
-    one process, the embedded runtime) every process's ``Loader`` is a
-    :class:`~overlord.dist.node.NodeLoader`: the node's rank 0 runs the one Loader
-    that reads each source, and each process's :meth:`client` (a mesh:
-    :meth:`rank_client`) gives its own batches (``node=False`` makes a Loader
-    of this process alone).
+    one process, the embedded runtime) every process's ``Loader`` is in node
+    mode (:func:`overlord.streams.stream_kind` decides): it starts no role
+    itself; the node's rank 0 runs the one Loader that reads each source, and
+    each process's :meth:`client` (a mesh: :meth:`rank_client`) gives its own
+    batches, a :class:`~overlord.dist.node.NodeClient` (``node=False`` makes a
+    Loader of this process alone; ``loader.node`` says which). :meth:`state_dict`
+    is then this rank's stream's, :meth:`stats` rank 0's, and what steers the
+    node's loaders (re-partitioning, threads, slots) is rank 0's alone and not
+    offered.
     """
-
-    def __new__(cls, plan: Plan | str | Path, *args: Any, **kwargs: Any) -> Loader:
-        """A :class:`~overlord.dist.node.NodeLoader` under torchrun on one node; else a Loader."""
-        runtime = kwargs.get("runtime", args[0] if args else "inline")
-        node = kwargs.get("node", args[5] if len(args) > 5 else None)
-        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if cls is Loader and runtime == "inline" and (node or (node is None and torchrun)):
-            loaded = plan if isinstance(plan, Plan) else load_plan(plan)
-            if node or loaded.world.size > 1:
-                return super().__new__(NodeLoader)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -141,6 +111,14 @@ class Loader:
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
             check_state(state, self.plan)
+        self.start_step = int((state or {}).get("step", 0))
+        # one torchrun process of a node's: the node's rank 0 runs the roles (for every rank)
+        # once this process's stream starts; until then, only what the stream starts from
+        self.node = stream_kind(self.plan, runtime, node) is StreamKind.NODE
+        self._state = state
+        self._stream: RankStream | None = None  # node mode: this process's, on first use
+        if self.node:
+            return
         base = str(self.plan.base_dir)
         # the job's data: listed once, here; every role reads this list
         self.files = job_files(
@@ -216,16 +194,18 @@ class Loader:
         except BaseException:
             self.close()
             raise
-        self.start_step = int((state or {}).get("step", 0))
         # every client's consumption notices, in order, from one thread (never the trainer's)
         self._notices = OneWay("clients", background=True)
 
-    def client(self, rank: int, stop_step: int | None = None) -> Client:
+    def client(self, rank: int, stop_step: int | None = None) -> RankStream:
         """Iterator of batches for DP rank ``rank``, from the resumed step on.
 
         Only where every DP rank is one trainer process (``cp = tp = pp = 1``);
-        in a mesh, use :meth:`rank_client`.
+        in a mesh, use :meth:`rank_client`. In node mode ``rank`` must be this
+        process's, and every call gives the same stream.
         """
+        if self.node:
+            return self._node_stream(stop_step, rank=rank)
         world = self.plan.world
         dp = world.dp
         if not self._constructor_of:
@@ -243,14 +223,17 @@ class Loader:
             rank, constructor, self.planner, self.start_step, stop_step, None, self._notices
         )
 
-    def rank_client(self, global_rank: int, stop_step: int | None = None) -> Client:
+    def rank_client(self, global_rank: int, stop_step: int | None = None) -> RankStream:
         """Iterator of the batches of one trainer process of the mesh, by its global rank.
 
         Its DP rank's batch, cut for its CP rank, with the fields of its
         pipeline stage (see :class:`~overlord.Batch`); TP peers receive the same
         batch object. The DP rank's step counts as consumed once every rank
-        client of it has received it.
+        client of it has received it. In node mode ``global_rank`` must be this
+        process's ``RANK``.
         """
+        if self.node:
+            return self._node_stream(stop_step, global_rank=global_rank)
         if not self._constructor_of:
             raise ValueError("this Loader was made with build_batches=False: it has no clients")
         dp = self.plan.world.coords(global_rank).dp  # ValueError outside the world
@@ -270,17 +253,49 @@ class Loader:
             objects=objects,
         )
 
+    def _node_stream(
+        self, stop_step: int | None, rank: int | None = None, global_rank: int | None = None
+    ) -> RankStream:
+        """The stream of this process in node mode: one, started on first use (rank 0's roles)."""
+        stream = open_stream(
+            self.plan, rank, global_rank=global_rank, state=self._state, stop_step=stop_step,
+            loader=type(self), node=True,
+        )  # fmt: skip
+        if self._stream is None:
+            self._stream = stream
+        return self._stream
+
+    def _roles_here(self) -> None:
+        """Refuse what only the roles can do in node mode: they are rank 0's stream's."""
+        if self.node:
+            raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
+
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
+        self._roles_here()
         return self._ops.call(OpsRole.dry_run, steps).result()
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable state as of the last step every rank has consumed."""
+        """JSON-serializable state as of the last step every rank has consumed.
+
+        In node mode: this rank's stream's, as of its position.
+        """
+        if self.node:
+            return self._node_stream(None).state_dict()
         self._notices.flush()
         return self.planner.call(PlannerRole.state_dict).result()
 
     def stats(self) -> dict[str, Any]:
-        """Planner history, events, scaling and every current loader's counters."""
+        """Planner history, events, scaling and every current loader's counters.
+
+        In node mode: the node's Loader's, on rank 0 only.
+        """
+        if self.node:
+            host = getattr(self._stream, "loader", None)  # the NodeClient's, on rank 0
+            if host is None:
+                raise LoaderError("the node's Loader runs on rank 0: read its stats there")
+            stats: dict[str, Any] = host.stats()
+            return stats
         self._notices.flush()
         return self._ops.call(OpsRole.stats).result()
 
@@ -290,27 +305,40 @@ class Loader:
 
         None when the plan serves none. On Ray the planner serves it.
         """
+        self._roles_here()
         return self._ops.call(OpsRole.metrics_url).result()
 
     def monitor(self) -> dict[str, Any]:
         """What the endpoint and ``overlord status`` show, as plain data."""
+        self._roles_here()
         self._notices.flush()
         return self._ops.call(OpsRole.monitor).result()
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
+        self._roles_here()
         return self._pool.call(PoolRole.slots).result()
 
     def repartition(self, source: str, count: int) -> list[int] | None:
         """Read ``source`` with ``count`` loaders from the next shard boundary on (online)."""
+        self._roles_here()
         return self._pool.call(PoolRole.repartition, source, count).result()
 
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source`` (online)."""
+        self._roles_here()
         self._pool.call(PoolRole.set_threads, source, threads).result()
 
     def close(self) -> None:
-        """Stop every role, free what they hold, and remove the planner's journal."""
+        """Stop every role, free what they hold, and remove the planner's journal.
+
+        In node mode: stop this rank's stream (call it on every rank, as training
+        ends together).
+        """
+        if self.node:
+            if self._stream is not None:
+                self._stream.close()
+            return
         try:
             for obj in self._owned:  # trainer-side constructors are not the runtime's
                 obj.close()
@@ -326,103 +354,6 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class NodeLoader(Loader):
-    """``overlord.Loader`` in one ``torchrun`` process of a node: a :class:`NodeClient`'s.
-
-    :meth:`client` is this process's DP rank's :class:`NodeClient`, and in a
-    mesh (``cp``, ``tp`` or ``pp`` above 1) :meth:`rank_client` this process's
-    global rank's (``World.detect(plan=plan)``: ``RANK`` in a world of
-    ``WORLD_SIZE`` processes); rank 0 runs the node's one embedded Loader for
-    every rank. :meth:`stats` are rank 0's.
-    What steers the node's loaders (re-partitioning, threads, slots) is rank
-    0's alone and not offered here.
-    """
-
-    def __init__(
-        self,
-        plan: Plan | str | Path,
-        runtime: str = "inline",
-        state: dict[str, Any] | None = None,
-        *_: Any,
-        **__: Any,
-    ):
-        self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
-        if state is not None:
-            check_state(state, self.plan)
-        world = World.detect(plan=self.plan)  # RANK inside a world of WORLD_SIZE processes
-        if world.dp != self.plan.world.dp:
-            raise LoaderError(
-                f"{world.size} processes run under torchrun but the plan's world has "
-                f"{self.plan.world.size} (dp={self.plan.world.dp}, cp={world.cp}, tp={world.tp}, "
-                f"pp={world.pp}): set world.dp to {world.dp} (plan.with_dp({world.dp}))"
-            )
-        self.start_step = int((state or {}).get("step", 0))
-        self.rank = World.rank_from_env()  # this process's global rank (its DP rank without a mesh)
-        self._state = state
-        self._node: NodeClient | None = None  # started on first use
-
-    def client(self, rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
-        """The batches of this process's DP rank (``rank`` must be it; no mesh)."""
-        world = self.plan.world
-        if world.peers > 1:
-            raise ValueError(
-                f"Loader.client takes a DP rank, which is one trainer process only when "
-                f"cp = tp = pp = 1; this plan's world has cp={world.cp}, tp={world.tp}, "
-                f"pp={world.pp}: use Loader.rank_client(global_rank) (this process: "
-                f"rank_client({self.rank}))"
-            )
-        if rank != self.rank:
-            raise ValueError(
-                f"under torchrun this process is DP rank {self.rank}: it iterates its own "
-                f"batches (client({self.rank})), the node's Loader serves rank {rank}'s"
-            )
-        return self._client(stop_step)
-
-    def rank_client(self, global_rank: int, stop_step: int | None = None) -> NodeClient:  # type: ignore[override]
-        """The batches of this process's mesh rank (``global_rank`` must be its ``RANK``)."""
-        self.plan.world.coords(global_rank)  # ValueError outside the world
-        if global_rank != self.rank:
-            raise ValueError(
-                f"under torchrun this process is global rank {self.rank}: it iterates its own "
-                f"batches (rank_client({self.rank})), the node's Loader serves rank "
-                f"{global_rank}'s"
-            )
-        return self._client(stop_step)
-
-    def _client(self, stop_step: int | None) -> NodeClient:
-        if self._node is None:
-            from overlord.dist.node import NodeClient  # torch: only under torchrun
-
-            self._node = NodeClient(self.plan, self._state, stop_step, serve=node_serve)
-        return self._node
-
-    def state_dict(self) -> dict[str, Any]:
-        """The stream's state as of this rank's position."""
-        return self._client(None).state_dict()
-
-    def stats(self) -> dict[str, Any]:
-        """The node's Loader's statistics (rank 0 only)."""
-        loader = getattr(self._node, "loader", None)
-        if loader is None:
-            raise LoaderError("the node's Loader runs on rank 0: read its stats there")
-        return loader.stats()
-
-    def _not_here(self, *_: Any, **__: Any) -> Any:
-        raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
-
-    dry_run = slots = repartition = set_threads = _not_here
-
-    def close(self) -> None:
-        """Stop this rank's stream (call it on every rank, as training ends together)."""
-        if self._node is not None:
-            self._node.close()
-
-
-def node_serve(plan: Plan, state: dict[str, Any] | None) -> Loader:
-    """Rank 0's Loader of a node: this process's alone (not a NodeLoader again)."""
-    return Loader(plan, state=state, node=False)
 
 
 def _patterns(path: str | list[str]) -> list[str]:

@@ -19,14 +19,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from overlord.errors import LoaderError
-from overlord.loader import Loader, local_constructor
-from overlord.plan.settings import ConstructorSite
+from overlord.loader import Loader
 from overlord.plan.spec import Plan
-from overlord.roles.api import ConstructorRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.client import Client
-from overlord.runtime.base import Handle
-from overlord.runtime.inline import InlineHandle
 from overlord.state import checkpoint
+from overlord.streams import open_stream
 
 
 def _lock_path(name: str) -> str:
@@ -122,63 +119,14 @@ def connect(
     the live job to it: every rank must reconnect with the same state, and
     the steps from it are served again, exactly as before (see
     :mod:`overlord.roles.consumption`; ``recovery.rewind_steps`` bounds how far).
+    Where the batches come from is :func:`overlord.streams.open_stream`'s to say.
     """
-    from overlord.plan.spec import validate_plan
-    from overlord.runtime.ray_runtime import RayObjects, init_ray, lookup
-
-    if (rank is None) == (global_rank is None):
-        raise ValueError("connect takes a DP rank or a global_rank=, one of the two")
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
-    found = lookup(job, "planner")  # one actor, held under each Protocol used here
-    planner: Handle[PlannerRole] = found
-    pool: Handle[PoolRole] = found
-    ops: Handle[OpsRole] = found
-    layout = ops.call(OpsRole.layout).result()
-    world = validate_plan(layout["plan"]).world
-    dp = layout["dp"]
-    if global_rank is not None:
-        if not 0 <= global_rank < world.size:
-            raise LoaderError(
-                f"global rank {global_rank} is outside job '{job}': its world has "
-                f"{world.size} processes (dp={world.dp}, cp={world.cp}, tp={world.tp}, "
-                f"pp={world.pp})"
-            )
-        dp_rank = world.coords(global_rank).dp
-    else:
-        assert rank is not None
-        if world.peers > 1:
-            raise LoaderError(
-                f"job '{job}' runs a mesh (cp={world.cp}, tp={world.tp}, pp={world.pp}): a DP "
-                "rank is several trainer processes; connect with global_rank= (the process's "
-                "RANK)"
-            )
-        if not 0 <= rank < dp:
-            raise LoaderError(f"rank {rank} is outside job '{job}': dp={dp}, ranks 0..{dp - 1}")
-        dp_rank = rank
-    owned, objects = None, None
-    if layout["constructors"] == ConstructorSite.TRAINER.value:
-        owned = local_constructor(layout, planner, pool, dp_rank)
-        constructor: Handle[ConstructorRole] = InlineHandle(owned, f"constructor-local-{dp_rank}")
-    else:
-        constructor = lookup(job, f"constructor-{dp_rank // layout['ranks_per_constructor']}")
-        objects = RayObjects()  # the actor puts a mesh rank's view in Ray's object store
-    if state is not None:
-        start = planner.call(PlannerRole.reconnect, dp_rank, state).result()
-    if global_rank is None:
-        if state is None:
-            start = planner.call(PlannerRole.position, dp_rank).result()
-    else:
-        start = planner.call(PlannerRole.attach, global_rank).result()
-    return Client(
-        dp_rank,
-        constructor,
-        planner,
-        start,
-        stop_step,
-        owned,
-        global_rank=global_rank,
-        objects=objects,
-    )
+    stream = open_stream(
+        job=job, rank=rank, address=address, stop_step=stop_step, global_rank=global_rank,
+        state=state,
+    )  # fmt: skip
+    assert isinstance(stream, Client)  # a job's stream is a Client of its roles
+    return stream
 
 
 def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:

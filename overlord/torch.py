@@ -46,7 +46,7 @@ import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,10 +56,9 @@ from overlord.batch import Batch
 from overlord.batch.rows import IGNORE_INDEX
 from overlord.dist.broadcast import broadcast_batch as broadcast_batch  # for mesh groups over nodes
 from overlord.errors import CheckpointError, LoaderError
+from overlord.loader import Loader
 from overlord.plan.spec import Plan
-from overlord.plans import load_plan
-from overlord.roles.client import Client
-from overlord.state.checkpoint import check_state
+from overlord.streams import RankStream, open_stream
 
 STATE_KEY = "overlord"
 LONG_KEYS = frozenset({"input_ids", "labels"})  # int64 (a copy); the other arrays stay int32
@@ -213,179 +212,6 @@ def encode_state(state: dict[str, Any]) -> dict[str, Any]:
     return {STATE_KEY: json.dumps(state, sort_keys=True, separators=(",", ":"))}
 
 
-class _Source(Protocol):
-    """Where a dataset's batches come from: an embedded Loader, the node's, or a served job."""
-
-    def client(self) -> Iterator[Batch]: ...
-
-    def position(self) -> int: ...
-
-    def state(self) -> dict[str, Any]: ...
-
-    def load(self, state: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _EmbeddedSource:
-    """A Loader of its own, built on first use (so that a state loaded before then applies)."""
-
-    def __init__(self, plan: Plan, rank: int, stop_step: int | None, state: dict[str, Any] | None):
-        if not 0 <= rank < plan.world.dp:
-            raise ValueError(
-                f"rank {rank} is outside the plan's world: dp={plan.world.dp}, "
-                f"ranks 0..{plan.world.dp - 1}"
-            )
-        self.plan, self.rank, self.stop_step = plan, rank, stop_step
-        self._pending = state
-        self._loader: Any = None  # overlord.Loader, imported lazily (it pulls in the roles)
-        self._client: Client | None = None
-        if state is not None:
-            check_state(state, plan)
-
-    def client(self) -> Client:
-        if self._client is None:
-            from overlord.loader import Loader
-
-            self._loader = Loader(self.plan, state=self._pending)
-            self._client = self._loader.client(self.rank, stop_step=self.stop_step)
-            self._pending = None
-        return self._client
-
-    def position(self) -> int:
-        if self._client is None:
-            return int((self._pending or {}).get("step", 0))
-        return self._client.step
-
-    def state(self) -> dict[str, Any]:
-        if self._client is None and self._pending is not None:
-            return self._pending  # not started yet: exactly what it will start from
-        return self.client().state_dict()
-
-    def load(self, state: dict[str, Any]) -> None:
-        check_state(state, self.plan)
-        self._stop()
-        self._pending = state
-
-    def close(self) -> None:
-        # remember the position: used again, the dataset restarts where it stopped
-        try:
-            if self._client is not None:
-                self._pending = self._client.state_dict()
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        if self._loader is not None:
-            self._loader.close()
-        self._loader, self._client = None, None
-
-
-class _NodeSource:
-    """One rank of a ``torchrun`` job on one node, whose one Loader serves every rank."""
-
-    def __init__(self, plan: Plan, stop_step: int | None, state: dict[str, Any] | None):
-        self.plan, self.stop_step = plan, stop_step
-        self._pending = state
-        self._client: Any = None  # overlord.dist.node.NodeClient, started on first use
-        if state is not None:
-            check_state(state, plan)
-
-    def client(self) -> Iterator[Batch]:
-        if self._client is None:
-            from overlord.dist.node import NodeClient
-            from overlord.loader import node_serve
-
-            self._client = NodeClient(self.plan, self._pending, self.stop_step, serve=node_serve)
-            self._pending = None
-        return self._client
-
-    def position(self) -> int:
-        if self._client is None:
-            return int((self._pending or {}).get("step", 0))
-        return int(self._client.step)
-
-    def state(self) -> dict[str, Any]:
-        if self._client is None and self._pending is not None:
-            return self._pending
-        state: dict[str, Any] = self.client().state_dict()  # type: ignore[attr-defined]
-        return state
-
-    def load(self, state: dict[str, Any]) -> None:
-        check_state(state, self.plan)
-        if self._client is not None:
-            raise CheckpointError(
-                "load_state_dict after iterating under torchrun: every rank shares the node's "
-                "Loader, so a resume starts a new dataset on every rank (from_plan(state=...))"
-            )
-        self._pending = state
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-
-
-def _under_torchrun(plan: Plan) -> bool:
-    """Whether this process is one of several ``torchrun`` ranks that share a node's Loader."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and plan.world.size > 1
-
-
-class _JobSource:
-    """A rank of a job served elsewhere (``overlord serve``, or a trainer's own Loader)."""
-
-    def __init__(
-        self,
-        job: str,
-        rank: int | None,
-        address: str | None,
-        stop_step: int | None,
-        global_rank: int | None = None,
-    ):
-        from overlord.serve import connect
-
-        self.job = job
-        self._client = connect(
-            job, rank, address=address, stop_step=stop_step, global_rank=global_rank
-        )
-
-    def client(self) -> Client:
-        return self._client
-
-    def position(self) -> int:
-        return self._client.step
-
-    def state(self) -> dict[str, Any]:
-        return self._client.state_dict()
-
-    def load(self, state: dict[str, Any]) -> None:
-        # the job owns the stream: it was resumed (or not) by whoever started it
-        here = self._client.state_dict()
-        problems = []
-        if state.get("fingerprint") != here.get("fingerprint"):
-            problems.append(
-                f"stream fingerprint: expected {state.get('fingerprint')} (checkpoint), "
-                f"found {here.get('fingerprint')} (job): the job runs another plan"
-            )
-        if state.get("step") != self._client.step:
-            problems.append(
-                f"step: expected {state.get('step')} (checkpoint), found {self._client.step} "
-                f"(this rank's position in the job)"
-            )
-        if problems:
-            raise CheckpointError(
-                f"job '{self.job}' is not where the checkpoint resumes (rank "
-                f"{self._client.rank}):\n  " + "\n  ".join(problems) + "\nA job is resumed "
-                "when it starts, not by its trainers: start it from this checkpoint "
-                f"('overlord serve PLAN --name {self.job} --resume DIR', or "
-                "Loader(plan, runtime='ray', job=..., state=...)), then connect again."
-            )
-
-    def close(self) -> None:
-        pass  # the job is not ours to stop
-
-
 class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
     """One DP rank's batches as :func:`to_torch` dicts; build it with a ``from_*`` method.
 
@@ -394,10 +220,10 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
     """
 
     def __init__(
-        self, source: _Source, pin_memory: bool = False, device: torch.device | str | None = None
+        self, stream: RankStream, pin_memory: bool = False, device: torch.device | str | None = None
     ):
         super().__init__()
-        self._source = source
+        self._stream = stream
         self.pin_memory = pin_memory
         self.device = device
 
@@ -405,21 +231,22 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
     def from_plan(
         cls,
         plan: Plan | str | Path,
-        rank: int = 0,
+        rank: int | None = None,
         state: Mapping[str, Any] | None = None,
         stop_step: int | None = None,
         pin_memory: bool = False,
         device: torch.device | str | None = None,
     ) -> OverlordIterableDataset:
-        """Batches of ``rank`` from an embedded Loader.
+        """Batches of ``rank`` from an embedded Loader (:func:`overlord.streams.open_stream`).
 
         Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and a world of
         more than one process) the node's rank 0 runs the only Loader and
         sends every other rank its batches over a gloo group
         (:mod:`overlord.dist.node`): each source is read once per node, no Ray
-        needed, and ``rank`` is this process's ``torch.distributed`` rank (its
-        global rank in a mesh: its CP slice, its stage's fields). Otherwise the
-        Loader is this process's own: for a world of one process, and for
+        needed, and the rank is this process's ``torch.distributed`` rank (its
+        global rank in a mesh: its CP slice, its stage's fields); ``rank``, if
+        given, must be it. Otherwise the Loader is this process's own and
+        ``rank`` a DP rank (default 0): for a world of one process, and for
         tests (it serves every DP rank in one process, which must then consume
         every rank's batch of a step before it runs ahead; one rank alone stops
         with an error after a few steps when dp > 1). Several nodes: serve the
@@ -427,11 +254,9 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         on first use; ``state`` (or :meth:`load_state_dict` before that)
         resumes the stream exactly.
         """
-        plan = plan if isinstance(plan, Plan) else load_plan(plan)
         start = decode_state(state) if state is not None else None
-        if _under_torchrun(plan):
-            return cls(_NodeSource(plan, stop_step, start), pin_memory, device)
-        return cls(_EmbeddedSource(plan, rank, stop_step, start), pin_memory, device)
+        stream = open_stream(plan, rank, state=start, stop_step=stop_step, loader=Loader)
+        return cls(stream, pin_memory, device)
 
     @classmethod
     def from_job(
@@ -452,13 +277,15 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         The job holds the stream's state: it resumes when it is started from a
         checkpoint, and :meth:`load_state_dict` only checks that it did.
         """
-        source = _JobSource(job, rank, address, stop_step, global_rank)
-        return cls(source, pin_memory, device)
+        stream = open_stream(
+            job=job, rank=rank, address=address, stop_step=stop_step, global_rank=global_rank
+        )
+        return cls(stream, pin_memory, device)
 
     @property
     def step(self) -> int:
         """The step of the next batch this rank will receive."""
-        return self._source.position()
+        return self._stream.step
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """The batches from the current position on, until the stream's ``stop_step``."""
@@ -473,21 +300,20 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         return self._batches()
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        # the source's client is looked up at every step: load_state_dict replaces it
         while True:
             try:
-                batch = next(self._source.client())
+                batch = next(self._stream)
             except StopIteration:
                 return
             yield to_torch(batch, self.pin_memory, self.device)
 
     def overlord_state(self) -> dict[str, Any]:
         """The plain overlord state (for :func:`overlord.checkpoint.save`, ``serve --resume``)."""
-        return self._source.state()
+        return self._stream.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"overlord": JSON}``: the stream's state as of this rank's position."""
-        return encode_state(self._source.state())
+        return encode_state(self._stream.state_dict())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`'s output (or an overlord checkpoint dict).
@@ -496,7 +322,7 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         exactly there. From a job: raises :class:`~overlord.CheckpointError`
         unless the job is at that state's step (the job is resumed when it starts).
         """
-        self._source.load(decode_state(state_dict))
+        self._stream.load_state_dict(decode_state(state_dict))
 
     def close(self) -> None:
         """Stop the embedded Loader, if any (a served job keeps running).
@@ -504,7 +330,7 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         A dataset from a plan remembers its position: used again, it starts a
         new Loader from there.
         """
-        self._source.close()
+        self._stream.close()
 
     def __enter__(self) -> OverlordIterableDataset:
         return self

@@ -29,6 +29,15 @@ class CPLayout(str, Enum):
     PER_DOCUMENT = "per_document"
 
 
+class Launch(NamedTuple):
+    """Where the launcher (``torchrun``, SLURM) put this process: what the environment says."""
+
+    rank: int  # this process's global rank
+    size: int  # processes in all
+    local_size: int | None  # processes on this process's node, where the launcher says
+    launcher: str | None  # "torchrun" (WORLD_SIZE is set), "slurm", or None: started alone
+
+
 class Coords(NamedTuple):
     """Where one trainer process sits in the mesh."""
 
@@ -192,7 +201,7 @@ class World(BaseModel):
         ``tp``, ``pp`` and ``order`` are then used. The data-parallel size is
         what remains of ``WORLD_SIZE``; ``RANK`` must fall inside the world.
         """
-        env = os.environ if env is None else env
+        launch = cls.launch(env)
         axes: World | None = getattr(plan, "world", plan)
         dynamic: dict[str, Any] = {}
         if axes is not None:
@@ -201,7 +210,7 @@ class World(BaseModel):
                 per_rank = axes.tokens_per_cp_rank
                 dynamic = {"cp": DYNAMIC, "cp_max": cp, "tokens_per_cp_rank": per_rank}
         order = axes.order if axes is not None else DEFAULT_ORDER
-        size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+        size = launch.size
         per_replica = cp * tp * pp
         if size % per_replica:
             raise ValueError(
@@ -210,14 +219,34 @@ class World(BaseModel):
             )
         world = cls(**{"dp": size // per_replica, "cp": cp, "tp": tp, "pp": pp, "order": order,
                        **dynamic})  # fmt: skip
-        world._check(cls.rank_from_env(env))
+        world._check(launch.rank)
         return world
+
+    @staticmethod
+    def launch(env: Mapping[str, str] | None = None) -> Launch:
+        """Where the launcher put this process: the one reader of the environment.
+
+        ``RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (torchrun), or
+        ``SLURM_PROCID`` and ``SLURM_NTASKS``; a process started alone is rank 0
+        of 1. Nothing else in overlord reads these variables: the rest takes a
+        :class:`World` or this value.
+
+        >>> World.launch({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+        Launch(rank=3, size=8, local_size=4, launcher='torchrun')
+        >>> World.launch({})
+        Launch(rank=0, size=1, local_size=None, launcher=None)
+        """
+        env = os.environ if env is None else env
+        size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+        local = env.get("LOCAL_WORLD_SIZE")
+        launcher = "torchrun" if "WORLD_SIZE" in env else "slurm" if "SLURM_NTASKS" in env else None
+        return Launch(rank, size, None if local is None else int(local), launcher)
 
     @staticmethod
     def rank_from_env(env: Mapping[str, str] | None = None) -> int:
         """Global rank of this process, from ``RANK`` (torchrun) or ``SLURM_PROCID``."""
-        env = os.environ if env is None else env
-        return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+        return World.launch(env).rank
 
 
 def _power_of_two(x: Any) -> bool:

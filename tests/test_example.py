@@ -1,4 +1,4 @@
-"""examples/train_tiny_gpt.py: trains under torchrun from a job on Ray, checkpoints, resumes."""
+"""examples/train_tiny_gpt.py: trains under torchrun (node mode or --ray), checkpoints, resumes."""
 
 from __future__ import annotations
 
@@ -58,6 +58,26 @@ def torchrun(*args: str, timeout: float = 240) -> tuple[str, dict[int, tuple[flo
     return out, steps
 
 
+# what a user may import: the package and its top-level public modules
+PUBLIC = {"overlord", "overlord.torch", "overlord.hf", "overlord.checkpoint", "overlord.errors",
+          "overlord.world", "overlord.serve", "overlord.streams"}  # fmt: skip
+
+
+def test_examples_import_only_the_public_surface() -> None:
+    import ast
+
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )  # fmt: skip
+            for name in names:
+                if name.split(".")[0] == "overlord":
+                    assert name in PUBLIC, f"{path.name}:{node.lineno} imports {name}"
+
+
 def test_document_causal_mask_follows_cu_seqlens() -> None:
     mask_of = load_example().document_causal_mask
     lengths, rows = np.array([2, 3, 1, 4]), np.array([0, 0, 1, 1])
@@ -80,7 +100,6 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict
     return tmp_path, out, first
 
 
-@pytest.mark.ray
 @pytest.mark.integration
 def test_trains_checkpoints_and_resumes(first_run: tuple[Path, str, dict[int, Any]]) -> None:
     tmp_path, out, first = first_run
@@ -109,7 +128,6 @@ def test_trains_checkpoints_and_resumes(first_run: tuple[Path, str, dict[int, An
     assert summary is not None and float(summary.group(2)) == pytest.approx(end, abs=1e-3)
 
 
-@pytest.mark.ray
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", ["zigzag", "per_document"])
 def test_cp_losses_equal_those_without_cp(
@@ -126,7 +144,6 @@ def test_cp_losses_equal_those_without_cp(
         assert sliced[step][0] == pytest.approx(reference[step][0], rel=1e-4), (step, out)
 
 
-@pytest.mark.ray
 @pytest.mark.integration
 def test_dynamic_cp_losses_equal_those_without_cp(
     first_run: tuple[Path, str, dict[int, Any]],
@@ -141,6 +158,24 @@ def test_dynamic_cp_losses_equal_those_without_cp(
     assert sorted(sliced) == list(range(10)), out
     for step in range(10):
         assert sliced[step][0] == pytest.approx(reference[step][0], rel=1e-4), (step, out)
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_with_ray_a_job_resumes_the_node_mode_checkpoint_with_the_same_losses(
+    first_run: tuple[Path, str, dict[int, Any]],
+) -> None:
+    """``--ray``: a job on Ray started from node mode's checkpoint of step 10; every rank
+    connects to it and trains steps 10-19 on the same data, to the same losses."""
+    tmp_path, _, first = first_run
+    args = ["--data-dir", tmp_path / "data", "--steps", 20, "--ray",
+            "--resume", tmp_path / "ckpt" / "step-00000010"]  # fmt: skip
+    out, resumed = torchrun(*map(str, args))
+    assert "a job on Ray: dp 2 x cp 1" in out and "resumed from step 10" in out, out
+    assert sorted(resumed) == list(range(10, 20)), out
+    for step in range(10, 20):
+        assert resumed[step][1] == first[step][1], (step, out)
+        assert resumed[step][0] == pytest.approx(first[step][0], abs=1e-3), (step, out)
 
 
 def test_dynamic_cp_mask_of_gathered_slices_is_the_unsliced_mask() -> None:

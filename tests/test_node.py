@@ -66,7 +66,7 @@ def plan_path(tmp_path_factory) -> Path:
 def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(plan_path, tmp_path):
     want = run_job(load_plan(plan_path), steps=8).lines  # step by step, rank by rank
     got = torchrun(plan_path, tmp_path / "run", 8)
-    assert all(r["error"] is None for r in got)
+    assert all(r["error"] is None and r["kind"] == "NodeClient" for r in got)
     for rank, result in enumerate(got):
         assert result["lines"] == want[rank::RANKS]
     # every rank holds the same state at the same position: a synchronous checkpoint
@@ -78,7 +78,7 @@ def test_overlord_loader_under_torchrun_is_the_nodes_loader(plan_path, tmp_path)
     """``overlord.Loader(plan)`` in every torchrun process: rank 0 reads, each rank its batches."""
     want = run_job(load_plan(plan_path), steps=8)
     got = torchrun(plan_path, tmp_path / "run", 8, loader=True)
-    assert all(r["error"] is None and r["kind"] == "NodeLoader" for r in got)
+    assert all(r["error"] is None and r["kind"] == "node" for r in got)
     for rank, result in enumerate(got):
         assert result["lines"] == want.lines[rank::RANKS]
         assert result["loader_state"] == result["state"] and result["state"]["step"] == 8
@@ -146,7 +146,7 @@ def test_a_mesh_under_torchrun_gets_the_embedded_rank_client_batches(plan_path, 
             for g, c in enumerate(clients):
                 want[g].append(json.loads(json.dumps(digest(next(c)))))
     got = torchrun(path, tmp_path / "mesh", 5, mesh=True)
-    assert all(r["error"] is None and r["kind"] == "NodeLoader" for r in got)
+    assert all(r["error"] is None and r["kind"] == "node" for r in got)
     assert [r["lines"] for r in got] == want
     # TP peers (global ranks 0, 1 and 2, 3) received equal batches; the CP ranks their slices
     assert got[0]["lines"] == got[1]["lines"] != got[2]["lines"] == got[3]["lines"]
@@ -161,8 +161,8 @@ def test_a_node_loader_of_a_mesh_takes_this_process_global_rank_only(plan_path, 
     mesh = validate_plan(data, base_dir=load_plan(plan_path).base_dir)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
-    loader = Loader(mesh)  # no process group yet: that starts with the first client
-    assert type(loader).__name__ == "NodeLoader"
+    loader = Loader(mesh)  # no process group yet: that starts with the first batch
+    assert loader.node
     with pytest.raises(ValueError, match=r"\(this process: rank_client\(1\)\)"):
         loader.client(1)
     with pytest.raises(ValueError, match="this process is global rank 1"):

@@ -30,8 +30,8 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
     import torch.distributed as dist
     dist.init_process_group("gloo")          # or nccl: overlord adds a gloo group
-    with overlord.Loader(plan) as loader:    # a NodeLoader here
-        for batch in loader.client(dist.get_rank()):   # this process's DP rank
+    with overlord.Loader(plan) as loader:    # node mode here (overlord.streams decides)
+        for batch in loader.client(dist.get_rank()):   # this process's DP rank: a NodeClient
             ...
         # in a mesh (cp, tp or pp above 1): loader.rank_client(dist.get_rank())
 """
@@ -39,7 +39,6 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -50,9 +49,11 @@ import torch
 import torch.distributed as dist
 
 from overlord.batch import Batch, Sample
-from overlord.errors import LoaderError
+from overlord.errors import CheckpointError, LoaderError
 from overlord.plan.spec import Plan
 from overlord.runtime.hosting import lean_allocators
+from overlord.state.checkpoint import check_state
+from overlord.world import World
 
 _BATCH, _END, _ERROR, _START = 0, 1, 2, 3
 _ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
@@ -152,8 +153,12 @@ class NodeClient(Iterator[Batch]):
     ``world.size`` must be the number of processes, all on this node.
     ``state`` resumes the stream (the same state on every rank, as a
     synchronous checkpoint saves it); ``stop_step`` ends it. ``serve(plan,
-    state)`` makes rank 0's embedded Loader (``overlord.Loader`` and
-    ``OverlordIterableDataset.from_plan`` pass one; use those).
+    state)`` makes rank 0's embedded Loader (:func:`overlord.streams.open_stream`
+    passes one; use it, or ``overlord.Loader``).
+
+    It starts on first use (its first batch or :meth:`state_dict`): the
+    process group, the node's Loader on rank 0 and this rank's thread. Until
+    then :meth:`load_state_dict` chooses where the stream starts.
     """
 
     def __init__(
@@ -166,18 +171,31 @@ class NodeClient(Iterator[Batch]):
     ):
         if not dist.is_available():
             raise LoaderError("overlord's node mode needs torch.distributed")
+        self.plan = plan
         self._make_loader = serve
+        self._group = group
+        self.rank = World.launch().rank  # torchrun's RANK: the process group's rank
+        self.step = int((state or {}).get("step", 0))
+        self.stop_step = stop_step
+        self._state = state  # as of this rank's position: before ``self.step``
+        self._ready: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=AHEAD)
+        self._closed = threading.Event()
+        self._started = threading.Event()  # the state the stream starts from is known
+        self._timeout = plan.loading.timeout_s
+        self._thread: threading.Thread | None = None  # started on first use
+
+    def _start(self) -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # from torchrun's environment
         self.rank, size = dist.get_rank(), dist.get_world_size()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        local = World.launch().local_size or size
         if local != size:
             raise LoaderError(
                 f"overlord's node mode serves the processes of one node ({local} here, "
                 f"{size} in all): for several nodes, serve the plan on Ray (overlord serve) "
                 "and connect every trainer to it"
             )
-        world = plan.world
+        world = self.plan.world
         if world.size != size:
             mesh = f"dp*cp*tp*pp = {world.dp}*{world.cp}*{world.tp}*{world.pp}"
             raise LoaderError(
@@ -186,17 +204,11 @@ class NodeClient(Iterator[Batch]):
                 f"cp*tp*pp = {world.peers}, or world.dp in the plan)"
             )
         self.dp_rank = world.coords(self.rank).dp  # the rank batches name
-        self.step = int((state or {}).get("step", 0))
-        self.stop_step = stop_step
-        self._state = state  # as of this rank's position: before ``self.step``
         # a group of our own, so the trainer's collectives and ours never interleave
-        self._channel = _Channel(group if group is not None else dist.new_group(backend="gloo"))
-        self._ready: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=AHEAD)
-        self._closed = threading.Event()
-        self._started = threading.Event()  # the state the stream starts from is known
-        self._timeout = plan.loading.timeout_s
+        group = self._group if self._group is not None else dist.new_group(backend="gloo")
+        self._channel = _Channel(group)
         target = self._serve if self.rank == 0 else self._receive
-        self._thread = threading.Thread(target=target, args=(plan, state), daemon=True)
+        self._thread = threading.Thread(target=target, args=(self.plan, self._state), daemon=True)
         self._thread.name = f"overlord-node-{self.rank}"
         self._thread.start()
 
@@ -276,6 +288,8 @@ class NodeClient(Iterator[Batch]):
         """The next step's batch, built ahead on another thread (rank 0) or received."""
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
+        if self._thread is None:
+            self._start()
         kind, got = self._ready.get()
         if kind == _END:
             self._ready.put((kind, got))  # every later call ends too
@@ -295,6 +309,8 @@ class NodeClient(Iterator[Batch]):
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's state as of this rank's position (the same on every rank in step)."""
+        if self._state is None and self._thread is None:
+            self._start()  # the state it starts from is rank 0's Loader's
         if self._state is None and not self._started.wait(self._timeout):
             raise LoaderError(
                 f"rank {self.rank}: the node's Loader (rank 0) sent no state within "
@@ -302,6 +318,23 @@ class NodeClient(Iterator[Batch]):
             )
         assert self._state is not None
         return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the stream from ``state`` instead (only before its first use).
+
+        Every rank shares the node's Loader, which starts once: a stream that
+        has started is resumed by a new one on every rank.
+        """
+        check_state(state, self.plan)
+        if self._thread is not None:
+            raise CheckpointError(
+                "load_state_dict after iterating under torchrun: every rank shares the node's "
+                "Loader, so a resume starts a new stream on every rank (open_stream(plan, "
+                "state=...), OverlordIterableDataset.from_plan(state=...) or "
+                "overlord.Loader(plan, state=...))"
+            )
+        self._state = state
+        self.step = int(state.get("step", 0))
 
     def close(self) -> None:
         """Stop, and wait for this rank's thread to end (before the process group goes).
@@ -313,6 +346,8 @@ class NodeClient(Iterator[Batch]):
         ``loading.timeout_s`` is left behind.
         """
         self._closed.set()
+        if self._thread is None:
+            return  # never started: nothing runs
         if self.rank != 0:
             # let the receiver take the end of the stream: it may wait on a full queue
             while self._thread.is_alive() and not self._ready.empty():

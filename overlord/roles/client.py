@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from overlord.batch import Batch
-from overlord.errors import LoaderError, RanksApart
+from overlord.errors import CheckpointError, LoaderError, RanksApart
 from overlord.roles.api import ConstructorRole, PlannerRole
 from overlord.runtime.base import Handle, OneWay
 from overlord.runtime.objects import ObjectStore
@@ -147,3 +147,34 @@ class Client(Iterator[Batch]):
         """
         self.flush()  # this rank's consumption reaches the planner first
         return self._planner.call(PlannerRole.state_dict, self.step).result()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check that this rank's stream is at ``state``; raise where it is not.
+
+        The roles behind a client (a Loader's, or a job's) started from a state
+        of their own and cannot move back for one trainer: a checkpoint's state
+        is accepted where it is this rank's position, and refused otherwise with
+        how to start the roles from it.
+        """
+        here = self.state_dict()
+        problems = []
+        if state.get("fingerprint") != here.get("fingerprint"):
+            problems.append(
+                f"stream fingerprint: expected {state.get('fingerprint')} (checkpoint), "
+                f"found {here.get('fingerprint')} (running): the roles run another plan"
+            )
+        if state.get("step") != self.step:
+            problems.append(
+                f"step: expected {state.get('step')} (checkpoint), found {self.step} "
+                f"(this rank's position)"
+            )
+        if problems:
+            who = f"rank {self.rank}" if self.global_rank is None else f"rank {self.global_rank}"
+            raise CheckpointError(
+                f"the running stream is not where the checkpoint resumes ({who}):\n  "
+                + "\n  ".join(problems)
+                + "\nA running stream is resumed when its roles start, not by its trainers: "
+                "start them from this checkpoint ('overlord serve PLAN --name JOB --resume "
+                "DIR', Loader(plan, runtime='ray', job=..., state=...), or "
+                "Loader(plan, state=...)), then connect again."
+            )

@@ -2,9 +2,10 @@
 
 Run by tests/test_node.py as ``python -m torch.distributed.run --standalone
 --nproc_per_node N tests/node_worker.py PLAN OUT STEPS [STATE]``; writes the
-rank's dump lines and its final state to OUT. With ``OVERLORD_TEST_DATASET=1``
-it reads through ``OverlordIterableDataset.from_plan`` in a torch DataLoader
-instead, and writes a digest of each batch's ``input_ids``; with
+rank's dump lines and its final state to OUT, read through
+``overlord.streams.open_stream``. With ``OVERLORD_TEST_DATASET=1`` it reads
+through ``OverlordIterableDataset.from_plan`` in a torch DataLoader instead,
+and writes a digest of each batch's ``input_ids``; with
 ``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``; with
 ``OVERLORD_TEST_MESH=1`` through ``overlord.Loader(plan).rank_client(RANK)``,
 writing :func:`digest` of each batch. Ray is blocked: node mode must not need it.
@@ -36,12 +37,12 @@ def digest(batch) -> list:  # type: ignore[no-untyped-def]
 
 
 def mesh(plan_path: str, steps: int, rank: int) -> dict:
-    """This process's mesh rank's batches through ``overlord.Loader`` (a NodeLoader here)."""
+    """This process's mesh rank's batches through ``overlord.Loader`` (in node mode here)."""
     from overlord import Loader
 
     result: dict = {"lines": [], "error": None}
     with Loader(plan_path) as loader:
-        result["kind"] = type(loader).__name__
+        result["kind"] = "node" if loader.node else "embedded"
         try:
             loader.client(rank)
         except ValueError as e:
@@ -56,9 +57,9 @@ def main() -> None:
     """Import overlord only now, with Ray blocked."""
     import torch.distributed as dist
 
-    from overlord import LoaderError, load_plan
-    from overlord.dist.node import NodeClient
+    from overlord import Loader, LoaderError
     from overlord.ops.run import dump_line
+    from overlord.streams import open_stream
 
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None
@@ -90,16 +91,12 @@ def main() -> None:
         return
     loader = None
     if os.environ.get("OVERLORD_TEST_LOADER"):  # overlord.Loader, as a user would write it
-        from overlord import Loader
-
         loader = Loader(plan_path, state=state)
-        result["kind"] = type(loader).__name__
+        result["kind"] = "node" if loader.node else "embedded"
         client = loader.client(rank, stop_step=steps)
-    else:
-        from overlord.loader import node_serve
-
-        plan = load_plan(plan_path)
-        client = NodeClient(plan, state=state, stop_step=steps, serve=node_serve)
+    else:  # the stream opener: a NodeClient here
+        client = open_stream(plan_path, state=state, stop_step=steps, loader=Loader)
+        result["kind"] = type(client).__name__
     try:
         result["start"] = client.state_dict()
         for batch in client:
