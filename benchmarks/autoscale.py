@@ -39,7 +39,7 @@ with more loaders costs. The comparison needs a machine with more cores than the
 (the planner, constructors and Ray's own processes need some too): with
 fewer, both runs share the same cores. On 2 cores, ``--cpus 2 --rounds 48``
 makes ``web`` dear enough for the loaders to be most of the work.
-Targets (issue 5): autoscaled waits under 5% once warm, with no more CPU than
+Targets: autoscaled waits under 5% once warm, with no more CPU than
 the fixed split.
 
     tools/loopback .venv/bin/python -m benchmarks.autoscale --cpus 8    # a few minutes

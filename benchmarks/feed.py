@@ -47,7 +47,7 @@ waits about nothing; under torchrun, the slowest rank's step flat out.
 
 Every run is a fresh process (or a fresh torchrun) and a fresh stream: a
 warm-up of ``--warm`` steps, then ``--steps`` timed steps. Reported: median,
-p99 and max of the waits. Targets (issue 12): overlord's median wait <= 1 ms,
+p99 and max of the waits. Targets: overlord's median wait <= 1 ms,
 and <= 1.1 x the best DataLoader's median at the same step kind.
 
 Run from the repository root (torchrun's rendezvous opens sockets)::

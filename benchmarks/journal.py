@@ -4,7 +4,7 @@ A 10-source plan runs on the embedded runtime with its journal on, for
 ``--steps`` steps. Printed: the bytes of a step's records (its delta and its
 consumed mark) against those of a full snapshot, the time to write them (with
 and without fsync), and the time to recover a planner from the journal.
-Target (issue 4): under 1 KiB per step for a 10-source plan.
+Target: under 1 KiB per step for a 10-source plan.
 
     .venv/bin/python -m benchmarks.journal            # about half a minute
 """

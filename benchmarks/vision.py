@@ -1,4 +1,4 @@
-"""Images (issue 14): decoding throughput per core, and hybrid against LLM-only balance.
+"""Images: decoding throughput per core, and hybrid against LLM-only balance.
 
 1. **Decode + resize + patchify per core.** overlord's path (``image_patches``,
    the uint8 patches a SourceLoader holds, then ``normalize``, the float32 the

@@ -1,6 +1,6 @@
 """Autoscaling an image source beside text sources, under a curriculum that raises its share.
 
-Issue 14's autoscaler figure (the issue-5 benchmark, ``benchmarks/autoscale.py``,
+The autoscaler's figure for images (the autoscaling benchmark, ``benchmarks/autoscale.py``,
 with an image source in place of a transform that stands for one). Three
 sources: ``books`` and ``web`` are plain JSONL text; ``pictures`` is a
 WebDataset of generated JPEG/PNG/WebP pictures (200 to 700 px) with captions,

@@ -1,4 +1,4 @@
-"""The ``overlord`` command line (issue 2, point 5): validate, run, plan.
+"""The ``overlord`` command line: validate, run, plan.
 
 Commands run in-process through ``overlord.ops.cli.main``; one test runs the
 installed console script to prove the entry point works.

@@ -121,11 +121,27 @@ def test_every_code_block_runs_or_says_why_not(page: Path):
             assert SKIP.fullmatch(before), f'{where}: write <!-- skip: next "why" -->'
 
 
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]\d+|(?<![\w:/])#\d+\b", flags=re.IGNORECASE)
+# in code, "#12" is also a chunk id or an HTML entity: only a reference in parentheses counts
+CODE_ISSUE_NUMBER = re.compile(r"\bissues?[ -]\d+|\(#\d+\)", flags=re.IGNORECASE)
+CODE = sorted(
+    p for d in ("overlord", "tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")
+)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_issue_numbers(page: Path):
-    text = page.read_text()
-    found = re.findall(r"\bissues? \d+|(?<![\w:/])#\d+\b", text, flags=re.IGNORECASE)
+    found = ISSUE_NUMBER.findall(page.read_text())
     assert found == [], f"{page.relative_to(ROOT)}: history belongs in the git log: {found}"
+
+
+def test_no_issue_numbers_in_the_code():
+    found = {
+        str(p.relative_to(ROOT)): hits
+        for p in CODE
+        if p.name != "test_docs.py" and (hits := CODE_ISSUE_NUMBER.findall(p.read_text()))
+    }
+    assert found == {}, f"history belongs in the git log: {found}"
 
 
 def test_the_readme_is_short():

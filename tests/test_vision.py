@@ -1,4 +1,4 @@
-"""Image-text sources (issue 14): readers, the vision rule, batches, errors, hybrid balance.
+"""Image-text sources: readers, the vision rule, batches, errors, hybrid balance.
 
 The pixel checks compare against an independent Pillow implementation of the
 rule, written here from the docs' words (guides/images.md), not from overlord's code.
