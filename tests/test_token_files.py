@@ -12,13 +12,13 @@ import struct
 import subprocess
 import sys
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
+from support.runs import sample_tokens
 
 import overlord
 from overlord.errors import LoaderError, PlanError, SourceError
@@ -54,24 +54,11 @@ def delivered(plan: Any, steps: int) -> list[Any]:
         return [next(c) for _ in range(steps) for c in clients]
 
 
-def sample_ids(batch: Any) -> dict[str, list[int]]:
-    """Each sample's ids, cut out of the packed rows (samples sit in row order)."""
-    seq = batch.input_ids.shape[1]
-    flat = batch.input_ids.reshape(-1)
-    used: Counter[int] = Counter()
-    out = {}
-    for s in batch.samples:
-        start = s.row * seq + used[s.row]
-        out[s.id] = flat[start : start + s.tokens].tolist()
-        used[s.row] += s.tokens
-    return out
-
-
 def check_against(batches: list[Any], want: dict[str, list[int]], cap: int) -> int:
     """Every sample equals its document as written (a chunk of it for a long one)."""
     seen = 0
     for batch in batches:
-        for sid, got in sample_ids(batch).items():
+        for sid, got in sample_tokens(batch).items():
             doc, _, chunk = sid.partition("#")
             ids = want[doc]
             k = int(chunk) if chunk else 0
@@ -107,7 +94,7 @@ def test_the_eos_belongs_to_its_document_and_a_trailing_run_is_the_last(tmp_path
         plan_for(tmp_path, src, world={"dp": 1}, batch={"tokens_per_step": 64, "max_seq_len": 64})
     )
     (batch,) = delivered(plan, 1)
-    got = sample_ids(batch)
+    got = sample_tokens(batch)
     assert got == {"t.npy:0": [5, 6, EOS], "t.npy:2": [7, EOS], "t.npy:3": [8, 9, 10]}
 
 
@@ -250,7 +237,7 @@ def test_a_megatron_document_of_no_sequence_is_empty_not_a_sample(tmp_path: Path
         )
     )
     (batch,) = delivered(plan, 1)
-    assert sample_ids(batch) == {"d.idx:0": [5, 6, 7], "d.idx:2": [8, 9]}
+    assert sample_tokens(batch) == {"d.idx:0": [5, 6, 7], "d.idx:2": [8, 9]}
 
 
 # ---- bad files --------------------------------------------------------------------------

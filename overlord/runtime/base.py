@@ -153,6 +153,16 @@ class Runtime(Protocol):
         ...
 
 
+def found_or_spawned(
+    runtime: Runtime, cls: type[Any], *args: Any, name: str, options: RoleOptions
+) -> Handle[Any]:
+    """What every runtime's ``lookup_or_spawn`` does: the live role ``name``, else a new one."""
+    found = runtime.lookup(name)
+    if isinstance(found, Gone):
+        return runtime.spawn(cls, *args, name=name, options=options)
+    return found
+
+
 class OneWay:
     """Calls whose result nobody waits for, whose errors still reach the sender.
 

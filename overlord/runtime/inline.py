@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError
-from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptions
+from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptions, found_or_spawned
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, close_role, drop, hosted
 
 
@@ -90,10 +90,7 @@ class InlineRuntime:
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> Handle[Any]:
         """The live role called ``name``, else a new one."""
-        found = self.lookup(name)
-        if isinstance(found, Gone):
-            return self.spawn(cls, *args, name=name, options=options)
-        return found
+        return found_or_spawned(self, cls, *args, name=name, options=options)
 
     def restart(self, handle: InlineHandle) -> None:
         """Close the role and construct it again from the same arguments, as Ray restarts one.

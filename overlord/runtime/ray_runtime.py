@@ -21,7 +21,15 @@ from collections.abc import Callable
 from typing import Any
 
 from overlord.errors import ActorDiedError, LoaderError, OverlordError
-from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, Ref, RoleOptions
+from overlord.runtime.base import (
+    DEFAULT_OPTIONS,
+    Done,
+    Gone,
+    Handle,
+    Ref,
+    RoleOptions,
+    found_or_spawned,
+)
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, drop, hosted, leaned
 
 NAMESPACE = "overlord"
@@ -211,10 +219,7 @@ class RayRuntime:
         self, cls: type[Any], *args: Any, name: str, options: RoleOptions = DEFAULT_OPTIONS
     ) -> Handle[Any]:
         """The running actor called ``name`` (it outlived a planner), else a new one."""
-        found = self.lookup(name)
-        if isinstance(found, Gone):
-            return self.spawn(cls, *args, name=name, options=options)
-        return found
+        return found_or_spawned(self, cls, *args, name=name, options=options)
 
     def kill(self, handle: Handle[Any]) -> None:
         """Stop one actor; a hosted role is closed, and its host stopped once it holds none."""
