@@ -19,7 +19,7 @@ converts them to int64 torch tensors (``input_ids``, ``labels``, ``position_ids`
    int64 tensors.
 
 Each measurement runs in a fresh process: build the loader, take ``--warmup`` batches,
-then time ``--steps`` batches; CPU is that of the process and its descendants (DataLoader
+then time ``--steps`` batches (enough for seconds of CPU: /proc counts 10 ms ticks); CPU is that of the process and its descendants (DataLoader
 workers), read from ``/proc``. Medians of ``--repeat`` runs. Tokens are document ids
 (padding excluded)::
 
@@ -101,15 +101,16 @@ def _tensors(ids: np.ndarray, labels: np.ndarray, pos: np.ndarray) -> tuple[Any,
 
 
 def _documents(root: Path, worker: int, workers: int, seed: int) -> Iterator[np.ndarray]:
-    """Every document of this worker's files, files and documents in a seeded order."""
+    """This worker's files' documents, epoch after epoch, files and documents in a seeded order."""
     files = sorted(root.glob("part-*.npy"))[worker::workers]
     rng = np.random.default_rng(seed + worker)
     maps = [np.load(f, mmap_mode="r") for f in files]
     ends = [np.flatnonzero(np.asarray(m) == EOS) + 1 for m in maps]
-    for i in rng.permutation(len(maps)):
-        starts = np.concatenate(([0], ends[i][:-1]))
-        for j in rng.permutation(len(starts)):
-            yield maps[i][starts[j] : ends[i][j]]
+    while True:
+        for i in rng.permutation(len(maps)):
+            starts = np.concatenate(([0], ends[i][:-1]))
+            for j in rng.permutation(len(starts)):
+                yield maps[i][starts[j] : ends[i][j]]
 
 
 def _pack(docs: Iterator[np.ndarray], rows: int, seq: int) -> Iterator[tuple[Any, int]]:
@@ -208,7 +209,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--workers", default="0,1,2")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="fewer tokens, steps and one repeat")
@@ -225,7 +226,7 @@ def main() -> None:
         print(json.dumps(got))
         return
     if args.quick:
-        args.tokens, args.steps, args.warmup, args.repeat = 16_000_000, 80, 10, 1
+        args.tokens, args.steps, args.warmup, args.repeat = 16_000_000, 600, 10, 1
     arms = ["overlord:tokens", "overlord:megatron", "floor"]
     arms += [f"dataloader:{w}" for w in args.workers.split(",")]
     with tempfile.TemporaryDirectory(prefix="overlord-pretok-") as tmp:
