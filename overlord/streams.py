@@ -38,7 +38,8 @@ from typing import Any, Protocol, runtime_checkable
 from overlord.batch import Batch
 from overlord.errors import LoaderError
 from overlord.plan.settings import ConstructorSite
-from overlord.plan.spec import Plan, load_plan, validate_plan
+from overlord.plan.spec import Plan, validate_plan
+from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
