@@ -42,6 +42,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m benchmarks.planner
 	$(BIN)/python -m benchmarks.balance
 	$(BIN)/python -m benchmarks.throughput
+	$(BIN)/python -m benchmarks.pretokenized
 	$(BIN)/python -m benchmarks.balance_e2e
 	$(BIN)/python -m benchmarks.planner_scale
 	$(BIN)/python -m benchmarks.mesh
