@@ -92,6 +92,23 @@ class MonitoringSpec(_Model):
     )
 
 
+class TransformsSpec(_Model):
+    """Whether the plan may name code: transforms other than overlord's own.
+
+    A source's ``transform: module:function`` imports ``module`` and calls the function on
+    every record, in the loader's process. overlord's own transforms
+    (:data:`overlord.plan.rules.BUILTIN_TRANSFORMS`) are always allowed; any other one only
+    with ``allow_imports: true``, so that a plan from elsewhere runs no code its user did not
+    consent to.
+    """
+
+    allow_imports: bool = Field(
+        False,
+        description="let sources name transforms outside overlord's own (module:function): "
+        "the plan then imports and runs that code on every record; off, such a plan is refused",
+    )
+
+
 class LoaderPlacement(str, Enum):
     """Where Ray puts SourceLoaders: Ray's default packing, or spread over nodes."""
 

@@ -1,15 +1,16 @@
 """The declarative data plan: what a user writes, validated on load.
 
 A plan is a YAML file or a Python object. Validation reports every problem at
-once, each with its field path (``mixture.schedule[1].weights.wbe``), and
-checks what only the files can tell (a glob that matches nothing) as well.
+once, each with its field path (``mixture.schedule[1].weights.wbe``): the
+schema's, and the rules between fields (:mod:`overlord.plan.rules`). What only
+the files can tell (a glob that matches nothing) is checked by
+:func:`overlord.load_plan`, above this pure layer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,78 +22,28 @@ from pydantic import (
 )
 
 from overlord.errors import PlanError
-from overlord.plan.mesh import mesh_problems
+from overlord.plan.kinds import (
+    BalanceMethod,
+    Format,
+    Interpolation,
+    LongDocs,
+    OnError,
+    TokenDtype,
+    TokenizerKind,
+)
 from overlord.plan.plan_file import read_plan_file
+from overlord.plan.rules import semantic_problems
 from overlord.plan.settings import (
     AutoscaleSpec,
     LoadingSpec,
     MonitoringSpec,
     PlacementSpec,
     RecoverySpec,
+    TransformsSpec,
     _Model,
 )
-from overlord.plan.vision import Modules, VisionSpec, vision_problems
+from overlord.plan.vision import Modules, VisionSpec
 from overlord.world import CPLayout, World
-
-
-class Format(str, Enum):
-    """On-disk format of a source's shards."""
-
-    JSONL = "jsonl"
-    PARQUET = "parquet"
-    WEBDATASET = "webdataset"  # tar shards of samples: key.jpg|png|... beside key.txt|json
-    TOKENS = "tokens"  # flat token arrays (.npy, or raw .bin with a dtype), documents end at eos
-    MEGATRON = "megatron"  # Megatron-LM's indexed datasets: .idx + .bin pairs
-
-    @property
-    def pretokenized(self) -> bool:
-        """Its shards hold token ids, not text: no tokenizer, no transform."""
-        return self in (Format.TOKENS, Format.MEGATRON)
-
-
-class TokenDtype(str, Enum):
-    """The integer type of a raw token file's ids."""
-
-    UINT16 = "uint16"
-    UINT32 = "uint32"
-    INT32 = "int32"
-
-
-class TokenizerKind(str, Enum):
-    """``bytes``: UTF-8 bytes and an end-of-document id; ``hf``: a tokenizer.json file."""
-
-    BYTES = "bytes"
-    HF = "hf"
-
-
-class Interpolation(str, Enum):
-    """How mixture weights move between schedule points."""
-
-    LINEAR = "linear"
-    STEP = "step"
-
-
-class LongDocs(str, Enum):
-    """What to do with a document longer than ``max_seq_len`` tokens."""
-
-    SPLIT = "split"
-    TRUNCATE = "truncate"
-    DROP = "drop"
-
-
-class BalanceMethod(str, Enum):
-    """How a step's samples are assigned to DP ranks."""
-
-    KK = "kk"
-    LPT = "lpt"
-    NONE = "none"
-
-
-class OnError(str, Enum):
-    """What a bad record does: stop the run, or get skipped, counted and reported."""
-
-    FAIL = "fail"
-    SKIP = "skip"
 
 
 class SourceSpec(_Model):
@@ -313,6 +264,9 @@ class Plan(_Model):
         AutoscaleSpec(), description="sizing each source's loaders (on when cpus is set)"
     )
     monitoring: MonitoringSpec = Field(MonitoringSpec(), description="the Prometheus endpoint")
+    transforms: TransformsSpec = Field(
+        TransformsSpec(), description="whether sources may name code outside overlord's own"
+    )
     vision: VisionSpec | None = Field(
         None, description="how images become patches and tokens (image-text sources)"
     )
@@ -356,7 +310,7 @@ class Plan(_Model):
             mode="json",
             exclude={
                 *("world", "balance", "loading", "placement", "recovery", "autoscale"),
-                "monitoring",
+                *("monitoring", "transforms"),
             },
         )
         for s in data["sources"]:
@@ -412,147 +366,6 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _get(data: Any, *path: str) -> Any:
-    """``data[path[0]][path[1]]...`` or None where a level is missing or not a mapping."""
-    for key in path:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data
-
-
-def _int(x: Any) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
-
-
-def _token_source_problems(i: int, src: Any) -> list[tuple[str, str]]:
-    """What a pre-tokenized source needs (an eos for flat tokens) and what it cannot have."""
-    fmt = _get(src, "format")
-    out: list[tuple[str, str]] = []
-    if fmt not in (Format.TOKENS.value, Format.MEGATRON.value):
-        for key in ("dtype", "eos_id"):
-            if _get(src, key) is not None:
-                out.append((f"sources[{i}].{key}", f"applies to format tokens only, not {fmt}"))
-        return out
-    if fmt == Format.TOKENS.value and _get(src, "eos_id") is None:
-        out.append((f"sources[{i}].eos_id", "format tokens needs the id that ends a document"))
-    if fmt == Format.MEGATRON.value:
-        for key in ("dtype", "eos_id"):
-            if _get(src, key) is not None:
-                out.append(
-                    (f"sources[{i}].{key}", "format megatron: its .idx file says how to read it")
-                )
-    for key, why in (
-        ("transform", "a transform works on text; this source holds token ids"),
-        ("image_field", "images come with image-text sources only"),
-    ):
-        if _get(src, key) is not None:
-            out.append((f"sources[{i}].{key}", f"not for format {fmt}: {why}"))
-    return out
-
-
-def _semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """Problems that involve several fields, all of them.
-
-    Works on plain data, and skips a check whose fields are themselves invalid,
-    so that it runs even when the schema has problems and both are reported.
-    """
-    problems: list[tuple[str, str]] = []
-    sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
-    seen: set[str] = set()
-    for i, src in enumerate(sources):
-        name = _get(src, "name")
-        if isinstance(name, str):
-            if name in seen:
-                problems.append((f"sources[{i}].name", f"'{name}' is used by more than one source"))
-            seen.add(name)
-        problems += _token_source_problems(i, src)
-
-    tokens, seq = (
-        _int(_get(data, "batch", "tokens_per_step")),
-        _int(_get(data, "batch", "max_seq_len")),
-    )
-    dp = _int(_get(data, "world", "dp")) if _get(data, "world", "dp") is not None else 1
-    if tokens and seq and tokens % seq:
-        problems.append(
-            (
-                "batch.tokens_per_step",
-                f"must be a whole number of rows of max_seq_len={seq} tokens, "
-                f"found {tokens} ({tokens / seq:.3f} rows)",
-            )
-        )
-    elif tokens and seq and dp and (tokens // seq) % dp:
-        problems.append(
-            (
-                "world.dp",
-                f"a step has {tokens // seq} rows, which do not split evenly over "
-                f"dp={dp} ranks: choose tokens_per_step = k * dp * max_seq_len",
-            )
-        )
-
-    schedule = _get(data, "mixture", "schedule")
-    schedule = schedule if isinstance(schedule, list) else []
-    steps = [_get(p, "step") for p in schedule]
-    for i in range(1, len(steps)):
-        a, b = steps[i - 1], steps[i]
-        if isinstance(a, int) and isinstance(b, int) and b <= a:
-            problems.append(
-                (f"mixture.schedule[{i}].step", f"steps must increase, found {b} after {a}")
-            )
-    for i, point in enumerate(schedule):
-        weights = _get(point, "weights")
-        if not isinstance(weights, dict) or not seen:
-            continue
-        for name in weights:
-            if name not in seen:
-                problems.append(
-                    (
-                        f"mixture.schedule[{i}].weights.{name}",
-                        f"unknown source '{name}'; the plan's sources are {sorted(seen)}",
-                    )
-                )
-        known = [weights.get(n) for n in seen]
-        if weights and not any(isinstance(w, (int, float)) and w > 0 for w in known):
-            problems.append(
-                (f"mixture.schedule[{i}].weights", "gives no weight to any known source")
-            )
-
-    if _get(data, "placement", "loader_processes") and _get(data, "placement", "loader_nodes"):
-        problems.append(
-            (
-                "placement.loader_nodes",
-                "cannot pin sources to nodes when loader_processes groups them",
-            )
-        )
-    nodes = _get(data, "placement", "loader_nodes")
-    for name in nodes if isinstance(nodes, dict) and seen else []:
-        if name not in seen:
-            problems.append(
-                (
-                    f"placement.loader_nodes.{name}",
-                    f"unknown source '{name}'; sources: {sorted(seen)}",
-                )
-            )
-
-    problems += mesh_problems(data)
-    problems += vision_problems(data)
-
-    kind, path, eos = (_get(data, "tokenizer", k) for k in ("kind", "path", "eos"))
-    if kind == TokenizerKind.HF.value and not path:
-        problems.append(("tokenizer.path", "kind 'hf' needs the path of a tokenizer.json"))
-    if kind in (None, TokenizerKind.BYTES.value) and (path or eos):
-        problems.append(("tokenizer", "kind 'bytes' takes no path or eos"))
-
-    cost = _get(data, "balance", "cost")
-    if isinstance(cost, dict):
-        direct = cost.get("alpha") is not None or cost.get("beta") is not None
-        if cost.get("model") is not None and direct:
-            problems.append(("balance.cost", "give either alpha/beta or model, not both"))
-        if cost.get("model") is None and (cost.get("alpha") is None or cost.get("beta") is None):
-            problems.append(("balance.cost", "give both alpha and beta, or model"))
-    return problems
-
-
 def validate_plan(
     data: Any,
     base_dir: str | Path | None = None,
@@ -579,7 +392,7 @@ def validate_plan(
     if plan is not None:
         problems = []
         raw = plan.model_dump(mode="json")
-    problems += [p for p in _semantic_problems(raw) if p not in problems]
+    problems += [p for p in semantic_problems(raw) if p not in problems]
     if problems or plan is None:
         raise PlanError(problems, origin)
     if base_dir is not None:

@@ -113,10 +113,18 @@ class ShardItems:
         return len(self.length)
 
 
-def _transform(spec: SourceSpec, name: str, block: RecordBlock, skip: bool) -> RecordBlock:
-    """The source's transform on every record; one that fails is a bad record."""
+def _transform(
+    spec: SourceSpec, name: str, block: RecordBlock, skip: bool, allow_imports: bool
+) -> RecordBlock:
+    """The source's transform on every record; one that fails is a bad record.
+
+    A transform that cannot load (or that the plan did not allow) fails the shard.
+    """
     assert spec.transform is not None
-    fn = load_transform(spec.transform)
+    try:
+        fn = load_transform(spec.transform, allow_imports)
+    except ValueError as e:
+        raise SourceError(spec.name, name, None, f"transform {spec.transform}: {e}") from None
     rows, out, skipped = [], [], list(block.skipped)
     for row, text in zip(block.rows.tolist(), block.texts.to_pylist()):
         try:
@@ -236,7 +244,7 @@ def _window(
     )
     blocks.clear()  # the blocks' own arrays go: a window is built from one copy of them
     if spec.transform is not None:
-        block = _transform(spec, name, block, skip)
+        block = _transform(spec, name, block, skip, plan.transforms.allow_imports)
     kept, empty = _not_blank(block.texts)
     # the window's records, as indexes into the block's: the kept ones, permuted
     order = kept[window_order(plan.seed, spec.name, epoch, file_index, number, len(kept))]

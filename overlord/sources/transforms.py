@@ -19,15 +19,27 @@ import unicodedata
 import zlib
 from collections.abc import Callable
 
+from overlord.plan.rules import BUILTIN_TRANSFORMS
+
 Transform = Callable[[str], str]
 
 
 @functools.cache
-def load_transform(name: str) -> Transform:
-    """The function ``module:function``; ValueError says what is wrong with the name."""
+def load_transform(name: str, allow_imports: bool = False) -> Transform:
+    """The function ``module:function``; ValueError says what is wrong with the name.
+
+    Only overlord's own transforms load unless ``allow_imports`` (the plan's
+    ``transforms.allow_imports``) is set: the plan's check refuses the others, and this
+    refuses them again where the code would run.
+    """
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise ValueError(f"'{name}' is not 'module:function'")
+    if not allow_imports and name not in BUILTIN_TRANSFORMS:
+        raise ValueError(
+            f"'{name}' is code from outside overlord, and the plan does not allow it "
+            "(transforms: {allow_imports: true})"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
