@@ -19,9 +19,9 @@ converts them to int64 torch tensors (``input_ids``, ``labels``, ``position_ids`
    int64 tensors.
 
 Each measurement runs in a fresh process: build the loader, take ``--warmup`` batches,
-then time ``--steps`` batches (enough for seconds of CPU: /proc counts 10 ms ticks); CPU is that of the process and its descendants (DataLoader
-workers), read from ``/proc``. Medians of ``--repeat`` runs. Tokens are document ids
-(padding excluded)::
+then time ``--steps`` batches (enough for seconds of CPU: /proc counts 10 ms ticks); CPU
+is that of the process and its descendants (DataLoader workers), read from ``/proc``.
+Medians of ``--repeat`` runs. Tokens are document ids (padding excluded)::
 
     .venv/bin/python -m benchmarks.pretokenized            # about 4 minutes on 2 cores
     .venv/bin/python -m benchmarks.pretokenized --quick
