@@ -23,7 +23,7 @@ then time ``--steps`` batches (enough for seconds of CPU: /proc counts 10 ms tic
 is that of the process and its descendants (DataLoader workers), read from ``/proc``.
 Medians of ``--repeat`` runs. Tokens are document ids (padding excluded)::
 
-    .venv/bin/python -m benchmarks.pretokenized            # about 4 minutes on 2 cores
+    .venv/bin/python -m benchmarks.pretokenized            # about 1.5 minutes on 2 cores
     .venv/bin/python -m benchmarks.pretokenized --quick
 """
 
