@@ -382,3 +382,10 @@ def test_memory_does_not_follow_the_size_of_a_token_file(tmp_path: Path) -> None
     """A 512 MiB token file costs a loader what a 16 MiB one does (its blocks, not the file)."""
     small, large = peak_kib(tmp_path / "small", 16), peak_kib(tmp_path / "large", 512)
     assert large - small < 48 * 1024, f"peak {small} KiB at 16 MiB, {large} KiB at 512 MiB"
+
+
+def test_an_id_int32_cannot_hold_is_named(tmp_path: Path) -> None:
+    np.save(tmp_path / "wide.npy", np.array([5, 2**31, EOS], np.uint32))
+    src = {"path": "wide.npy", "format": "tokens", "eos_id": EOS}
+    plan = overlord.load_plan(plan_for(tmp_path, src))
+    assert "an id above 2147483647" in (msg := failure(plan)) and "wide.npy" in msg

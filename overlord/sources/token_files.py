@@ -30,6 +30,7 @@ eos alone is *empty* (a text of no token, in the text sources' words): not a sam
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from typing import Any
@@ -126,7 +127,8 @@ def _records(
         np.add.at(mark, starts, 1)
         np.add.at(mark, ends, -1)
         data = data[np.cumsum(mark[:-1]) > 0]
-    if data.dtype.kind == "u" and data.dtype.itemsize >= 4 and len(data) and data.max() > 2**31 - 1:
+    wide = data.dtype.itemsize > 4 or data.dtype == np.uint32  # ids int32 cannot hold
+    if wide and len(data) and data.max() > 2**31 - 1:
         raise _TooLarge(f"an id above {2**31 - 1} in block {number}: ids are int32")
     ids = np.ascontiguousarray(data, dtype=np.int32)
     texts = pa.LargeBinaryArray.from_buffers(
@@ -136,7 +138,7 @@ def _records(
 
 
 class _TooLarge(ValueError):
-    """An id a uint32 or int64 file holds that int32 cannot."""
+    """An id that a uint32 or int64 file holds and int32 cannot."""
 
 
 class FlatTokenFile(ShardReader):
@@ -184,8 +186,6 @@ class FlatTokenFile(ShardReader):
         if self.name.endswith(".npy"):
             head = self.file.read(0, min(self.file.size, 4096))
             try:
-                import io
-
                 f = io.BytesIO(head)
                 version = np.lib.format.read_magic(f)
                 read = (
