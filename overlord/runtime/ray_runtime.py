@@ -300,7 +300,11 @@ def _probe(address: str, timeout: float = 5.0) -> None:
 
 
 def init_ray(address: str | None) -> bool:
-    """Connect to Ray (or start a local instance); True if this call started one."""
+    """Connect to Ray at ``address`` (else ``RAY_ADDRESS``), or start a private local instance.
+
+    True if this call started one. Without an address, the instance is always a new one
+    of this process's, never a cluster another process recorded on the machine.
+    """
     address = address or os.environ.get("RAY_ADDRESS")
     token = os.path.expanduser("~/.ray/auth_token")
     if address and "RAY_AUTH_MODE" not in os.environ and os.path.exists(token):
@@ -323,7 +327,10 @@ def init_ray(address: str | None) -> bool:
                 "cluster is up, and RAY_AUTH_MODE=token if it uses token authentication"
             ) from None
         return False
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **common)
+    # "local": a new instance of this process's own. Without it Ray joins whatever cluster
+    # the machine's address file names (another user's `ray start`, or a stale one it then
+    # waits for): a job runs only where it was told to
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **common)
     return True
 
 
