@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from overlord.errors import LoaderError
 from overlord.plan.spec import Plan
 
 PHASES = 3  # the curriculum is reported as its first, middle and last third, then overall
@@ -221,7 +222,12 @@ def plot_mixture(r: Report, path: Path) -> None:
 
 def pyplot() -> Any:
     """Matplotlib's pyplot, drawing to files only (no display needed, none assumed)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise LoaderError(
+            "the report's plots need matplotlib: pip install 'overlord-data[demo]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

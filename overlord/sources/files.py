@@ -57,6 +57,45 @@ def resolve_files(spec: SourcePaths, base_dir: Path) -> list[Shard]:
     return find_shards(spec.name, patterns, base_dir, getattr(spec, "storage_options", None))
 
 
+# what fsspec's base filesystem takes besides its class's own arguments (its instance cache,
+# its listings cache)
+_FSSPEC_COMMON = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+
+
+def unknown_options(protocol: str, options: Mapping[str, Any]) -> str | None:
+    """The keys of ``options`` that look misspelled for ``protocol``'s filesystem, named.
+
+    A key is flagged when it is not one of the filesystem classes' named ``__init__``
+    arguments but is close to one (``endpoint`` for ``endpoint_url``): fsspec would pass it on
+    silently, and it would surface as a credentials error after retries. A key close to none
+    is left alone, since filesystems take more than they name (s3fs hands the rest to its
+    botocore session: ``profile``, ``region_name``). None when nothing looks misspelled, or
+    the filesystem's package is missing.
+    """
+    import difflib
+    import inspect
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return None  # opening the URL names what is missing
+    known = set(_FSSPEC_COMMON)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            params = inspect.signature(init).parameters.values()
+            known |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    known.discard("self")
+    said = []
+    for key in sorted(k for k in options if k not in known):
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        if close:
+            said.append(f"'{key}' (did you mean '{close[0]}'?)")
+    if not said:
+        return None
+    return f"{protocol}:// takes no option {', '.join(said)}"
+
+
 def find_shards(
     source: str,
     patterns: list[str],
@@ -71,6 +110,10 @@ def find_shards(
     shards: dict[str, Shard] = {}
     problems: list[tuple[str, str]] = []
     for pattern in patterns:
+        if "://" in pattern and options:
+            unknown = unknown_options(pattern.split("://", 1)[0], options)
+            if unknown:  # before any request: a misspelled key is no credentials error later
+                raise PlanError([("storage_options", f"source '{source}': {unknown}")])
         if "://" in pattern:
             fs, _, paths = Retries().call(
                 source,

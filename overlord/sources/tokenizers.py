@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from overlord.errors import PlanError
 from overlord.plan.spec import Plan, SourceSpec, TokenizerKind, TokenizerSpec
 
 
@@ -69,7 +70,12 @@ class HFTokenizer:
             raise ImportError(
                 "tokenizer kind 'hf' needs the tokenizers package: pip install 'overlord-data[hf]'"
             ) from e
-        self._tok = _Tok.from_file(path)
+        try:
+            self._tok = _Tok.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception naming no file
+            raise PlanError(
+                [("tokenizer.path", f"cannot load the tokenizer file {path}: {e}")]
+            ) from None
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_id: int | None = None
         if eos is not None:
