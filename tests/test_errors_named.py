@@ -54,3 +54,16 @@ def test_storage_options_a_filesystem_passes_on_are_not_refused() -> None:
     assert unknown_options("s3", {"secert": "x"}) == (
         "s3:// takes no option 'secert' (did you mean 'secret'?)"
     )
+
+
+@pytest.mark.integration
+def test_a_report_that_cannot_be_written_keeps_the_runs_summary(tmp_path, overlord_cli) -> None:
+    from conftest import make_corpus
+
+    plan = make_corpus(tmp_path / "corpus")
+    blocked = tmp_path / "report"
+    blocked.write_text("a file where the report's folder would go")
+    out = overlord_cli("run", str(plan), "--steps", "3", "--report", str(blocked), timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Balance" in out.stdout or "tokens" in out.stdout  # the summary was printed
+    assert f"cannot write the report to {blocked}" in out.stderr

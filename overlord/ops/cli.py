@@ -146,6 +146,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print_summary(summary)
     if summary.get("report"):
         print(f"report: {summary['report']}")
+    if summary.get("report_error"):  # after the summary: the run itself is not lost
+        print(f"overlord: {summary['report_error']}", file=sys.stderr)
+        return 1
     return 0
 
 

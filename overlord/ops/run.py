@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
 from overlord.state import checkpoint
@@ -53,7 +54,8 @@ def run_plan(
 
     Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
     With ``report`` (a folder), also writes a Markdown report with plots there
-    (:mod:`overlord.ops.run_report`).
+    (:mod:`overlord.ops.run_report`); a report that cannot be written (a full disk,
+    no matplotlib) does not lose the run: the summary says why under ``report_error``.
     """
     from overlord.ops.run_report import RunTrace, write_run_report
 
@@ -95,7 +97,11 @@ def run_plan(
         stats = loader.stats()
     summary = summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
     if trace is not None and report:
-        summary["report"] = str(write_run_report(report, plan, summary, stats["history"], trace))
+        try:
+            written = write_run_report(report, plan, summary, stats["history"], trace)
+            summary["report"] = str(written)
+        except (OSError, OverlordError) as e:
+            summary["report_error"] = f"cannot write the report to {report}: {e}"
     return summary
 
 
