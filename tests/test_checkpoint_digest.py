@@ -84,3 +84,16 @@ def test_a_state_with_nan_is_not_written(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         checkpoint.save(tmp_path, bad)
     assert not list(tmp_path.glob("step-*.json"))
+
+
+def test_a_failed_write_names_the_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, {**STATE, "step": 11})
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("overlord.state.checkpoint.os.fsync", full)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*12\.json: No space"):
+        checkpoint.save(tmp_path, STATE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000011.json"]
+    assert checkpoint.load(tmp_path)["step"] == 11  # the previous one is intact

@@ -19,6 +19,7 @@ as it did, so checkpoints of earlier releases of this format still resume.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -90,20 +91,32 @@ def digest(state: dict[str, Any]) -> str:
 
 
 def save(directory: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` as ``DIR/step-NNNNNNNN.json`` atomically, with its digest; the path."""
+    """Write ``state`` as ``DIR/step-NNNNNNNN.json`` atomically, with its digest; the path.
+
+    A write that fails (a full disk, a folder it cannot write) raises
+    :class:`CheckpointError` naming the checkpoint, leaves no temporary file behind, and
+    leaves the previous checkpoints as they were.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{int(state['step']):08d}.json"
     document = {**state, DIGEST_KEY: digest(state)}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(document, f, separators=(",", ":"), allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is shared data
-    os.replace(tmp, path)
+    tmp: str | None = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, separators=(",", ":"), allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is shared data
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
     return path
 
 
