@@ -49,3 +49,25 @@ def test_the_planner_resumes_from_its_state_on_any_dp_size(job_plan):
         ),
         STEPS,
     )
+
+
+@pytest.mark.integration
+def test_the_planner_keeps_recent_steps_and_a_run_report_gathers_them_all(
+    default_corpus, monkeypatch
+):
+    from overlord.ops.run import run_plan
+    from overlord.roles import planner as planner_module
+
+    plan = load_plan(default_corpus)
+    whole = run_plan(plan, 20, progress=False)  # every step kept by the planner
+    monkeypatch.setattr(planner_module, "HISTORY_STEPS", 8)
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for _ in range(20):
+            for c in clients:
+                next(c)
+        kept = loader.stats()["history"]
+    assert len(kept) == 8 and kept[-1]["step"] >= 19  # memory flat: the last 8 steps only
+    gathered = run_plan(plan, 20, progress=False)  # the run asks for them as it goes
+    for key in ("steps", "mixture", "balance_mean", "balance_p95", "fill_mean"):
+        assert gathered[key] == whole[key], key

@@ -33,9 +33,10 @@ import yaml
 from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.ops.report import Report, write_report
-from overlord.ops.run import summarize
+from overlord.ops.run import gather_history, summarize
 from overlord.plan.spec import Plan
 from overlord.plans import load_plan
+from overlord.roles import planner as planner_module
 from overlord.state import checkpoint
 
 MANIFEST = "corpus.json"  # written last: its presence means the corpus is complete
@@ -237,14 +238,18 @@ def consume(plan: Plan, steps: int, ckpt_dir: Path) -> tuple[dict[str, Any], dic
     with Loader(plan) as loader:
         clients = [loader.client(r, stop_step=steps) for r in range(plan.world.dp)]
         with tqdm(total=steps, desc="overlord demo", unit="step", disable=None, leave=False) as bar:
+            history: dict[int, dict[str, Any]] = {}  # the planner keeps only recent steps'
+            pull = max(1, planner_module.HISTORY_STEPS // 4)
             for step in range(steps):
                 tokens += sum(next(c).num_tokens for c in clients)
+                if (step + 1) % pull == 0:
+                    gather_history(loader.stats(), history)
                 if (step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == steps:
                     saved = checkpoint.save(ckpt_dir, loader.state_dict())
                     ckpt_bytes = saved.stat().st_size
                 bar.update(1)
         seconds = time.perf_counter() - t0
-        stats = loader.stats()
+        stats = gather_history(loader.stats(), history)
     # a step planned ahead but never consumed is not part of what the trainer got
     stats["history"] = [h for h in stats["history"] if h["step"] < steps]
     return summarize(plan, stats, 0, steps, tokens, seconds, ckpt_bytes), stats

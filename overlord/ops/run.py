@@ -15,6 +15,7 @@ import numpy as np
 from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
+from overlord.roles import planner as planner_module
 from overlord.state import checkpoint
 
 
@@ -69,6 +70,8 @@ def run_plan(
         first_of = [plan.world.global_rank(dp=r) for r in range(plan.world.dp)]
         clients = [loader.rank_client(g, stop_step=steps) for g in first_of]
         tokens = 0
+        history: dict[int, dict[str, Any]] = {}  # the planner keeps only recent steps'
+        pull = max(1, planner_module.HISTORY_STEPS // 4)
         bar = _progress(steps, first, "overlord run") if progress else None
         for step in range(first, steps):
             costs, waits = [], []
@@ -85,6 +88,8 @@ def run_plan(
                 if (step - first) % sample_every == 0 or step + 1 == steps:
                     trace.loaders.append((step, loader.monitor()))
             done = step + 1
+            if (done - first) % pull == 0:
+                gather_history(loader.stats(), history)
             if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0:
                 ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
             if bar is not None:
@@ -94,7 +99,7 @@ def run_plan(
         seconds = time.perf_counter() - t0
         if checkpoint_dir:
             ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
-        stats = loader.stats()
+        stats = gather_history(loader.stats(), history)
     summary = summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
     if trace is not None and report:
         try:
@@ -103,6 +108,17 @@ def run_plan(
         except (OSError, OverlordError) as e:
             summary["report_error"] = f"cannot write the report to {report}: {e}"
     return summary
+
+
+def gather_history(stats: dict[str, Any], history: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """``stats`` with its history joined to what was gathered before (kept in ``history``).
+
+    The planner keeps only recent steps' statistics (``HISTORY_STEPS``); a tool that reports
+    on a whole run asks for them every ``HISTORY_STEPS // 4`` steps and keeps them itself.
+    """
+    for h in stats["history"]:
+        history.setdefault(h["step"], h)
+    return {**stats, "history": [history[s] for s in sorted(history)]}
 
 
 def summarize(

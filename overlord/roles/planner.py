@@ -52,7 +52,9 @@ from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.planner")
 
-HISTORY_STEPS = 100_000  # per-step statistics kept for reports
+# per-step statistics kept: what monitoring shows of recent steps; a run's report gathers
+# them as the run goes (overlord.ops.run), so the planner's memory does not grow with it
+HISTORY_STEPS = 4096
 
 
 class Planner:
