@@ -27,6 +27,13 @@ class LoadingSpec(_Model):
         description="retries of a transient read error of a URL (throttling, 5xx, a reset "
         "connection), with exponential backoff, before the error names the URL",
     )
+    max_record_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="the largest record read (a plain JSONL line, in bytes): a larger one is a "
+        "bad record named by file and row (on_error decides), never held; protects a machine "
+        "from one huge line",
+    )
 
 
 class RecoverySpec(_Model):

@@ -113,10 +113,59 @@ def _line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def parse_lines(
-    source: str, name: str, data: bytes, text_field: str, skip: bool, row0: int, number: int
+    source: str,
+    name: str,
+    data: bytes,
+    text_field: str,
+    skip: bool,
+    row0: int,
+    number: int,
+    max_bytes: int | None = None,
 ) -> RecordBlock:
-    """The records of whole JSONL lines; ``row0`` is the row of the first line."""
+    """The records of whole JSONL lines; ``row0`` is the row of the first line.
+
+    A line longer than ``max_bytes`` is a bad record (its row named), not parsed.
+    """
     starts, ends = _line_bounds(data)
+    too_long: list[SourceError] = []
+    if max_bytes is not None and len(data) > max_bytes:
+        long = np.flatnonzero(ends - starts > max_bytes)
+        if len(long):
+            too_long = [_too_long(source, name, row0 + int(i), int(ends[i] - starts[i]),
+                                  max_bytes, skip) for i in long]  # fmt: skip
+            keep = np.ones(len(data), dtype=bool)
+            for i in long.tolist():  # the line goes, its newline stays: rows keep their numbers
+                keep[starts[i] : ends[i]] = False
+            data = np.frombuffer(data, np.uint8)[keep].tobytes()
+            starts, ends = _line_bounds(data)
+    block = _parse(source, name, data, text_field, skip, row0, number, starts, ends)
+    block.skipped = sorted([*block.skipped, *too_long], key=lambda e: e.row or 0)
+    return block
+
+
+def _too_long(source: str, name: str, row: int, size: int, limit: int, skip: bool) -> SourceError:
+    """The error of a record larger than ``loading.max_record_bytes`` (raised unless ``skip``)."""
+    err = SourceError(
+        source, name, row, f"a record of {size} bytes, more than loading.max_record_bytes "
+        f"({limit}): not read"
+    )  # fmt: skip
+    if not skip:
+        raise err
+    return err
+
+
+def _parse(
+    source: str,
+    name: str,
+    data: bytes,
+    text_field: str,
+    skip: bool,
+    row0: int,
+    number: int,
+    starts: np.ndarray,
+    ends: np.ndarray,
+) -> RecordBlock:
+    """The records of whole JSONL lines whose bounds are ``starts`` and ``ends``."""
     # a line holding only "\r", tabs or spaces is blank too; Arrow skips those, so do we.
     # Only a line that starts with whitespace can be one: check just those.
     lengths = ends - starts
@@ -210,8 +259,10 @@ class _PlainJsonl(ShardReader):
         block_bytes: int,
         skip: bool,
         cache: dict[Any, Any],
+        max_bytes: int | None = None,
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
+        self.block_bytes, self.max_bytes = block_bytes, max_bytes
         self._f = shard.open(source)
         size = file_size(self._f, shard.url)
         key = (shard.url, int(size), block_bytes)
@@ -221,15 +272,39 @@ class _PlainJsonl(ShardReader):
         self.n_blocks = len(self._starts) - 1
 
     def block(self, k: int) -> RecordBlock:
+        """The lines that start in block ``k``; one too long is named, never read whole.
+
+        Every line of the block but its last ends before the block's nominal end
+        (the next line starts there), so a block longer than ``block_bytes`` plus
+        ``max_bytes`` ends with a line longer than ``max_bytes``: only the lines
+        before it are read.
+        """
         lo, hi = int(self._starts[k]), int(self._starts[k + 1])
         if lo == hi:
             return _empty_block(k)
+        row0 = int(self._rows[k])
+        M, long_at = self.max_bytes, None
+        if M is not None and hi - lo > self.block_bytes + M:
+            long_at, hi = hi, max(lo, min(hi, (k + 1) * self.block_bytes))
+        data = self._read(lo, hi)
+        if long_at is not None:
+            data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
+        block = parse_lines(
+            self.source, self.shard.name, data, self.text_field, self.skip, row0, k, M
+        )
+        if long_at is not None and M is not None:
+            row = row0 + data.count(b"\n")
+            size = long_at - lo - len(data)  # the line, and its newline if it has one
+            size -= self._read(long_at - 1, long_at) == b"\n"
+            block.skipped.append(_too_long(self.source, self.shard.name, row, size, M, self.skip))
+        return block
+
+    def _read(self, lo: int, hi: int) -> bytes:
         self._f.seek(lo)
-        data = self._f.read(hi - lo)
+        data: bytes = self._f.read(hi - lo)
         if len(data) != hi - lo:
             raise OSError(f"the file is shorter than when it was indexed ({lo + len(data)} bytes)")
-        row0 = int(self._rows[k])
-        return parse_lines(self.source, self.shard.name, data, self.text_field, self.skip, row0, k)
+        return data
 
     def close(self) -> None:
         self._f.close()
@@ -433,8 +508,11 @@ def open_shard(
     block_bytes: int,
     skip: bool,
     cache: dict[Any, Any] | None = None,
+    max_record_bytes: int | None = None,
 ) -> ShardReader:
     """Open one shard for reading by blocks; ``cache`` keeps plain JSONL line indexes.
+
+    ``max_record_bytes`` bounds a plain JSONL line (``loading.max_record_bytes``).
 
     A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
@@ -445,7 +523,13 @@ def open_shard(
             if shard.name.endswith(suffix):
                 return _CompressedJsonl(source, shard, codec, text_field, block_bytes, skip)
         return _PlainJsonl(
-            source, shard, text_field, block_bytes, skip, {} if cache is None else cache
+            source,
+            shard,
+            text_field,
+            block_bytes,
+            skip,
+            {} if cache is None else cache,
+            max_record_bytes,
         )
     except SourceError:
         raise

@@ -95,7 +95,9 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
             return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
             return _check_parquet(where, spec.name, shard, spec.text_field)
-        return _check_jsonl(where, spec.name, shard, spec.text_field)
+        return _check_jsonl(
+            where, spec.name, shard, spec.text_field, plan.loading.max_record_bytes
+        )
     except SourceError as e:
         return [Problem(where, e.reason)]
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
@@ -158,8 +160,12 @@ def _check_parquet(where: str, source: str, shard: Shard, text_field: str) -> li
     return []
 
 
-def _first_line(stream: Any) -> tuple[int, bytes] | None:
-    """The row and bytes of the first line that is not blank; None if the file has none."""
+def _first_line(stream: Any, limit: int = _MAX_FIRST_LINE) -> tuple[int, bytes] | None:
+    """The row and bytes of the first line that is not blank; None if the file has none.
+
+    A line longer than ``limit`` is returned cut at ``limit`` plus one byte (it is read no
+    further): the caller names it too long.
+    """
     buf, row = b"", 0
     while True:
         while b"\n" in buf:
@@ -167,27 +173,33 @@ def _first_line(stream: Any) -> tuple[int, bytes] | None:
             if line.strip():
                 return row, line
             row += 1
-        if len(buf) > _MAX_FIRST_LINE:
-            return row, buf
+        if len(buf) > limit:
+            return row, buf[: limit + 1]
         chunk = stream.read(_CHUNK)
         if not chunk:
             return (row, buf) if buf.strip() else None
         buf += chunk
 
 
-def _check_jsonl(where: str, source: str, shard: Shard, text_field: str) -> list[Problem]:
+def _check_jsonl(
+    where: str, source: str, shard: Shard, text_field: str, limit: int = _MAX_FIRST_LINE
+) -> list[Problem]:
     with shard.open(source) as raw:
         if shard.name.endswith(".gz"):
             with gzip.GzipFile(fileobj=raw) as f:
-                first = _first_line(f)
+                first = _first_line(f, limit)
         elif shard.name.endswith((".zst", ".zstd")):
-            first = _first_line(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd"))
+            stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
+            first = _first_line(stream, limit)
         else:
-            first = _first_line(raw)
+            first = _first_line(raw, limit)
     if first is None:
         return [Problem(where, "no record (the file is empty or only blank lines)")]
     row, line = first
     where += f", row {row}"
+    if len(line) > limit:
+        return [Problem(where, f"the first record is longer than loading.max_record_bytes "
+                        f"({limit} bytes): it is a bad record, not read")]  # fmt: skip
     try:
         record = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:

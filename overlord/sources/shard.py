@@ -196,7 +196,16 @@ def shard_windows(
             spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
         )
     else:
-        reader = open_shard(spec.name, where, spec.format, spec.text_field, B, skip, cache.indexes)
+        reader = open_shard(
+            spec.name,
+            where,
+            spec.format,
+            spec.text_field,
+            B,
+            skip,
+            cache.indexes,
+            plan.loading.max_record_bytes,
+        )
     try:
         if reader.n_blocks is not None:
             order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()

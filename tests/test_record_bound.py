@@ -1,0 +1,111 @@
+"""A record larger than loading.max_record_bytes is a bad record, named and never held."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import overlord
+from overlord.errors import LoaderError, SourceError
+from overlord.sources.probe import check_sources
+
+
+def corpus(root: Path, huge: int | None, at: int = 40, lines: int = 120) -> Path:
+    """A JSONL source of ``lines`` short records; line ``at`` holds ``huge`` bytes if given."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "a.jsonl", "w") as f:
+        for i in range(lines):
+            if huge is not None and i == at:
+                f.write('{"text": "' + "x" * (huge - 12) + '"}\n')
+            else:
+                f.write(json.dumps({"text": f"record {i} " * 5}) + "\n")
+    plan = {
+        "seed": 3,
+        "sources": [{"name": "web", "path": "a.jsonl", "format": "jsonl"}],
+        "batch": {"tokens_per_step": 512, "max_seq_len": 128},
+        "world": {"dp": 1},
+        "shuffle": {"block_bytes": 4096, "window_blocks": 2},
+        "loading": {"max_record_bytes": 2048, "timeout_s": 30},
+    }
+    (root / "plan.yaml").write_text(yaml.safe_dump(plan))
+    return root / "plan.yaml"
+
+
+def delivered(path: Path, steps: int, **over: Any) -> tuple[set[str], dict[str, Any]]:
+    plan = overlord.load_plan(path)
+    if over:
+        plan = overlord.validate_plan({**plan.model_dump(mode="json"), **over},
+                                      base_dir=plan.base_dir)  # fmt: skip
+    with overlord.Loader(plan) as loader:
+        client = loader.client(0)
+        ids = {s.id for _ in range(steps) for s in next(client).samples}
+        return ids, loader.stats()
+
+
+@pytest.mark.parametrize("size", [3000, 50_000], ids=["in-its-block", "past-its-block"])
+def test_a_record_over_the_bound_is_skipped_and_counted(tmp_path: Path, size: int) -> None:
+    ids, stats = delivered(corpus(tmp_path, size), 20, on_error="skip")  # past one epoch
+    docs = {i.split("#")[0] for i in ids}  # a long document's chunks: its id and #k
+    assert "a.jsonl:40" not in docs and "a.jsonl:39" in docs and "a.jsonl:41" in docs
+    skipped = [e for s in stats["loaders"] for e in s["skipped_examples"]]
+    assert sum(s["skipped"] for s in stats["loaders"]) == 1
+    assert "row 40" in skipped[0] and f"a record of {size} bytes" in skipped[0]
+    assert "max_record_bytes (2048)" in skipped[0]
+
+
+def test_under_on_error_fail_it_names_file_and_row(tmp_path: Path) -> None:
+    with pytest.raises((SourceError, LoaderError), match=r"a\.jsonl, row 40: a record of 50000"):
+        delivered(corpus(tmp_path, 50_000), 6)
+
+
+def test_a_bound_that_admits_the_record_reads_it(tmp_path: Path) -> None:
+    def docs(ids: set[str]) -> set[str]:
+        return {i.split("#")[0] for i in ids}  # a long document's chunks: its id and #k
+
+    small, _ = delivered(corpus(tmp_path / "a", 3000), 20, on_error="skip")
+    loading = {"max_record_bytes": 4096, "timeout_s": 30}
+    admitted, _ = delivered(corpus(tmp_path / "b", 3000), 20, on_error="skip", loading=loading)
+    assert "a.jsonl:40" not in docs(small) and "a.jsonl:40" in docs(admitted)
+
+
+def test_validate_names_a_first_record_over_the_bound(tmp_path: Path) -> None:
+    plan = overlord.load_plan(corpus(tmp_path, 50_000, at=0))
+    (problem,) = check_sources(plan)
+    assert "row 0" in problem.place and "longer than loading.max_record_bytes" in problem.reason
+
+
+_PEAK = """
+import sys
+import overlord
+plan = overlord.load_plan(sys.argv[1])
+with overlord.Loader(plan) as loader:
+    client = loader.client(0)
+    for _ in range(6):
+        next(client)
+# VmHWM: this process's own peak (ru_maxrss would start at the forking parent's size)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
+"""
+
+
+@pytest.mark.integration
+def test_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
+    """A 300 MB line in a small corpus: the run peaks as the run without it does."""
+
+    def peak(path: Path) -> int:
+        data = yaml.safe_load(path.read_text())
+        data["on_error"] = "skip"
+        data["loading"]["max_record_bytes"] = 64 << 20
+        path.write_text(yaml.safe_dump(data))
+        out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True,
+                             text=True, timeout=300, check=True)  # fmt: skip
+        return int(out.stdout.split()[-1])
+
+    without = peak(corpus(tmp_path / "plain", None))
+    with_it = peak(corpus(tmp_path / "huge", 300_000_000))
+    assert with_it < 1.5 * without, f"peak {with_it} KiB with the line, {without} without"
