@@ -109,3 +109,39 @@ def test_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
     without = peak(corpus(tmp_path / "plain", None))
     with_it = peak(corpus(tmp_path / "huge", 300_000_000))
     assert with_it < 1.5 * without, f"peak {with_it} KiB with the line, {without} without"
+
+
+def test_a_tar_member_over_the_bound_is_judged_by_its_header(tmp_path: Path) -> None:
+    from overlord.ops.vision_data import caption, random_images, write_tar
+
+    images = random_images(12, seed=2, sizes=(20, 60))
+    samples = []
+    for i, (ext, data) in enumerate(images):
+        members = {ext: data, "txt": caption(i).encode()}
+        if i == 3:
+            members[ext] = b"\0" * 3_000_000  # too large for the bound: never read or decoded
+        if i == 5:
+            members["cls"] = b"\1" * 3_000_000  # not part of a record: never read, no error
+        samples.append((f"s{i:06d}", members))
+    write_tar(tmp_path / "a.tar", samples)
+    plan = overlord.validate_plan(
+        {
+            "seed": 1,
+            "sources": [
+                {"name": "w", "path": "a.tar", "format": "webdataset", "text_field": "txt"}
+            ],
+            "batch": {"tokens_per_step": 2048, "max_seq_len": 1024},
+            "world": {"dp": 1},
+            "vision": {},
+            "on_error": "skip",
+            "loading": {"max_record_bytes": 1 << 20, "timeout_s": 30},
+        },
+        base_dir=tmp_path,
+    )
+    with overlord.Loader(plan) as loader:
+        client = loader.client(0)
+        ids = {s.id for _ in range(6) for s in next(client).samples}
+        stats = loader.stats()
+    assert "a.tar:s000003" not in ids and "a.tar:s000005" in ids
+    (error,) = [e for s in stats["loaders"] for e in s["skipped_examples"]]
+    assert "member s000003." in error and "has 3000000 bytes" in error and "not read" in error

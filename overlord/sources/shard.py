@@ -193,7 +193,8 @@ def shard_windows(
         reader = open_token_shard(spec, where, B, cache.indexes)
     elif is_image_source(spec.format, spec.image_field):
         reader = open_image_shard(
-            spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip
+            *(spec.name, where, spec.format, spec.text_field, spec.image_field, B, skip),
+            plan.loading.max_record_bytes,
         )
     else:
         reader = open_shard(

@@ -103,25 +103,39 @@ class WebDatasetReader(ShardReader):
         image_field: str | None,
         block_bytes: int,
         skip: bool,
+        max_bytes: int | None = None,
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
         self.exts, self.block_bytes = _image_exts(image_field), block_bytes
+        self.max_bytes = max_bytes
+        self.wanted = {*self.exts, text_field, "json"}  # the members a record is made of
         self._f = shard.open(source)
 
-    def _samples(self) -> Iterator[tuple[int, str, dict[str, bytes]]]:
-        """``(offset of its first header, key, members by extension)`` of every sample."""
+    def _samples(self) -> Iterator[tuple[int, str, dict[str, bytes | int]]]:
+        """``(offset of its first header, key, members by extension)`` of every sample.
+
+        Only the members a record is made of are read; a member larger than ``max_bytes``
+        is judged by its header and not read (its size stands in for its bytes), nor is
+        any other member (the stream passes over them).
+        """
         try:
             tar = tarfile.open(fileobj=self._f, mode="r|*")  # noqa: SIM115 - closed below
         except tarfile.TarError as e:
             raise OSError(f"not a tar file ({e})") from None
-        at, key, members = -1, None, dict[str, bytes]()
+        at, key, members = -1, None, dict[str, bytes | int]()
         try:
             for info in tar:
                 if not info.isfile():
                     continue
                 k, ext = split_member(info.name)
-                got = tar.extractfile(info)
-                data = got.read() if got is not None else b""
+                data: bytes | int = b""
+                if ext not in self.wanted:
+                    pass  # not part of a record: never read
+                elif self.max_bytes is not None and info.size > self.max_bytes:
+                    data = int(info.size)  # by its header: a sparse or huge member is not read
+                else:
+                    got = tar.extractfile(info)
+                    data = got.read() if got is not None else b""
                 if k != key:
                     if key is not None:
                         yield at, key, members
@@ -134,19 +148,28 @@ class WebDatasetReader(ShardReader):
         if key is not None:
             yield at, key, members
 
-    def _record(self, row: int, key: str, members: dict[str, bytes], into: _Collect) -> None:
+    def _record(
+        self, row: int, key: str, members: dict[str, bytes | int], into: _Collect
+    ) -> None:
         image = next((e for e in self.exts if e in members), None)
         reason, text = None, None
-        if image is None:
+        large = [(e, n) for e, n in members.items() if isinstance(n, int)]
+        if large:
+            ext, size = large[0]
+            reason = (
+                f"member {key}.{ext} has {size} bytes, more than loading.max_record_bytes "
+                f"({self.max_bytes}): not read"
+            )
+        elif image is None:
             reason = f"sample '{key}' has no image member {self.exts} (it has {sorted(members)})"
         elif self.text_field in members:
             try:
-                text = members[self.text_field].decode("utf-8")
+                text = bytes(members[self.text_field]).decode("utf-8")
             except UnicodeDecodeError as e:
                 reason = f"member {key}.{self.text_field} is not UTF-8 ({e})"
         elif "json" in members:
             try:
-                record = json.loads(members["json"])
+                record = json.loads(bytes(members["json"]))
                 text = record[self.text_field] if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     reason = f"member {key}.json: field '{self.text_field}' is not a string"
@@ -163,7 +186,7 @@ class WebDatasetReader(ShardReader):
         assert image is not None and text is not None
         into.rows.append(row)
         into.texts.append(text)
-        into.images.append(members[image])
+        into.images.append(bytes(members[image]))
         into.keys.append(f"{key}.{image}")
 
     def blocks(self) -> Iterator[RecordBlock]:
@@ -222,11 +245,17 @@ def open_image_shard(
     image_field: str | None,
     block_bytes: int,
     skip: bool,
+    max_record_bytes: int | None = None,
 ) -> ShardReader:
-    """Open one image-text shard; a file that cannot be opened raises :class:`SourceError`."""
+    """Open one image-text shard; a file that cannot be opened raises :class:`SourceError`.
+
+    ``max_record_bytes`` bounds a tar member (``loading.max_record_bytes``).
+    """
     try:
         if fmt is Format.WEBDATASET:
-            return WebDatasetReader(source, shard, text_field, image_field, block_bytes, skip)
+            return WebDatasetReader(
+                source, shard, text_field, image_field, block_bytes, skip, max_record_bytes
+            )
         assert image_field is not None
         return ParquetImageReader(source, shard, text_field, image_field, skip)
     except SourceError:
