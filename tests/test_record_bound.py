@@ -145,3 +145,64 @@ def test_a_tar_member_over_the_bound_is_judged_by_its_header(tmp_path: Path) -> 
     assert "a.tar:s000003" not in ids and "a.tar:s000005" in ids
     (error,) = [e for s in stats["loaders"] for e in s["skipped_examples"]]
     assert "member s000003." in error and "has 3000000 bytes" in error and "not read" in error
+
+
+@pytest.mark.parametrize("codec", ["gz", "zst"])
+def test_a_compressed_file_bounds_its_records_as_a_plain_one_does(tmp_path: Path, codec) -> None:
+    import gzip
+
+    import pyarrow as pa
+
+    plain = corpus(tmp_path / "plain", 50_000)
+    packed = corpus(tmp_path / "packed", 50_000)
+    raw = (packed.parent / "a.jsonl").read_bytes()
+    (packed.parent / "a.jsonl").unlink()
+    if codec == "gz":
+        (packed.parent / "a.jsonl.gz").write_bytes(gzip.compress(raw))
+    else:
+        with pa.CompressedOutputStream(str(packed.parent / "a.jsonl.zst"), "zstd") as f:
+            f.write(raw)
+    data = yaml.safe_load(packed.read_text())
+    data["sources"][0]["path"] = "a.jsonl.*"
+    packed.write_text(yaml.safe_dump(data))
+    want, want_stats = delivered(plain, 20, on_error="skip")
+    got, got_stats = delivered(packed, 20, on_error="skip")
+    assert {i.split(":")[1] for i in got} == {i.split(":")[1] for i in want}
+    (error,) = [e for s in got_stats["loaders"] for e in s["skipped_examples"]]
+    assert "row 40: a record of 50000 bytes, more than loading.max_record_bytes" in error
+
+
+_PEAK_GZ = """
+import gzip, sys
+import overlord
+plan = overlord.load_plan(sys.argv[1])
+with overlord.Loader(plan) as loader:
+    client = loader.client(0)
+    for _ in range(6):
+        next(client)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
+"""
+
+
+@pytest.mark.integration
+def test_a_small_compressed_file_holding_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
+    import gzip
+
+    def peak(huge: int | None, root: Path) -> int:
+        path = corpus(root, huge)
+        raw = (root / "a.jsonl").read_bytes()
+        (root / "a.jsonl").unlink()
+        (root / "a.jsonl.gz").write_bytes(gzip.compress(raw, compresslevel=1))
+        data = yaml.safe_load(path.read_text())
+        data["sources"][0]["path"] = "a.jsonl.gz"
+        data["on_error"] = "skip"
+        data["loading"]["max_record_bytes"] = 64 << 20
+        path.write_text(yaml.safe_dump(data))
+        out = subprocess.run([sys.executable, "-c", _PEAK_GZ, str(path)], capture_output=True,
+                             text=True, timeout=300, check=True)  # fmt: skip
+        return int(out.stdout.split()[-1])
+
+    without = peak(None, tmp_path / "plain")
+    with_it = peak(400_000_000, tmp_path / "bomb")  # a few MB compressed
+    assert (tmp_path / "bomb" / "a.jsonl.gz").stat().st_size < 5_000_000
+    assert with_it < 1.5 * without, f"peak {with_it} KiB with the line, {without} without"

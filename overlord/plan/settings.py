@@ -30,9 +30,9 @@ class LoadingSpec(_Model):
     max_record_bytes: int = Field(
         64 << 20,
         ge=1024,
-        description="the largest record read (a plain JSONL line, in bytes): a larger one is a "
-        "bad record named by file and row (on_error decides), never held; protects a machine "
-        "from one huge line",
+        description="the largest record read, in bytes (a JSONL line, plain or compressed; a "
+        "tar member): a larger one is a bad record named by file and row (on_error decides), "
+        "never held; protects a machine from one huge record",
     )
 
 

@@ -53,6 +53,7 @@ _SPACE = np.array([9, 11, 12, 13, 32], dtype=np.uint8)  # what bytes.strip() rem
 _READ = 1 << 20  # compressed bytes read at once
 _SCAN = 8 << 20  # bytes counted at once by the line index
 _ZSTD_PIECE = 1 << 20  # bytes asked of Arrow's zstd decoder at once
+_INFLATE = 1 << 20  # decompressed bytes a gzip input yields at once
 
 
 @dataclass
@@ -327,13 +328,15 @@ def _gunzip(f: BinaryIO, state: _Truncated) -> Iterator[bytes]:
                     if not raw.strip(b"\0"):  # trailing zero padding, as gzip tolerates
                         break
                     started = True
-                out = d.decompress(raw)
+                # at most a piece at a time: a small input may inflate a thousandfold
+                out = d.decompress(raw, _INFLATE)
                 if out:
                     yield out
-                if not d.eof:
-                    break
-                raw = d.unused_data
-                d, started = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+                if d.eof:
+                    raw = d.unused_data
+                    d, started = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+                else:
+                    raw = d.unconsumed_tail  # what the cap left of this input, else nothing
         if started and not d.eof:
             if tail := d.flush():
                 yield tail
@@ -354,21 +357,44 @@ def _unzstd(f: BinaryIO, state: _Truncated) -> Iterator[bytes]:
         state.cut = True
 
 
+def _pass_line(pieces: Iterator[bytes]) -> tuple[int, bytes, bool]:
+    """Pass over the rest of a line without keeping it.
+
+    Returns its bytes' count, what follows its newline, and whether the stream ended
+    first (a last line without a newline).
+    """
+    passed = 0
+    for piece in pieces:
+        at = piece.find(b"\n")
+        if at >= 0:
+            return passed + at, piece[at + 1 :], False
+        passed += len(piece)
+    return passed, b"", True
+
+
 class _CompressedJsonl(ShardReader):
     """A compressed JSONL file, cut into blocks as it is decompressed."""
 
     def __init__(
-        self, source: str, shard: Shard, codec: str, text_field: str, block_bytes: int, skip: bool
+        self,
+        source: str,
+        shard: Shard,
+        codec: str,
+        text_field: str,
+        block_bytes: int,
+        skip: bool,
+        max_bytes: int | None = None,
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
-        self.codec, self.block_bytes = codec, block_bytes
+        self.codec, self.block_bytes, self.max_bytes = codec, block_bytes, max_bytes
         self._f = shard.open(source)
 
     def blocks(self) -> Iterator[RecordBlock]:
-        B, state = self.block_bytes, _Truncated()
+        B, M, state = self.block_bytes, self.max_bytes, _Truncated()
         pieces = (_gunzip if self.codec == "gzip" else _unzstd)(self._f, state)
         buf = bytearray()
         at = 0  # decompressed offset of buf[0]: a line start
+        tail = 0  # where the last line of buf starts (one past its last newline)
         row, k, eof = 0, 0, False
         while True:
             if at >= (k + 1) * B:  # a long line spans block k: no line starts in it
@@ -376,21 +402,45 @@ class _CompressedJsonl(ShardReader):
                 k += 1
                 continue
             # block k ends one past the first newline at or after (k + 1) * B - 1
-            cut = -1
+            cut, long = -1, False
             while not eof:
                 cut = buf.find(b"\n", max(0, (k + 1) * B - 1 - at))
                 if cut >= 0:
+                    break
+                if M is not None and len(buf) - tail > M:
+                    long = True  # block k's last line is too long: it is passed over
                     break
                 piece = next(pieces, None)
                 if piece is None:
                     eof = True
                 else:
+                    last = piece.rfind(b"\n")
+                    if last >= 0:
+                        tail = len(buf) + last + 1
                     buf += piece
+            if long and M is not None:
+                data = bytes(buf[:tail])  # the complete lines before the long one
+                block = parse_lines(
+                    self.source, self.shard.name, data, self.text_field, self.skip, row, k, M
+                )
+                row += data.count(b"\n")
+                passed, rest, ended = _pass_line(pieces)
+                size = len(buf) - tail + passed
+                block.skipped.append(_too_long(self.source, self.shard.name, row, size, M,
+                                               self.skip))  # fmt: skip
+                row += 0 if ended else 1
+                at += tail + size + (0 if ended else 1)
+                buf, eof = bytearray(rest), ended
+                tail = buf.rfind(b"\n") + 1
+                yield block
+                k += 1
+                continue
             if eof and cut < 0 and k * B >= at + len(buf):
                 break
             end = cut + 1 if cut >= 0 else len(buf)
             data = bytes(buf[:end])
             del buf[:end]
+            tail = max(0, tail - end)
             total = at + end
             partial = b""
             if cut < 0 and state.cut and not data.endswith(b"\n"):
@@ -398,7 +448,7 @@ class _CompressedJsonl(ShardReader):
                 keep = data.rfind(b"\n") + 1
                 data, partial = data[:keep], data[keep:]
             block = parse_lines(
-                self.source, self.shard.name, data, self.text_field, self.skip, row, k
+                self.source, self.shard.name, data, self.text_field, self.skip, row, k, M
             )
             row += data.count(b"\n")
             at = total
@@ -512,7 +562,7 @@ def open_shard(
 ) -> ShardReader:
     """Open one shard for reading by blocks; ``cache`` keeps plain JSONL line indexes.
 
-    ``max_record_bytes`` bounds a plain JSONL line (``loading.max_record_bytes``).
+    ``max_record_bytes`` bounds a JSONL line (``loading.max_record_bytes``).
 
     A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
@@ -521,7 +571,9 @@ def open_shard(
             return _Parquet(source, shard, text_field, skip)
         for suffix, codec in _CODECS.items():
             if shard.name.endswith(suffix):
-                return _CompressedJsonl(source, shard, codec, text_field, block_bytes, skip)
+                return _CompressedJsonl(
+                    source, shard, codec, text_field, block_bytes, skip, max_record_bytes
+                )
         return _PlainJsonl(
             source,
             shard,
