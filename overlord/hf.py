@@ -28,6 +28,14 @@ state saved with the checkpoint (in ``trainer_state.json``, under the callback's
 name) is the state after the last batch trained. On resume the callback loads
 that state into the stream before the Trainer starts reading.
 
+Random state: with ``ignore_data_skip`` the Trainer does not restore its random
+generators on a resume within an epoch (it does so only where it skips batches), so a
+model with dropout would train on other random draws than the uninterrupted run. The
+callback saves Python's, numpy's and torch's generators (CUDA's too, where there is
+one) with the overlord state, as JSON, and sets them back just before the first step
+trained after a resume: where the Trainer itself would (after it fetched that step's
+batches), so the run continues as if it had not stopped.
+
 One process: a Trainer over several processes (``accelerate``/``torchrun``) hands
 an ``IterableDataset`` to ``accelerate``, which either reads it on process 0 and
 scatters, or gives each process every n-th batch of its own stream; neither is an
@@ -36,10 +44,13 @@ overlord DP rank's stream, so the callback refuses ``world_size > 1``.
 
 from __future__ import annotations
 
+import base64
+import random
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -110,6 +121,39 @@ class HFStream(IterableDataset[dict[str, torch.Tensor]]):
         return self.dataset.__reduce__()  # refuses, saying why
 
 
+def _tensor_text(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _text_tensor(text: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), np.uint8).copy())
+
+
+def random_state() -> dict[str, Any]:
+    """The generators a training step draws from, as JSON: Python's, numpy's, torch's, CUDA's."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(words), gauss],
+        "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _tensor_text(torch.random.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [_tensor_text(t) for t in torch.cuda.random.get_rng_state_all()]
+    return out
+
+
+def set_random_state(saved: dict[str, Any]) -> None:
+    """Set the generators back to what :func:`random_state` returned."""
+    version, words, gauss = saved["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.random.set_rng_state(_text_tensor(saved["torch"]))
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all([_text_tensor(t) for t in saved["cuda"]])
+
+
 class OverlordTrainerCallback(TrainerCallback, ExportableState):
     """Saves the state of the batches trained with each checkpoint, and resumes from it.
 
@@ -119,10 +163,16 @@ class OverlordTrainerCallback(TrainerCallback, ExportableState):
 
     def __init__(self, stream: HFStream):
         self.stream = stream
+        self._random: dict[str, Any] | None = None  # set back before the next step trained
 
     def state(self) -> dict[str, Any]:
-        """What the Trainer writes into ``trainer_state.json`` when it checkpoints."""
-        return {"args": {}, "attributes": {"overlord_state": self.stream.state()}}
+        """What the Trainer writes into ``trainer_state.json`` when it checkpoints.
+
+        The random state is taken when the Trainer saves its own (``rng_state.pth``), in the
+        same call: the two are the same.
+        """
+        attributes = {"overlord_state": self.stream.state(), "random_state": random_state()}
+        return {"args": {}, "attributes": attributes}
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -167,6 +217,15 @@ class OverlordTrainerCallback(TrainerCallback, ExportableState):
                 "from a checkpoint that was, or load the stream's state yourself."
             )
         self.stream.load(saved["attributes"]["overlord_state"])
+        self._random = saved["attributes"].get("random_state")  # older checkpoints: none
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The first step after a resume: the generators as they were when it was saved."""
+        if self._random is not None:
+            set_random_state(self._random)
+            self._random = None
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -20,7 +20,7 @@ from overlord.torch import OverlordIterableDataset, hf_collate, hf_inputs, to_to
 VOCAB = 258  # the bytes tokenizer's
 
 
-def tiny_gpt2(attn: str = "sdpa", seed: int = 0) -> Any:
+def tiny_gpt2(attn: str = "sdpa", seed: int = 0, dropout: float = 0.0) -> Any:
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
         n_layer=2,
@@ -30,9 +30,9 @@ def tiny_gpt2(attn: str = "sdpa", seed: int = 0) -> Any:
         vocab_size=VOCAB,
         bos_token_id=VOCAB - 1,
         eos_token_id=VOCAB - 1,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         attn_implementation=attn,
     )
     return transformers.GPT2LMHeadModel(config)
@@ -169,10 +169,16 @@ class Recorder:
 
 
 def make_trainer(
-    out: Path, plan: Path, reference: list[np.ndarray], max_steps: int, accum: int, **extra: Any
+    out: Path,
+    plan: Path,
+    reference: list[np.ndarray],
+    max_steps: int,
+    accum: int,
+    dropout: float = 0.0,
+    **extra: Any,
 ) -> tuple[Any, Recorder, OverlordIterableDataset]:
     hf = pytest.importorskip("overlord.hf", exc_type=ImportError)  # Trainer needs accelerate
-    model = tiny_gpt2()
+    model = tiny_gpt2(dropout=dropout)
     recorder = Recorder(model, reference)
     ds = OverlordIterableDataset.from_plan(plan)
     args = transformers.TrainingArguments(
@@ -220,6 +226,21 @@ def test_trainer_trains_every_step_once_and_resumes_exactly(
     assert first.steps[: 2 * accum] + second.steps == list(range(batches))
     for p, q in zip(trainer.model.parameters(), trainer2.model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.integration
+def test_a_model_with_dropout_resumes_bit_exactly(tmp_path: Path, plan: Path) -> None:
+    """The random draws after a resume are the uninterrupted run's: the same weights."""
+    reference = reference_steps(plan, 6)
+    trainer, _, ds = make_trainer(tmp_path / "a", plan, reference, 4, 1, dropout=0.1)
+    with ds:
+        trainer.train()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    trainer2, _, ds2 = make_trainer(tmp_path / "b", plan, reference, 4, 1, dropout=0.1)
+    with ds2:
+        trainer2.train(resume_from_checkpoint=str(ckpt))
+    for p, q in zip(trainer.model.parameters(), trainer2.model.parameters()):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.integration
