@@ -206,3 +206,17 @@ def test_a_small_compressed_file_holding_a_huge_line_costs_no_memory(tmp_path: P
     with_it = peak(400_000_000, tmp_path / "bomb")  # a few MB compressed
     assert (tmp_path / "bomb" / "a.jsonl.gz").stat().st_size < 5_000_000
     assert with_it < 1.5 * without, f"peak {with_it} KiB with the line, {without} without"
+
+
+def test_a_record_nested_too_deeply_is_a_bad_record(tmp_path: Path) -> None:
+    path = corpus(tmp_path, None)
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    lines[7] = '{"text": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    data = yaml.safe_load(path.read_text())
+    data["loading"]["max_record_bytes"] = 1 << 20
+    path.write_text(yaml.safe_dump(data))
+    ids, stats = delivered(path, 20, on_error="skip")
+    assert "a.jsonl:7" not in ids and "a.jsonl:8" in ids
+    (error,) = [e for s in stats["loaders"] for e in s["skipped_examples"]]
+    assert "row 7: malformed JSON (nested too deeply to parse)" in error

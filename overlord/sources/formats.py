@@ -197,6 +197,8 @@ def _parse(
             record = json.loads(data[starts[i] : ends[i]])
         except (ValueError, UnicodeDecodeError) as e:
             reason = f"malformed JSON ({e})"
+        except RecursionError:  # a record's own fault, like any other: on_error decides
+            reason = "malformed JSON (nested too deeply to parse)"
         else:
             if not isinstance(record, dict):
                 reason = f"expected a JSON object, found {type(record).__name__}"
