@@ -97,3 +97,16 @@ def test_a_failed_write_names_the_checkpoint_and_leaves_no_temporary_file(tmp_pa
         checkpoint.save(tmp_path, STATE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000011.json"]
     assert checkpoint.load(tmp_path)["step"] == 11  # the previous one is intact
+
+
+def test_temporary_files_of_killed_saves_are_removed(tmp_path):
+    import os
+    import time
+
+    old = tmp_path / ".tmp-killed.json"
+    old.write_text("{")  # a save killed midway, long ago
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    young = tmp_path / ".tmp-in-progress.json"
+    young.write_text("{")  # another save, now
+    checkpoint.save(tmp_path, STATE)
+    assert not old.exists() and young.exists()

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,8 @@ def save(directory: str | Path, state: dict[str, Any]) -> Path:
 
     A write that fails (a full disk, a folder it cannot write) raises
     :class:`CheckpointError` naming the checkpoint, leaves no temporary file behind, and
-    leaves the previous checkpoints as they were.
+    leaves the previous checkpoints as they were. Temporary files that saves killed midway
+    left in the folder (``.tmp-*.json``, older than :data:`STALE_TMP_S`) are removed.
     """
     directory = Path(directory)
     path = directory / f"step-{int(state['step']):08d}.json"
@@ -117,7 +119,20 @@ def save(directory: str | Path, state: dict[str, Any]) -> Path:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+    _remove_stale(directory)
     return path
+
+
+STALE_TMP_S = 600.0  # a save takes milliseconds: a temporary file this old was left by a kill
+
+
+def _remove_stale(directory: Path) -> None:
+    """Temporary files of saves killed midway (a save in progress elsewhere is younger)."""
+    now = time.time()
+    for left in directory.glob(".tmp-*.json"):
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove
+            if now - left.stat().st_mtime > STALE_TMP_S:
+                left.unlink()
 
 
 def latest(directory: str | Path) -> Path | None:
