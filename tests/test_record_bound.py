@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support.memory import peak_kib
 
 import overlord
 from overlord.errors import LoaderError, SourceError
@@ -80,19 +79,6 @@ def test_validate_names_a_first_record_over_the_bound(tmp_path: Path) -> None:
     assert "row 0" in problem.place and "longer than loading.max_record_bytes" in problem.reason
 
 
-_PEAK = """
-import sys
-import overlord
-plan = overlord.load_plan(sys.argv[1])
-with overlord.Loader(plan) as loader:
-    client = loader.client(0)
-    for _ in range(6):
-        next(client)
-# VmHWM: this process's own peak (ru_maxrss would start at the forking parent's size)
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
-"""
-
-
 @pytest.mark.integration
 def test_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
     """A 300 MB line in a small corpus: the run peaks as the run without it does."""
@@ -102,9 +88,7 @@ def test_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
         data["on_error"] = "skip"
         data["loading"]["max_record_bytes"] = 64 << 20
         path.write_text(yaml.safe_dump(data))
-        out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True,
-                             text=True, timeout=300, check=True)  # fmt: skip
-        return int(out.stdout.split()[-1])
+        return peak_kib(path, 6)
 
     without = peak(corpus(tmp_path / "plain", None))
     with_it = peak(corpus(tmp_path / "huge", 300_000_000))
@@ -172,18 +156,6 @@ def test_a_compressed_file_bounds_its_records_as_a_plain_one_does(tmp_path: Path
     assert "row 40: a record of 50000 bytes, more than loading.max_record_bytes" in error
 
 
-_PEAK_GZ = """
-import gzip, sys
-import overlord
-plan = overlord.load_plan(sys.argv[1])
-with overlord.Loader(plan) as loader:
-    client = loader.client(0)
-    for _ in range(6):
-        next(client)
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
-"""
-
-
 @pytest.mark.integration
 def test_a_small_compressed_file_holding_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
     import gzip
@@ -198,9 +170,7 @@ def test_a_small_compressed_file_holding_a_huge_line_costs_no_memory(tmp_path: P
         data["on_error"] = "skip"
         data["loading"]["max_record_bytes"] = 64 << 20
         path.write_text(yaml.safe_dump(data))
-        out = subprocess.run([sys.executable, "-c", _PEAK_GZ, str(path)], capture_output=True,
-                             text=True, timeout=300, check=True)  # fmt: skip
-        return int(out.stdout.split()[-1])
+        return peak_kib(path, 6)
 
     without = peak(None, tmp_path / "plain")
     with_it = peak(400_000_000, tmp_path / "bomb")  # a few MB compressed

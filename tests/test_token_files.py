@@ -9,8 +9,6 @@ megatron-core's). What the trainers receive is compared with the documents as wr
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from support.memory import peak_kib
 from support.runs import sample_tokens
 
 import overlord
@@ -342,20 +341,8 @@ def test_validate_names_eos_dtype_and_vocabulary_problems(tmp_path: Path) -> Non
 
 # ---- memory ---------------------------------------------------------------------------------
 
-_MEMORY = """
-import sys
-import overlord
-plan = overlord.load_plan(sys.argv[1])
-with overlord.Loader(plan) as loader:
-    client = loader.client(0)
-    for _ in range(40):
-        next(client)
-# VmHWM: this process's own peak (ru_maxrss would start at the forking parent's size)
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
-"""
 
-
-def peak_kib(root: Path, mib: int) -> int:
+def token_file_peak(root: Path, mib: int) -> int:
     """The peak RSS of a process that trains 40 steps from a token file of ``mib`` MiB."""
     root.mkdir()
     doc = np.append(np.arange(3, 1003, dtype=np.uint16), np.uint16(EOS))
@@ -368,20 +355,13 @@ def peak_kib(root: Path, mib: int) -> int:
     src = {"path": "big.bin", "format": "tokens", "eos_id": EOS, "dtype": "uint16"}
     shuffle = {"block_bytes": 1 << 20, "window_blocks": 2}
     plan = plan_for(root, src, world={"dp": 1}, shuffle=shuffle)
-    out = subprocess.run(
-        [sys.executable, "-c", _MEMORY, str(plan)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return int(out.stdout.split()[-1])
+    return peak_kib(plan, 40)
 
 
 @pytest.mark.integration
 def test_memory_does_not_follow_the_size_of_a_token_file(tmp_path: Path) -> None:
     """A 512 MiB token file costs a loader what a 16 MiB one does (its blocks, not the file)."""
-    small, large = peak_kib(tmp_path / "small", 16), peak_kib(tmp_path / "large", 512)
+    small, large = token_file_peak(tmp_path / "small", 16), token_file_peak(tmp_path / "large", 512)
     assert large - small < 48 * 1024, f"peak {small} KiB at 16 MiB, {large} KiB at 512 MiB"
 
 
