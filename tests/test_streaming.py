@@ -26,7 +26,7 @@ from overlord.roles.read_ahead import ReadView
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources import shard as shard_module
 from overlord.sources.catalog import job_files
-from overlord.sources.formats import line_index
+from overlord.sources.jsonl import line_index
 from overlord.sources.shard import (
     block_order,
     cut_items,

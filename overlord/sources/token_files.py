@@ -41,7 +41,7 @@ import pyarrow as pa
 from overlord.errors import SourceError
 from overlord.plan.spec import Format, SourceSpec, TokenDtype
 from overlord.sources.files import Shard
-from overlord.sources.formats import RecordBlock, ShardReader
+from overlord.sources.records import RecordBlock, ShardReader
 from overlord.sources.remote import file_size, is_url
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"

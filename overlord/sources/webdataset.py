@@ -38,7 +38,8 @@ from overlord.errors import SourceError
 from overlord.plan.spec import Format
 from overlord.plan.vision import IMAGE_EXTENSIONS
 from overlord.sources.files import Shard
-from overlord.sources.formats import BINARY, STRINGS, ParquetReader, RecordBlock, ShardReader
+from overlord.sources.formats import BINARY, STRINGS, ParquetReader
+from overlord.sources.records import RecordBlock, ShardReader
 
 
 def split_member(name: str) -> tuple[str, str]:
