@@ -110,3 +110,25 @@ def test_temporary_files_of_killed_saves_are_removed(tmp_path):
     young.write_text("{")  # another save, now
     checkpoint.save(tmp_path, STATE)
     assert not old.exists() and young.exists()
+
+
+def test_numbers_no_run_writes_are_refused_before_anything_is_built(tmp_path):
+    import overlord
+    from conftest import make_corpus
+
+    plan = overlord.load_plan(make_corpus(tmp_path))
+    with overlord.Loader(plan) as loader:
+        client = loader.client(0)
+        next(client)
+        state = loader.state_dict()
+    bad = json.loads(json.dumps(state))
+    name = plan.source_names[0]
+    bad["sources"][name]["cursor"]["skip"] = [[0, 0, 1, 10**9]]  # would be held item by item
+    bad["sources"][name]["placed"] = float("nan")
+    with pytest.raises(CheckpointError) as e:
+        overlord.Loader(plan, state=bad)
+    message = str(e.value)
+    assert f"sources.{name}.cursor.skip: 1000000000 items placed ahead" in message
+    assert f"sources.{name}.placed: expected a finite number >= 0, found nan" in message
+    with overlord.Loader(plan, state=state) as loader:  # the state as written resumes
+        assert next(loader.client(0)).step == state["step"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -58,6 +59,12 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
     for key in ("step", "sources"):
         if key not in state:
             raise CheckpointError(f"checkpoint has no '{key}': it is not an overlord checkpoint")
+    numbers = range_problems(state, plan)
+    if numbers:  # before anything is built from them: a count of 10**9 would be held
+        raise CheckpointError(
+            "the checkpoint holds numbers no run of this plan writes (edited, or not this "
+            "plan's), so it cannot be resumed:\n  " + "\n  ".join(numbers)
+        )
     problems = []
     for name in plan.source_names:
         saved = state["sources"].get(name)
@@ -73,6 +80,74 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
             "on_error changed), so its positions mean other samples here:\n  "
             + "\n  ".join(problems)
         )
+
+
+# the items a source may have placed past its first pending one, in steps of tokens: an item
+# skipped for want of room is placed within a step or two (each item holds a token or more)
+SKIP_STEPS = 16
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def range_problems(state: dict[str, Any], plan: Plan) -> list[str]:
+    """Every number of ``state`` outside what a run of ``plan`` writes, with its field path.
+
+    >>> from overlord.plan.spec import validate_plan
+    >>> plan = validate_plan({"sources": [{"name": "w", "path": "x", "format": "jsonl"}],
+    ...                       "batch": {"tokens_per_step": 64, "max_seq_len": 32}})
+    >>> cursor = {"epoch": 0, "shard_pos": 3, "index": -1, "skip": [[0, 0, 9, 10**9]]}
+    >>> web = {"cursor": cursor, "files": [[0, [["a", 10]]]], "placed": 1.0, "target": math.nan}
+    >>> for p in range_problems({"step": 2, "sources": {"w": web}}, plan):  # doctest: +ELLIPSIS
+    ...     print(p)
+    sources.w.cursor.index: expected a whole number >= 0, found -1
+    sources.w.cursor.shard_pos: 3, past the 1 file(s) of epoch 0
+    sources.w.cursor.skip: 1000000000 items placed ahead, more than 1088 (a run places ...
+    sources.w.target: expected a finite number >= 0, found nan
+    """
+    out = []
+    if not _whole(state["step"]):
+        out.append(f"step: expected a whole number >= 0, found {state['step']!r}")
+    sources = state["sources"]
+    if not isinstance(sources, dict):
+        return [*out, f"sources: expected a mapping by source name, found {type(sources).__name__}"]
+    most = SKIP_STEPS * plan.batch.tokens_per_step + plan.batch.lookahead
+    for name, saved in sources.items():
+        where = f"sources.{name}"
+        cursor = saved.get("cursor") if isinstance(saved, dict) else None
+        if not isinstance(cursor, dict):
+            out.append(f"{where}.cursor: missing")
+            continue
+        for key in ("epoch", "shard_pos", "index"):
+            if not _whole(cursor.get(key)):
+                found = cursor.get(key)
+                out.append(f"{where}.cursor.{key}: expected a whole number >= 0, found {found!r}")
+        lists = saved.get("files")
+        epoch, pos = cursor.get("epoch"), cursor.get("shard_pos")
+        if isinstance(lists, list) and lists and isinstance(epoch, int) and isinstance(pos, int):
+            count = next((len(fs) for e, fs in reversed(lists) if isinstance(fs, list)
+                          and isinstance(e, int) and e <= epoch), len(lists[0][1]))  # fmt: skip
+            if pos > count:
+                out.append(f"{where}.cursor.shard_pos: {pos}, past the {count} file(s) of "
+                           f"epoch {epoch}")  # fmt: skip
+        runs = cursor.get("skip", [])
+        if not isinstance(runs, list) or not all(
+            isinstance(r, list) and len(r) == 4 and all(_whole(x) for x in r) for r in runs
+        ):
+            out.append(f"{where}.cursor.skip: expected runs [epoch, shard, index, count]")
+        elif sum(r[3] for r in runs) > most:
+            out.append(
+                f"{where}.cursor.skip: {sum(r[3] for r in runs)} items placed ahead, more than "
+                f"{most} (a run places at most {SKIP_STEPS} steps of tokens ahead, plus the "
+                "lookahead)"
+            )
+        for key in ("placed", "target"):
+            value = saved.get(key)
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= 0):  # fmt: skip
+                out.append(f"{where}.{key}: expected a finite number >= 0, found {value!r}")
+    return out
 
 
 DIGEST_KEY = "digest"
