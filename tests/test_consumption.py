@@ -47,7 +47,13 @@ class Job:
         self.consumption.prune()
 
     def state(self, step: int) -> dict[str, Any]:
-        web = {"fingerprint": self.plan.source_fingerprint("web"), "cursor": {"at": step}}
+        """A state as a run writes one (a resume range-checks it), its cursor at ``step``."""
+        web = {
+            "fingerprint": self.plan.source_fingerprint("web"),
+            "cursor": {"epoch": 0, "shard_pos": 0, "index": step, "skip": []},
+            "placed": 64.0 * step,
+            "target": 64.0 * step,
+        }
         return {"step": step, "sources": {"web": web}}
 
 
@@ -65,7 +71,8 @@ def test_a_step_is_consumed_once_every_rank_received_it(job_plan):
     assert job.settled == [(-1, 0), (0, 1)] and [c.position(r) for r in range(4)] == [3, 2, 2, 2]
     c.mark_consumed(1, 1)  # a step received again counts once
     assert job.settled == [(-1, 0), (0, 1)]
-    assert c.consumed_cursor("web") == {"at": 2}  # where the order stands: after step 1
+    # where the order stands: after step 1
+    assert c.consumed_cursor("web") == {"epoch": 0, "shard_pos": 0, "index": 2, "skip": []}
     assert job.ledger.first == 2  # the states before are no rank's any more
 
 
@@ -107,7 +114,8 @@ def test_a_rewind_is_one_transaction_over_the_ranks(job_plan):
         c.reconnect(1, six)  # another checkpoint while the rewind is open
     assert c.reconnect(1, five) == 5 and job.rewound == [5]  # joins: rewound once
     assert c.stale(4) and not c.stale(5)
-    other = {**five, "sources": {"web": {**five["sources"]["web"], "cursor": {"at": 99}}}}
+    elsewhere = {"epoch": 0, "shard_pos": 0, "index": 99, "skip": []}
+    other = {**five, "sources": {"web": {**five["sources"]["web"], "cursor": elsewhere}}}
     with pytest.raises(LoaderError, match="not this job's state"):
         c.reconnect(0, other)  # a new rewind, from a state this job never had
     with pytest.raises(LoaderError, match="cannot rewind the job to step 0"):
