@@ -229,19 +229,33 @@ class FlatTokenFile(ShardReader):
             np.add.at(counts, hits // self.per_block + 1, 1)
         return np.cumsum(counts)
 
-    def end_of(self, start: int) -> int:
-        """One past the eos that ends the document starting at ``start`` (or the file's end)."""
-        at = start
+    def through_eos(self, start: int) -> np.ndarray:
+        """The ids from ``start`` to the first eos at or after it, that eos included (or to
+        the file's end): the rest of a document, read a chunk at a time.
+        """
+        chunks, at = [], start
         step = max(self.per_block, 1 << 16)
         while at < self.n:
-            hit = np.flatnonzero(self.ids(at, at + step) == self.eos)
+            chunk = self.ids(at, at + step)
+            hit = np.flatnonzero(chunk == self.eos)
             if len(hit):
-                return at + int(hit[0]) + 1
+                chunks.append(chunk[: int(hit[0]) + 1])
+                break
+            chunks.append(chunk)
             at += step
-        return self.n
+        return np.concatenate(chunks) if chunks else np.zeros(0, self.dtype)
+
+    def end_of(self, start: int) -> int:
+        """One past the eos that ends the document starting at ``start`` (or the file's end)."""
+        return start + len(self.through_eos(start))
 
     def block(self, k: int) -> RecordBlock:
-        """The documents that start in block ``k``, with their rows (places in the file)."""
+        """The documents that start in block ``k``, with their rows (places in the file).
+
+        The block's ids are read once: a document starts after each eos, so the only eos
+        past the block's last start is its last id, else the last document runs on past the
+        block and only its rest is read.
+        """
         lo, hi = k * self.per_block, min(self.n, (k + 1) * self.per_block)
         before = max(lo - 1, 0)
         head = self.ids(before, hi)
@@ -254,9 +268,10 @@ class FlatTokenFile(ShardReader):
         if not len(starts):
             return RecordBlock(k, np.zeros(0, np.int64), pa.array([], pa.large_binary()))
         rows = self.eos_before[k] + np.searchsorted(eos[eos >= lo], starts - 1, side="right")
-        last_end = self.end_of(int(starts[-1]))
-        ends = np.append(starts[1:], last_end)
-        data = self.ids(int(starts[0]), last_end)
+        data = head[int(starts[0]) - before :]
+        if not (len(head) and head[-1] == self.eos and hi - 1 >= starts[-1]):
+            data = np.concatenate((data, self.through_eos(hi)))  # the last document's rest
+        ends = np.append(starts[1:], int(starts[0]) + len(data))
         rel_start, rel_end = starts - starts[0], ends - starts[0]
         alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)
         rel_end = np.where(alone, rel_start, rel_end)  # an eos alone: an empty document
@@ -387,5 +402,6 @@ class TokenIds:
         offs = np.frombuffer(off_buf, np.int64)[texts.offset : texts.offset + n + 1]
         if data_buf is None:
             return np.zeros(0, np.int32), np.zeros(n + 1, np.int64)
-        ids = np.frombuffer(data_buf, np.uint8)[offs[0] : offs[-1]].view(np.int32).copy()
+        # a view of the piece's buffer (it keeps the buffer alive), not a copy of every id
+        ids = np.frombuffer(data_buf, np.uint8)[offs[0] : offs[-1]].view(np.int32)
         return ids, (offs - offs[0]) // 4
