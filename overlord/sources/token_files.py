@@ -230,8 +230,9 @@ class FlatTokenFile(ShardReader):
         return np.cumsum(counts)
 
     def through_eos(self, start: int) -> np.ndarray:
-        """The ids from ``start`` to the first eos at or after it, that eos included (or to
-        the file's end): the rest of a document, read a chunk at a time.
+        """The ids from ``start`` through the first eos at or after it (or to the file's end).
+
+        The rest of a document, read a chunk at a time.
         """
         chunks, at = [], start
         step = max(self.per_block, 1 << 16)
