@@ -115,10 +115,10 @@ def connect(
     ``RAY_ADDRESS`` when ``address`` is None; a job started by ``overlord
     serve`` on a local instance is found with ``address="auto"``.
 
-    ``state`` (a trainer's checkpoint, from ``Client.state_dict()``) rewinds
-    the live job to it: every rank must reconnect with the same state, and
-    the steps from it are served again, exactly as before (see
-    :mod:`overlord.roles.consumption`; ``recovery.rewind_steps`` bounds how far).
+    ``state`` (a trainer's checkpoint, from ``Client.state_dict()``: any state
+    the job handed out) rewinds the live job to it once every rank reconnected
+    with the same state, and the steps from it are served again, exactly as
+    before (see :mod:`overlord.roles.rewind`).
     Where the batches come from is :func:`overlord.streams.open_stream`'s to say.
     """
     stream = open_stream(

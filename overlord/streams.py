@@ -195,10 +195,10 @@ def open_stream(
 
     A job (found on the Ray cluster at ``address``, ``RAY_ADDRESS`` when None,
     or a local instance) gives a :class:`~overlord.roles.client.Client`;
-    ``state`` (a trainer's checkpoint) then rewinds the live job to it: every
-    rank must reconnect with the same state, and the steps from it are served
-    again, exactly as before (see :mod:`overlord.roles.rewind`;
-    ``recovery.rewind_steps`` bounds how far).
+    ``state`` (a trainer's checkpoint: any state the job handed out) then
+    rewinds the live job to it once every DP rank reconnected with the same
+    state, and the steps from it are served again, exactly as before (see
+    :mod:`overlord.roles.rewind`).
     """
     start = None if state is None else dict(state)
     if job is not None:
@@ -421,4 +421,5 @@ def _connect(
         owned,
         global_rank=global_rank,
         objects=objects,
+        heartbeat=True,  # its trainer may outlive a peer restarted alone: it says it is alive
     )

@@ -43,8 +43,11 @@ class LoaderRole(Protocol):
         """Serve metadata after key ``after``, a block's end (a shadow whose primary died)."""
         ...
 
-    def rewind(self, start: dict[str, Any]) -> None:
-        """Serve metadata again from a source cursor's state (a restarted planner)."""
+    def rewind(self, start: dict[str, Any], seek: bool = False) -> None:
+        """Serve metadata again from a source cursor's state (a restarted planner, a rewind).
+
+        ``seek``: items the state needs were released; read again from its shard.
+        """
         ...
 
     def freeze(self) -> list[int] | None:
@@ -123,6 +126,10 @@ class PlannerRole(Protocol):
 
     def reconnect(self, rank: int, state: dict[str, Any]) -> int:
         """DP rank ``rank`` restarted from ``state``: rewind the job there; the step."""
+        ...
+
+    def waiting(self, rank: int, step: int, since: int | None = None) -> None:
+        """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
         ...
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +15,9 @@ from overlord.runtime.base import Handle, OneWay
 from overlord.runtime.objects import ObjectStore
 
 LOST_TRIES = 3  # a stored batch lost with its constructor is asked for again, this many times
+# a trainer that waits this long for a batch tells the planner it is alive, and again as often:
+# a trainer restarted alone learns at once that the others still run (overlord.roles.rewind)
+HEARTBEAT_S = 1.0
 
 
 class Client(Iterator[Batch]):
@@ -28,6 +33,10 @@ class Client(Iterator[Batch]):
     ``objects``: the store the constructor puts a mesh rank's view in (given by
     the wiring where the constructor has one); the client then fetches the
     view as the one object its peers share.
+
+    ``heartbeat``: while the trainer waits for a batch, tell the planner every
+    :data:`HEARTBEAT_S` that it is alive (a client connected to a job, whose
+    trainer may outlive a peer that restarts alone).
     """
 
     def __init__(
@@ -41,6 +50,7 @@ class Client(Iterator[Batch]):
         notices: OneWay | None = None,
         global_rank: int | None = None,
         objects: ObjectStore | None = None,
+        heartbeat: bool = False,
     ):
         self.rank, self.global_rank = rank, global_rank
         self._constructor, self._planner = constructor, planner
@@ -55,6 +65,10 @@ class Client(Iterator[Batch]):
         self._returned: float | None = None  # when the last batch was handed over
         # a mesh rank takes its view as the one stored object its peers share, given a store
         self._objects = objects if global_rank is not None else None
+        self._waits_since: float | None = None  # when the trainer's wait for a batch began
+        self._closed = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat, name=f"overlord-beat-{who}", daemon=True).start()
 
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
@@ -64,22 +78,11 @@ class Client(Iterator[Batch]):
         # the trainer's own time since the last batch: the autoscaler's measure of demand
         now = time.perf_counter()
         train_s = None if self._returned is None else now - self._returned
-        while True:  # the time spent here is the trainer's wait (monitoring)
-            try:
-                batch = self._fetch()
-            except RanksApart:
-                if not self._notices.pending():
-                    raise
-                self._notices.flush()  # the other ranks' notices were on their way: ask again
-                continue
-            if (batch.step, batch.rank) == (self.step, self.rank):
-                break
-            if batch.step < self.step and batch.rank == self.rank:
-                continue  # a delivery repeated by a retry: dropped by its key
-            raise LoaderError(
-                f"rank {self.rank} asked for step {self.step} and received step {batch.step} "
-                f"of rank {batch.rank}"
-            )
+        self._waits_since = now
+        try:
+            batch = self._next_batch()
+        finally:
+            self._waits_since = None
         wait_s = time.perf_counter() - now
         # no need to wait: calls from one process reach the planner in order
         if self.global_rank is None:
@@ -97,6 +100,34 @@ class Client(Iterator[Batch]):
         self.step += 1
         self._returned = time.perf_counter()
         return batch
+
+    def _next_batch(self) -> Batch:
+        while True:  # the time spent here is the trainer's wait (monitoring)
+            try:
+                batch = self._fetch()
+            except RanksApart:
+                if not self._notices.pending():
+                    raise
+                self._notices.flush()  # the other ranks' notices were on their way: ask again
+                continue
+            if (batch.step, batch.rank) == (self.step, self.rank):
+                return batch
+            if batch.step < self.step and batch.rank == self.rank:
+                continue  # a delivery repeated by a retry: dropped by its key
+            raise LoaderError(
+                f"rank {self.rank} asked for step {self.step} and received step {batch.step} "
+                f"of rank {batch.rank}"
+            )
+
+    def _beat(self) -> None:
+        """While the trainer waits for a batch, tell the planner this trainer is alive."""
+        while not self._closed.wait(HEARTBEAT_S):
+            since = self._waits_since
+            if since is None or time.perf_counter() - since < HEARTBEAT_S:
+                continue
+            with contextlib.suppress(Exception):  # a planner being restarted: the next beat
+                call = self._planner.call(PlannerRole.waiting, self.rank, self.step, self._since)
+                call.result(timeout=HEARTBEAT_S)
 
     def _fetch(self) -> Batch:
         if self.global_rank is None:
@@ -124,6 +155,7 @@ class Client(Iterator[Batch]):
 
     def close(self) -> None:
         """Wait for the last consumption notices (raising their errors); stop an owned one."""
+        self._closed.set()
         try:
             if self._shared:
                 self._notices.flush()

@@ -22,36 +22,38 @@ global_rank=)``) or reported a step. Peers that get their batch from another
 rank (``overlord.torch.broadcast_batch``) never attach and are not waited for.
 
 **Rewinds.** When every trainer process dies and restarts from its own
-checkpoint (a state the planner handed out, at step ``S``) while the job
-keeps running, each reconnects with that state (``overlord.connect(job,
-rank, state=...)``). The first to do so rewinds the job to ``S``: the plans
-of ``S`` on are dropped, the cursors and the mixture go back to the state of
-``S``, and the SourceLoaders (not restarted) serve again what they hold from
-there on, read-ahead included, so the steps from ``S`` are planned again
-exactly as the uninterrupted stream had them.
+checkpoint (a state the job handed out, at step ``S``: the newest, or an
+older one) while the job keeps running, each reconnects with that state
+(``overlord.connect(job, rank, state=...)``). Which states are the job's, and
+the rewind as one transaction over the DP ranks, are
+:mod:`overlord.roles.rewind`: once every DP rank reconnected with the same
+state, the job rewinds to ``S``: the plans of ``S`` on are dropped, the
+cursors and the mixture go back to the state of ``S``, and the SourceLoaders
+(not restarted) serve again from there, so the steps from ``S`` are planned
+again exactly as the uninterrupted stream had them.
 
-That needs the loaders to still hold the items of steps ``S`` and later,
-which every rank had consumed. So the planner keeps the items of the steps
-from the newest state it handed out (a trainer's checkpoint), at most
-``recovery.rewind_steps`` steps back, instead of releasing them once
-consumed: a job can rewind to a checkpoint of the last ``rewind_steps``
-steps, at that cost in memory (each loader's budget grows by as much).
-
-A rewind is one transaction over the ranks: it is open until every DP rank
-has reconnected, and a rank that reconnects with another state meanwhile is
-refused with both states named, never served a mixed stream.
+A loader serves from memory what it still holds; where an item the state
+needs was released already, it seeks in place to the state's shard and reads
+again from there (:meth:`overlord.roles.source_loader.SourceLoader.rewind`).
+So any state of the job can be rewound to. ``recovery.rewind_steps`` is a
+speed and memory knob, not a precondition: the planner keeps the items of
+the steps from the newest state it handed out (a trainer's checkpoint), at
+most ``rewind_steps`` steps back, instead of releasing them once consumed, so
+that a rewind to one of those is served from memory, at that cost in memory
+(each loader's budget grows by as much).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from overlord.errors import CheckpointError, LoaderError
 from overlord.monitor.figures import Figures
 from overlord.plan.spec import Plan
 from overlord.roles.ledger import Ledger
+from overlord.roles.rewind import STAMP, Stamps, Transaction
 from overlord.state.checkpoint import check_state
 
 log = logging.getLogger("overlord.planner")
@@ -70,8 +72,10 @@ class Consumption:
     - ``settle(before, done)``: every rank has now consumed up to step
       ``done`` (up to ``before`` until this notice): the planner releases
       what it no longer needs;
-    - ``rewind(step)``: the planner plans again from the kept state before
-      ``step`` (it calls :meth:`restart` on the way).
+    - ``rewind(state)``: the planner plans again from ``state`` (a state of
+      this job, checked here; it calls :meth:`restart` on the way);
+    - ``stamps``: the job's identity and key (None: a job no trainer
+      reconnects to, whose states are not stamped).
     """
 
     def __init__(
@@ -81,7 +85,8 @@ class Consumption:
         ledger: Ledger,
         planned: Callable[[], int],
         settle: Callable[[int, int], None],
-        rewind: Callable[[int], None],
+        rewind: Callable[[dict[str, Any]], None],
+        stamps: Stamps | None = None,
     ):
         self.plan, self.figures, self.ledger = plan, figures, ledger
         self._world = plan.world
@@ -91,9 +96,11 @@ class Consumption:
         self._peers: dict[int, int] = {}  # last step each attached global rank received
         # the newest step whose state was handed out (trainers may rewind to it)
         self._checkpoint: int | None = None
-        # the rewind in progress: its step, and the DP ranks that reconnected
+        # the step of the last rewind: notices of clients started before it are stale
         self._open: int | None = None
-        self._joined: set[int] = set()
+        self.stamps = stamps
+        self.rewinding = Transaction(self._dp)  # the rewind in progress, and its refusals
+        self.origin: dict[str, Any] | None = None  # the state the job (re)started from
         self.restart(0)
 
     def restart(self, step: int) -> None:
@@ -132,6 +139,7 @@ class Consumption:
         """
         if self.stale(since):
             return
+        self.rewinding.heard(rank, step)
         self.figures.trainer(rank, step, train_s, wait_s)
         if train_s is not None and train_s >= 0:
             old = self.train_s
@@ -169,6 +177,9 @@ class Consumption:
     def attach(self, global_rank: int) -> int:
         """Count ``global_rank`` among its DP rank's readers; the next step it should consume."""
         dp = self._world.coords(global_rank).dp
+        now = self.rewinding.open
+        if now is not None and dp in now.joined:  # it reconnected: it starts at the rewind
+            self._peers[global_rank] = now.step - 1
         at = self._peers.setdefault(global_rank, self._consumed[dp])
         return at + 1
 
@@ -212,44 +223,121 @@ class Consumption:
         return max(min(self._checkpoint, first), first - hold)
 
     def reconnect(self, rank: int, state: dict[str, Any]) -> int:
-        """DP rank ``rank`` restarted from ``state``: rewind the job there (once); its step."""
+        """DP rank ``rank`` restarted from ``state``: join the rewind there; its step.
+
+        The job rewinds once every DP rank reconnected with the same state; a
+        rank refused closes the rewind for every rank that waited.
+        """
+        if self.rewinding.age() > self.plan.loading.timeout_s:
+            self._refuse(self._late())
         try:
-            check_state(state, self.plan)
+            problem = self._not_ours(state)
         except CheckpointError as e:
-            raise LoaderError(f"rank {rank} cannot reconnect with this state: {e}") from None
+            problem = str(e)
+        if problem is not None:
+            self._refuse(f"rank {rank} cannot reconnect with this state: {problem}")
         step = int(state["step"])
-        if self._open is not None and len(self._joined) < self._dp:
-            if step != self._open:
-                raise LoaderError(
-                    f"rank {rank} reconnects with the state of step {step}, but rank(s) "
-                    f"{sorted(self._joined)} reconnected with the state of step {self._open}: "
-                    "every rank must restart from the same checkpoint (a step goes to all "
-                    "ranks or to none); restart the trainers from one checkpoint"
-                )
-            self._joined.add(rank)
-            return step
-        self._check_kept(step, state)
-        self._rewind(step)
-        for g in self._peers:
-            self._peers[g] = step - 1
-        self._open, self._joined = step, {rank}
-        log.warning("trainers reconnected from step %d: the job rewound there", step)
+        try:
+            now = self.rewinding.join(rank, state)
+        except ValueError as e:
+            self._refuse(str(e))
+        alive = self.rewinding.alive()
+        if alive:
+            self._refuse(self._alone(alive))
+        if self.rewinding.complete():
+            self.rewinding.close()
+            self._rewind(now.state)
+            for g in self._peers:
+                self._peers[g] = step - 1
+            self._open = step
+            log.warning("trainers reconnected from step %d: the job rewound there", step)
         return step
 
-    def _check_kept(self, step: int, state: dict[str, Any]) -> None:
-        """Refuse a rewind to a state this job no longer keeps, or never had."""
-        kept = self.ledger.kept(step)
-        if kept is None:
-            raise LoaderError(
-                f"cannot rewind the job to step {step}: it keeps states from step "
-                f"{self.ledger.first} to {self.ledger.last} "
-                f"(recovery.rewind_steps={self.plan.recovery.rewind_steps} steps before the "
-                "newest checkpoint handed out); restart the job from the checkpoint instead "
-                "(overlord serve --resume), or raise recovery.rewind_steps"
-            )
-        mine = {n: s["cursor"] for n, s in state["sources"].items()}
-        if {n: s["cursor"] for n, s in kept["sources"].items() if n in mine} != mine:
-            raise LoaderError(
-                f"the state of step {step} a trainer reconnects with is not this job's state of "
-                "that step (another run's checkpoint?): its source positions differ"
-            )
+    def waits(self, rank: int) -> bool:
+        """Whether ``rank`` must wait before it is served (a rewind waits for ranks to reconnect).
+
+        Raises the error of a rewind that ``rank`` joined and that was
+        refused: a rank restarted alone (other ranks are alive), another rank
+        refused, or ranks that never reconnected.
+        """
+        refused = self.rewinding.refused(rank)
+        if refused is not None:
+            raise LoaderError(refused)
+        now = self.rewinding.open
+        if now is None or rank not in now.joined:
+            return False  # ranks not in a rewind are served as before: nothing moved yet
+        alive = self.rewinding.alive()
+        if alive:
+            self.rewinding.refuse(self._alone(alive))
+        elif self.rewinding.age() > self.plan.loading.timeout_s:
+            self.rewinding.refuse(self._late())
+        refused = self.rewinding.refused(rank)
+        if refused is not None:
+            raise LoaderError(refused)
+        return True
+
+    def waiting(self, rank: int, step: int, since: int | None) -> None:
+        """A trainer of ``rank`` waits for ``step``: it is alive (``since``: its start step)."""
+        now = self.rewinding.open
+        if now is not None and rank in now.joined:
+            return  # a trainer that reconnected, waiting for the others
+        if not self.stale(since):
+            self.rewinding.heard(rank, step - 1)
+
+    def _refuse(self, message: str) -> NoReturn:
+        log.warning("a rewind was refused: %s", message)
+        self.rewinding.refuse(message)
+        raise LoaderError(message)
+
+    def _alone(self, alive: dict[int, int]) -> str:
+        now = self.rewinding.open
+        assert now is not None
+        where = ", ".join(f"rank {r} at step {s}" for r, s in alive.items())
+        return (
+            f"rank(s) {sorted(now.joined)} reconnected with the state of step {now.step}, "
+            f"but the trainers of other ranks are alive and consuming ({where}): a trainer "
+            "restarted alone cannot rewind a job that other ranks still read (a step goes to "
+            "all ranks or to none). The live ranks go on undisturbed; to rewind, stop every "
+            "trainer and restart them all from one checkpoint"
+        )
+
+    def _late(self) -> str:
+        now = self.rewinding.open
+        assert now is not None
+        missing = sorted(set(range(self._dp)) - now.joined)
+        return (
+            f"rank(s) {sorted(now.joined)} reconnected with the state of step {now.step}, and "
+            f"rank(s) {missing} did not within {self.plan.loading.timeout_s:.0f} s "
+            "(loading.timeout_s): the job did not rewind; every rank must reconnect with the "
+            "same checkpoint"
+        )
+
+    def _not_ours(self, state: dict[str, Any]) -> str | None:
+        """Why ``state`` is not a state of this job (None: it is); raises CheckpointError."""
+        check_state(state, self.plan)
+        if STAMP in state and self.stamps is not None:
+            problem = self.stamps.problem(state)
+            if problem is None or not self._known(state):
+                return problem
+            return None  # another job's stamp, on the very state this job started from
+        if self._known(state):
+            return None
+        step = int(state["step"])
+        return (
+            f"the state of step {step} carries no stamp of this job (written before "
+            f"stamps, or by another job), and the job keeps no state of step {step} to "
+            f"compare it with (it keeps steps {self.ledger.first} to {self.ledger.last}): "
+            "restart the job from it instead (overlord serve --resume), or reconnect with a "
+            "checkpoint this job handed out"
+        )
+
+    def _known(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` equals the state the job started from, or one it keeps."""
+        step = int(state["step"])
+        mine = {n: s.get("cursor") for n, s in state["sources"].items()}
+        for kept in (self.ledger.kept(step), self.origin):
+            if kept is None or int(kept["step"]) != step:
+                continue
+            if {n: s["cursor"] for n, s in kept["sources"].items() if n in mine} == mine:
+                return True
+        return False

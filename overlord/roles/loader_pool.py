@@ -156,6 +156,7 @@ class LoaderPool:
             self.config.keep_payloads,
             shadow,
             limit,
+            list(part.start),
             name=name,
             options=self.options.get(source, RoleOptions()),
         )
@@ -370,14 +371,25 @@ class LoaderPool:
         """
         self._received.clear()
 
-    def rewind(self, cursors: dict[str, dict[str, Any]]) -> None:
-        """Have every replica serve again what the recovered state has not consumed."""
-        calls = [
-            r.call(LoaderRole.rewind, cursors[name])
-            for name, slots in self.slots.items()
-            for slot in slots
-            for r in slot
-        ]
+    def rewind(self, cursors: dict[str, dict[str, Any]], seek: bool = False) -> None:
+        """Have every replica serve again what the recovered state has not consumed.
+
+        ``seek``: items the state needs were released (trainers rewound the
+        job to an older state): the loaders read again from it. A partition
+        retired before the state's position is needed again: its loaders are
+        started anew, at the state.
+        """
+        calls = []
+        for name, slots in self.slots.items():
+            at = (int(cursors[name]["epoch"]), int(cursors[name]["shard_pos"]))
+            for k, slot in enumerate(slots):
+                limit = self.parts[name][k].limit
+                if not slot and limit is not None and at < limit:
+                    copies = 1 + self.shadows[name]
+                    slot += [self._spawn(name, k, s > 0) for s in range(copies)]
+                    self._journal()
+                    continue
+                calls += [r.call(LoaderRole.rewind, cursors[name], seek) for r in slot]
         for ref in calls:
             with contextlib.suppress(ActorDiedError):  # failed over when next asked for data
                 ref.result()

@@ -46,6 +46,7 @@ from overlord.roles.consumption import Consumption
 from overlord.roles.cursor import SourceCursor
 from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
+from overlord.roles.rewind import Stamps
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
 from overlord.state.journal import Journal
@@ -62,7 +63,9 @@ class Planner:
 
     ``wait_for_ranks``: a rank too far ahead of the others is told to wait
     (None) when each rank is its own process; in one process that consumes
-    every rank, waiting would never end, so it is an error instead.
+    every rank, waiting would never end, so it is an error instead. Such a
+    job is also one that trainers reconnect to: it stamps the states it hands
+    out (:mod:`overlord.roles.rewind`), its key kept beside its journal.
 
     ``assigners``: how many assigner roles balance a step's groups (0: here;
     the wiring's ``assigner_count``).
@@ -99,6 +102,7 @@ class Planner:
         self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
         self.ledger = Ledger(plan, self._files)
+        self.stamps = Stamps(journal) if wait_for_ranks else None  # states trainers rewind to
         self.consumption = Consumption(
             plan,
             self.figures,
@@ -106,6 +110,7 @@ class Planner:
             planned=lambda: self.next_step,
             settle=self._settle,
             rewind=self._rewind_to,
+            stamps=self.stamps,
         )
         self.pool = LoaderPool(
             *(plan, files, runtime, config),
@@ -169,6 +174,10 @@ class Planner:
         self.consumption.restart(self.start_step)
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
         self.ledger.restart(self.start_step, self._snapshot())
+        self.consumption.origin = self.ledger.at(self.start_step)
+        # the first step whose items no loader has released: a rewind to an earlier state
+        # has the loaders seek and read again, a rewind from here on is served from memory
+        self.held_from = self.start_step
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
 
     # what a source's cursor asks: its shards, its loaders' metadata, its partitions
@@ -203,7 +212,8 @@ class Planner:
             # not planned here yet (a rank received it from batches built before a rewind):
             # the state of a later step is the plan's, so plan up to it
             self._plan_next()
-        return self.ledger.state_dict(step)
+        state = self.ledger.state_dict(step)
+        return state if self.stamps is None else self.stamps.stamp(state)
 
     # ---- planning --------------------------------------------------------------------------
 
@@ -232,6 +242,7 @@ class Planner:
         if step <= done:
             # a restarted planner re-plans a step every rank had consumed already
             self._release(self.plans.pop(step))
+            self.held_from = max(self.held_from, step + 1)
             self.consumption.prune()
 
     def rank_plan(self, step: int, rank: int) -> dict[str, Any] | None:
@@ -253,6 +264,13 @@ class Planner:
                 "apart (consume every rank's batch of a step before the next step)"
             )
         consumed = step < self.consumption.position(rank)
+        if self.consumption.waits(rank):  # it reconnected: the others have not yet
+            if self.wait_for_ranks:
+                return None
+            raise LoaderError(
+                f"rank {rank} asked for step {step} while a rewind waits for every DP rank to "
+                "reconnect with its state: reconnect every rank before reading"
+            )
         if step < self.start_step or consumed and step not in self.plans:
             raise LoaderError(f"step {step} of rank {rank} was consumed already")
         while self.next_step <= step:
@@ -309,8 +327,12 @@ class Planner:
         return self.consumption.position(rank)
 
     def reconnect(self, rank: int, state: dict[str, Any]) -> int:
-        """DP rank ``rank`` restarted from ``state``: rewind the job there (once); its step."""
+        """DP rank ``rank`` restarted from ``state``: rewind the job there, with every rank."""
         return self.consumption.reconnect(rank, state)
+
+    def waiting(self, rank: int, step: int, since: int | None = None) -> None:
+        """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
+        self.consumption.waiting(rank, step, since)
 
     def _settle(self, before: int, done: int) -> None:
         """Every rank consumed up to ``done`` (up to ``before`` until now).
@@ -326,6 +348,7 @@ class Planner:
         keep = self.consumption.keep_from(done + 1)  # steps kept for trainers that rewind
         for s in sorted(s for s in self.plans if s < keep):
             self._release(self.plans.pop(s))
+        self.held_from = max(self.held_from, keep)
         self.consumption.prune()
         self.pool.retire()
         every = self.plan.autoscale.every
@@ -336,18 +359,26 @@ class Planner:
             except ActorDiedError as e:  # a loader died: decide next time, after its failover
                 log.warning("autoscaler skipped a decision at step %d: %s", done + 1, e)
 
-    def _rewind_to(self, step: int) -> None:
-        """Plan again from the kept state before ``step``: trainers rewound the job there."""
+    def _rewind_to(self, state: dict[str, Any]) -> None:
+        """Plan again from ``state`` (a state of this job): trainers rewound the job there.
+
+        Items of steps from ``held_from`` on are still held: a rewind there is
+        served from memory; to an earlier state, the loaders seek to it and
+        read again (:meth:`overlord.roles.source_loader.SourceLoader.rewind`).
+        """
+        step = int(state["step"])
+        seek = step < self.held_from
         history = [h for h in self.history if h["step"] < step]
-        self._build(self.state_dict(step))
+        self._build(state)
         self.history.extend(history)
         # what each slot last sent is past the rewind: a shadow promoted now serves from the
         # cursor's own position (the pool asks the cursor, as after a planner restart)
         self.pool.forget_received()
-        self.pool.rewind({n: self.consumption.consumed_cursor(n) for n in self.names})
+        self.pool.rewind({n: self.consumption.consumed_cursor(n) for n in self.names}, seek)
         if self.journal is not None:  # a planner restarted later resumes from here
             self.journal.restart(self._snapshot(), step - 1, self.pool.record())
-        self.pool.events.append({"event": "trainers-rewound", "step": step})
+        how = "seek" if seek else "memory"
+        self.pool.events.append({"event": "trainers-rewound", "step": step, "served_from": how})
 
     def _release(self, cols: dict[str, Any]) -> None:
         self.pool.release(cols["source"], cols["loader"], cols["key"])

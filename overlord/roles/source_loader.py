@@ -37,8 +37,13 @@ standby started with ``shadow=True``) that reads the same shards and receives
 the same releases holds exactly what the primary holds. When the primary dies,
 the planner promotes the shadow: it starts serving metadata after the last
 block the planner received, and constructors take from it instead. A loader
-can also be *rewound* to a planner state (a restarted planner resumes there):
-it serves again the metadata of every held item from that point on.
+can also be *rewound* to a planner state (a restarted planner resumes there,
+trainers rewind the job there): it serves again the metadata of every held
+item from that point on; where an item the state needs was released already
+(or never read: the loader started after it), it *seeks* in place: its
+reader starts again at the state's shard, as a loader started at that state
+would (the shard's consumed items are read and dropped), and what it held
+goes. The process, its line indexes and its place in the pool stay.
 
 Messages are plain dicts of numpy arrays and ints: no pickle is needed to
 decode them.
@@ -65,6 +70,7 @@ from overlord.roles.api import LoaderRole
 from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
+from overlord.runtime import in_daemon_thread
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardItems, shard_file
 from overlord.sources.tokenizers import source_tokenizer
@@ -99,7 +105,8 @@ class SourceLoader:
     items after it that were already consumed (from a checkpoint). A
     ``shadow`` reads and holds the same items but serves no metadata until it
     is promoted. ``limit`` (``[epoch, shard_pos]``) ends the loader's shards
-    there: another partition of the source reads from it on.
+    there: another partition of the source reads from it on; ``first`` is
+    where its partition begins (a seek goes no earlier).
 
     Its :attr:`reader` (:class:`~overlord.roles.read_ahead.Reader`) reads
     ahead; its :attr:`progress` says how far it got.
@@ -119,6 +126,7 @@ class SourceLoader:
         keep_payloads: bool = True,
         shadow: bool = False,
         limit: list[int] | None = None,
+        first: list[int] | None = None,
     ):
         self.keep_payloads = keep_payloads  # False: metadata only (``overlord plan``)
         self.plan = plan
@@ -127,28 +135,34 @@ class SourceLoader:
         self.source, self.index, self.count = source, index, count
         self.tokenizer = source_tokenizer(self.plan, self.spec)
         start = start or {}
-        first: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
-        self.progress = Progress(start=first, send_from=(*first, 0))
+        at: Position = (int(start.get("epoch", 0)), int(start.get("shard_pos", 0)))
+        self._first: Position = (0, 0) if first is None else (int(first[0]), int(first[1]))
+        self.progress = Progress(start=at, send_from=(*at, 0))
         self._held = HeldItems(start)  # what it holds, and what was consumed
+        self._origin = start  # the state its reader started from: items it consumed were not read
         self._serving = not shadow  # queues metadata for the planner
         self._queue: deque[dict[str, Any]] = deque()
         self._lock = threading.Condition()
-        self.reader = Reader(
-            plan,
-            self.spec,
-            files,
-            self.tokenizer,
-            first,
-            files.owned(first, index, count),
-            self._lock,
-            ReadAhead(budget=token_budget(plan, count, source), threads=plan.loading.threads),
-            Outlet(state=self._state, backlogged=self._backlogged, publish=self._publish),
-            name=f"{source}-{index}",
-        )
+        self.reader = self._reader(at, threads=plan.loading.threads)
         if limit is not None:  # a partition's end: a re-partition started the next one there
             self.reader.limit = (int(limit[0]), int(limit[1]))
         self._read = ReadStats(self.reader.cache.retries)
         self.reader.start()
+
+    def _reader(self, at: Position, threads: int) -> Reader:
+        """A reader of this loader's shards from shard ``at`` on (not started)."""
+        return Reader(
+            self.plan,
+            self.spec,
+            self.files,
+            self.tokenizer,
+            at,
+            self.files.owned(at, self.index, self.count),
+            self._lock,
+            ReadAhead(budget=token_budget(self.plan, self.count, self.source), threads=threads),
+            Outlet(state=self._state, backlogged=self._backlogged, publish=self._publish),
+            name=f"{self.source}-{self.index}",
+        )
 
     # ---- the reader's outlet (lock held) ---------------------------------------------------
 
@@ -356,27 +370,76 @@ class SourceLoader:
                 blocks.append(metadata_block(at, f, 0, None, None, last=True))
         return blocks
 
-    def rewind(self, start: dict[str, Any]) -> None:
+    def rewind(self, start: dict[str, Any], seek: bool = False) -> None:
         """Serve metadata again from planner state ``start`` (a source cursor's state).
 
         Items before ``start`` and in its ``skip`` runs were consumed: they are
         released (their releases may have been lost with a planner). Every
-        other item this loader read is served again, so that a restarted
-        planner re-plans the same steps.
+        other item this loader read is served again, so that the planner
+        plans the same steps again. Where one of them was released already
+        (``seek``: the planner released items the state needs; or found
+        here), or was never read (the loader started after it), the loader
+        seeks to the state instead (:meth:`_seek`).
         """
         with self._lock:
             first: Position = (int(start["epoch"]), int(start["shard_pos"]))
-            lost = self._held.rewind(start, [at for at, _ in self._published(first)])
-            if lost is not None:
-                raise LoaderError(
-                    f"SourceLoader {self.source}[{self.index}] cannot rewind to {start}: "
-                    f"item {lost} was released already (the planner's journal is older than "
-                    "what every rank consumed)"
-                )
+            lost = None
+            if not seek and self._read_from(start):
+                lost = self._held.rewind(start, [at for at, _ in self._published(first)])
+            if seek or lost is not None or not self._read_from(start):
+                self._seek(start)
+                return
             self.progress.send_from = (*first, 0)
             if self._serving:
                 self._queue = deque(self._blocks_from(self.progress.send_from))
             self._lock.notify_all()
+
+    def _read_from(self, start: dict[str, Any]) -> bool:
+        """Whether this loader read every item of its own that ``start`` needs (lock held).
+
+        Its reader started from :attr:`_origin`: the items that state had
+        consumed were never read, so each must be consumed in ``start`` too
+        (or lie before this loader's partition).
+        """
+        origin = self._origin
+        floor = tuple(int(origin.get(k, 0)) for k in ("epoch", "shard_pos", "index"))
+        wanted = tuple(int(start[k]) for k in ("epoch", "shard_pos", "index"))
+        if wanted < floor and floor > (*self._first, 0):
+            return False
+        runs = [[int(x) for x in run] for run in start.get("skip", [])]
+        for e, p, i, c in ([int(x) for x in run] for run in origin.get("skip", [])):
+            if (e, p, i + c) <= wanted:
+                continue  # before the state's first item: consumed there too
+            if not any([e, p] == r[:2] and r[2] <= i and i + c <= r[2] + r[3] for r in runs):
+                return False
+        return True
+
+    def _seek(self, start: dict[str, Any]) -> None:
+        """Read again from state ``start``'s shard: a new reader, what was held dropped (lock held).
+
+        As a loader started at ``start`` would: the reader starts at the
+        state's shard (or its partition's first, if later), and the items the
+        state consumed are dropped as they are read. The old reader's threads
+        end at their next wait; what they publish meanwhile is dropped, and
+        its windows go once they end. Line indexes are kept: only the shards
+        from the state's on are read again.
+        """
+        at = max((int(start["epoch"]), int(start["shard_pos"])), self._first)
+        old = self.reader
+        old.stop()
+        self._held.clear()
+        self._held = HeldItems(start)
+        self._origin = start
+        self._queue.clear()
+        progress = self.progress
+        progress.start, progress.send_from, progress.last = at, (*at, 0), (-1, -1, 0)
+        progress.next_index = {}
+        self.reader = self._reader(at, threads=old.policy.threads)
+        self.reader.cache = old.cache  # line indexes of every epoch, and the retry count
+        self.reader.limit, self.reader.frozen = old.limit, old.frozen
+        self.reader.start()
+        in_daemon_thread(old.join, self.plan.loading.timeout_s)  # it takes the lock to end
+        self._lock.notify_all()
 
     def freeze(self) -> list[int] | None:
         """Start no new shard; the first shard not started, ``[epoch, shard_pos]``.
