@@ -11,6 +11,8 @@ from overlord.monitor.figures import Figures
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.consumption import Consumption
 from overlord.roles.ledger import Ledger
+from overlord.roles.rewind import Stamps
+from overlord.state.format import STATE_VERSION
 
 
 def _plan(job_plan: Any, dp: int = 3, tp: int = 1, rewind_steps: int = 0) -> Plan:
@@ -32,19 +34,26 @@ class Job:
             self.ledger.keep(s, self.state(s))
         self.settled: list[tuple[int, int]] = []
         self.rewound: list[int] = []
+        self.stamps = Stamps(None)  # the job's key: the states it hands out are stamped
         self.consumption = Consumption(
             plan,
             Figures(plan.source_names, plan.world.dp),
             self.ledger,
             planned=lambda: steps,
             settle=self.settle,
-            rewind=self.rewound.append,
+            rewind=lambda state: self.rewound.append(int(state["step"])),
+            stamps=self.stamps,
         )
 
     def settle(self, before: int, done: int) -> None:
         """What the planner does when every rank consumed more: here, only prune its states."""
         self.settled.append((before, done))
         self.consumption.prune()
+
+    def handed(self, step: int) -> dict[str, Any]:
+        """The state of ``step`` as the job hands it out to a trainer: whole, and stamped."""
+        body = {"version": STATE_VERSION, "fingerprint": self.plan.stream_fingerprint()}
+        return self.stamps.stamp({**body, **self.state(step)})
 
     def state(self, step: int) -> dict[str, Any]:
         """A state as a run writes one (a resume range-checks it), its cursor at ``step``."""
@@ -102,21 +111,76 @@ def test_consumed_states_are_kept_back_to_the_newest_checkpoint_within_rewind_st
 
 
 def test_a_rewind_is_one_transaction_over_the_ranks(job_plan):
-    job = Job(_plan(job_plan, dp=2, rewind_steps=4))
+    job = Job(_plan(job_plan, dp=2))
     c = job.consumption
-    c.checkpointed(5)  # a trainer's checkpoint
     for r in range(2):
         for s in range(7):
             c.mark_consumed(r, s)
-    five, six = job.ledger.state_dict(5), job.ledger.state_dict(6)
-    assert c.reconnect(0, five) == 5 and job.rewound == [5]
+    five, six = job.handed(5), job.handed(6)
+    assert c.reconnect(0, five) == 5 and job.rewound == []  # the job waits for rank 1
+    assert c.waits(0) and not c.waits(1)  # rank 0 waits; rank 1's trainer is served as before
     with pytest.raises(LoaderError, match="state of step 6.*state of step 5"):
         c.reconnect(1, six)  # another checkpoint while the rewind is open
-    assert c.reconnect(1, five) == 5 and job.rewound == [5]  # joins: rewound once
+    with pytest.raises(LoaderError, match="state of step 6.*state of step 5"):
+        c.waits(0)  # the waiting rank receives the same error
+    assert job.rewound == [] and c.positions() == [6, 6]  # the job did not move
+    # a new rewind, every rank with the same checkpoint: the job rewinds once, when the last joins
+    assert c.reconnect(1, five) == 5 and job.rewound == []
+    assert not c.stale(4)
+    assert c.reconnect(0, five) == 5 and job.rewound == [5]
+    assert not c.waits(0) and not c.waits(1)
     assert c.stale(4) and not c.stale(5)
-    elsewhere = {"epoch": 0, "shard_pos": 0, "index": 99, "skip": []}
-    other = {**five, "sources": {"web": {**five["sources"]["web"], "cursor": elsewhere}}}
-    with pytest.raises(LoaderError, match="not this job's state"):
-        c.reconnect(0, other)  # a new rewind, from a state this job never had
-    with pytest.raises(LoaderError, match="cannot rewind the job to step 0"):
-        c.reconnect(0, {**five, "step": 0})  # no longer kept
+
+
+def test_a_state_not_of_this_job_is_refused_naming_why(job_plan):
+    job = Job(_plan(job_plan, dp=2))
+    c = job.consumption
+    for r in range(2):
+        for s in range(7):
+            c.mark_consumed(r, s)
+    three = job.handed(3)
+    assert c.reconnect(0, three) == 3  # an older state than any kept: its stamp says it is ours
+    another = Stamps(None).stamp({k: v for k, v in three.items() if k != "job"})
+    with pytest.raises(LoaderError, match="handed out by job"):
+        c.reconnect(1, another)
+    with pytest.raises(LoaderError, match="handed out by job"):
+        c.waits(0)  # rank 0 waited: it receives the same error
+    bare = {k: v for k, v in three.items() if k != "job"}
+    with pytest.raises(LoaderError, match="carries no stamp of this job.*keeps steps 7 to"):
+        c.reconnect(0, bare)
+    assert c.reconnect(0, {k: v for k, v in job.ledger.state_dict(7).items()}) == 7  # kept
+    assert job.rewound == []
+
+
+def test_a_trainer_restarted_alone_is_told_at_once_and_the_live_ranks_go_on(job_plan):
+    job = Job(_plan(job_plan, dp=4))
+    c = job.consumption
+    for r in range(4):
+        for s in range(5):
+            c.mark_consumed(r, s)
+    five = job.handed(5)
+    assert c.reconnect(2, five) == 5  # rank 2's trainer restarted; the others did not die
+    assert c.reconnect(3, five) == 5  # so did rank 3's
+    assert c.waits(2)  # nothing heard from the others yet
+    c.mark_consumed(0, 5)  # rank 0's trainer consumes on
+    c.waiting(1, 6, since=0)  # rank 1's trainer waits for its step 6 (for rank 2)
+    with pytest.raises(LoaderError, match=r"alive and consuming \(rank 0 at step 5, rank 1 at "
+                       r"step 5\).*restart them all from one checkpoint"):  # fmt: skip
+        c.waits(2)
+    with pytest.raises(LoaderError, match="alive and consuming"):
+        c.waits(3)  # every rank that waited receives it
+    assert job.rewound == [] and c.positions() == [5, 4, 4, 4]  # undisturbed
+    assert not c.waits(0) and not c.waits(1)
+
+
+def test_a_rewind_whose_ranks_never_all_reconnect_ends_with_an_error(job_plan):
+    job = Job(_plan(job_plan, dp=2))
+    c = job.consumption
+    state = job.handed(0)
+    c.reconnect(0, state)
+    assert c.rewinding.open is not None
+    c.rewinding.open.opened -= job.plan.loading.timeout_s + 1  # as if it had waited that long
+    with pytest.raises(LoaderError, match=r"rank\(s\) \[1\] did not within"):
+        c.waits(0)
+    assert c.reconnect(1, state) == 0 and c.reconnect(0, state) == 0  # a new one completes
+    assert job.rewound == [0]

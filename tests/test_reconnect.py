@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from conftest import two_sources
-from overlord import Loader, LoaderError, load_plan
+from overlord import Loader, load_plan
 from overlord.ops.run import run_plan
-from overlord.plan.spec import validate_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.integration]
 
-STEPS, EVERY, DP = 14, 3, 2
+STEPS, EVERY, DP = 16, 3, 2
 
 TRAINER = """
 import json, os, signal, sys
@@ -35,10 +34,14 @@ import overlord
 from overlord import checkpoint
 from overlord.ops.run import dump_line
 
-job, rank, out, ckpt, stop, die_at = sys.argv[1:7]
-rank, stop, die_at = int(rank), int(stop), int(die_at)
+job, rank, out, ckpt, stop, die_at, start = sys.argv[1:8]
+rank, stop, die_at, start = int(rank), int(stop), int(die_at), int(start)
 mine = Path(ckpt) / f"rank-{rank}"
-state = checkpoint.load(mine) if mine.is_dir() and any(mine.iterdir()) else None
+state = None
+if start >= 0:  # that checkpoint; else the newest, if any
+    state = checkpoint.load(mine / f"step-{start:08d}.json")
+elif mine.is_dir() and any(mine.iterdir()):
+    state = checkpoint.load(mine)
 client = overlord.connect(job, rank=rank, stop_step=stop, state=state)
 with open(out, "a") as f:
     for batch in client:
@@ -54,11 +57,13 @@ client.close()
 
 @pytest.fixture
 def plan(tmp_path: Path):
-    path = two_sources(tmp_path, dp=DP, timeout_s=30, recovery={"rewind_steps": 8})
-    return load_plan(path)
+    return load_plan(two_sources(tmp_path, dp=DP, timeout_s=30))  # the default recovery
 
 
-def trainers(job: str, out: Path, ckpt: Path, die_at: int) -> None:
+def trainers(
+    job: str, out: Path, ckpt: Path, die_at: int, start: list[int] | None = None
+) -> list[str]:
+    """Run every rank's trainer (from checkpoint ``start[rank]``: -1 the newest); their errors."""
     import ray
 
     env = {
@@ -66,91 +71,96 @@ def trainers(job: str, out: Path, ckpt: Path, die_at: int) -> None:
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
         "EVERY": str(EVERY),
     }
+    start = start or [-1] * DP
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                TRAINER,
-                job,
-                str(r),
-                str(out),
-                str(ckpt),
-                str(STEPS),
-                str(die_at),
-            ],
+            [sys.executable, "-c", TRAINER, job, str(r), str(out), str(ckpt), str(STEPS),
+             str(die_at), str(start[r])],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
         for r in range(DP)
     ]
+    errors = []
     for p in procs:
         err = p.communicate(timeout=120)[1]
-        assert p.returncode in (0, -9), err[-3000:]
+        assert p.returncode in (0, 1, -9), err[-3000:]
+        errors.append(err if p.returncode == 1 else "")
+    return errors
 
 
 def loader_pids(loader: Loader) -> set[int]:
     return {s["pid"] for s in loader.stats()["loaders"]}
 
 
-def test_trainers_killed_at_a_random_step_reconnect_from_their_checkpoint(
-    ray_session, plan, tmp_path
-):
+def uninterrupted(plan) -> dict[tuple[int, int], str]:
     reference = io.StringIO()
     run_plan(plan, STEPS, dump=reference, progress=False)
-    want = {(d["step"], d["rank"]): line for line in reference.getvalue().splitlines()
+    return {(d["step"], d["rank"]): line for line in reference.getvalue().splitlines()
             for d in [json.loads(line)]}  # fmt: skip
+
+
+def served(out: Path, want: dict[tuple[int, int], str]) -> dict[tuple[int, int], int]:
+    """How many times each (step, rank) was served; each line must be the uninterrupted one's."""
+    counts: dict[tuple[int, int], int] = {}
+    for line in out.read_text().splitlines():
+        d = json.loads(line)
+        assert line == want[(d["step"], d["rank"])], (d["step"], d["rank"])
+        counts[(d["step"], d["rank"])] = counts.get((d["step"], d["rank"]), 0) + 1
+    assert set(counts) == set(want)  # every step of every rank, nothing lost
+    return counts
+
+
+def test_trainers_killed_at_a_random_step_reconnect_from_their_newest_checkpoint(
+    ray_session, plan, tmp_path
+):
+    want = uninterrupted(plan)
     die_at = random.Random(os.getpid()).randrange(EVERY + 1, STEPS - 2)
     out, ckpt = tmp_path / "dump.jsonl", tmp_path / "ckpt"
     with Loader(plan, runtime="ray", job="rewind-ci") as loader:
         before = loader_pids(loader)
-        trainers("rewind-ci", out, ckpt, die_at)  # every trainer dies after step die_at
+        assert trainers("rewind-ci", out, ckpt, die_at) == ["", ""]  # all die after die_at
         got = [json.loads(line) for line in out.read_text().splitlines()]
         assert max(d["step"] for d in got) == die_at
-        trainers("rewind-ci", out, ckpt, -1)  # new processes, from the last checkpoint
+        assert trainers("rewind-ci", out, ckpt, -1) == ["", ""]  # new ones, from the newest
         after = loader_pids(loader)
-        events = [e["event"] for e in loader.stats()["events"]]
-    lines = out.read_text().splitlines()
+        events = [e for e in loader.stats()["events"] if e["event"] == "trainers-rewound"]
+    counts = served(out, want)
     restart = (die_at + 1) // EVERY * EVERY  # the step of the last checkpoint
-    served = [(d["step"], d["rank"], line) for line in lines for d in [json.loads(line)]]
     # steps from the checkpoint on were served twice (before the kill and after), identically
-    for step, rank, line in served:
-        assert line == want[(step, rank)], (step, rank)
-    counts: dict[tuple[int, int], int] = {}
-    for step, rank, _ in served:
-        counts[(step, rank)] = counts.get((step, rank), 0) + 1
-    assert set(counts) == set(want)  # every step of every rank, nothing lost
     assert all(counts[(s, r)] == (2 if restart <= s <= die_at else 1) for s, r in want), (
         restart,
         die_at,
         counts,
     )
     assert before == after  # the SourceLoaders were not restarted
-    assert "trainers-rewound" in events
+    assert [e["step"] for e in events] == [restart]
 
 
-def test_ranks_reconnecting_with_different_states_are_refused_naming_both(ray_session, plan):
-    from overlord import connect
-
-    with Loader(plan, runtime="ray", job="rewind-mixed") as loader:
-        clients = [loader.client(r) for r in range(DP)]
-        states = {}
-        for step in range(6):
-            for c in clients:
-                next(c)
-            if step in (2, 5):
-                states[step + 1] = clients[0].state_dict()
-        first = connect("rewind-mixed", rank=0, state=states[3], stop_step=5)
-        assert next(first).step == 3
-        with pytest.raises(LoaderError, match="state of step 6.*state of step 3"):
-            connect("rewind-mixed", rank=1, state=states[6])
-        # a checkpoint of another plan is refused too
-        other = validate_plan({**plan.model_dump(mode="json"), "seed": 99}, base_dir=plan.base_dir)
-        with pytest.raises(LoaderError, match="cannot reconnect"):
-            with Loader(other) as o:
-                bad = o.state_dict()
-            connect("rewind-mixed", rank=1, state=bad)
+def test_a_refused_rank_stops_the_rewind_then_all_rewind_to_an_older_checkpoint(
+    ray_session, plan, tmp_path
+):
+    want = uninterrupted(plan)
+    out, ckpt = tmp_path / "dump.jsonl", tmp_path / "ckpt"
+    die_at = 8  # checkpoints of steps 3 and 6 were written
+    with Loader(plan, runtime="ray", job="rewind-refused") as loader:
+        before = loader_pids(loader)
+        assert trainers("rewind-refused", out, ckpt, die_at) == ["", ""]
+        # rank 0 restarts from step 6, rank 1 from step 3: neither is served a step
+        errors = trainers("rewind-refused", out, ckpt, -1, start=[6, 3])
+        for err in errors:
+            assert "every rank must restart from the same checkpoint" in err, err[-2000:]
+        assert len({e.strip().splitlines()[-1].split(":", 1)[1] for e in errors}) == 1
+        assert len(out.read_text().splitlines()) == DP * (die_at + 1)  # nothing more served
+        # then every rank from the older checkpoint (its items released long ago): exact
+        assert trainers("rewind-refused", out, ckpt, -1, start=[3, 3]) == ["", ""]
+        after = loader_pids(loader)
+        events = [e for e in loader.stats()["events"] if e["event"] == "trainers-rewound"]
+    counts = served(out, want)
+    assert all(counts[(s, r)] == (2 if 3 <= s <= die_at else 1) for s, r in want), counts
+    assert before == after  # the SourceLoaders sought in place: not restarted
+    assert [(e["step"], e["served_from"]) for e in events] == [(3, "seek")]
 
 
 def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped(job_plan):
@@ -167,7 +177,8 @@ def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped(job_plan):
     ledger.keep(9, state)  # the job keeps the state of step 9
     rewound: list[int] = []
     figures = Figures(plan.source_names, 1)
-    consumption = Consumption(plan, figures, ledger, lambda: 9, lambda *_: None, rewound.append)
+    rewind = lambda state: rewound.append(state["step"])  # noqa: E731
+    consumption = Consumption(plan, figures, ledger, lambda: 9, lambda *_: None, rewind)
     assert not consumption.stale(0)  # no rewind yet: every client counts
     assert consumption.reconnect(0, state) == 9 and rewound == [9]  # the job rewound to step 9
     assert consumption.stale(0) and consumption.stale(8)  # clients started before it: killed ones
