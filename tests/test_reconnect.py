@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,10 +61,8 @@ def plan(tmp_path: Path):
     return load_plan(two_sources(tmp_path, dp=DP, timeout_s=30))  # the default recovery
 
 
-def trainers(
-    job: str, out: Path, ckpt: Path, die_at: int, start: list[int] | None = None
-) -> list[str]:
-    """Run every rank's trainer (from checkpoint ``start[rank]``: -1 the newest); their errors."""
+def spawn(job: str, rank: int, out: Path, ckpt: Path, die_at: int, start: int = -1) -> Any:
+    """A trainer process of ``rank`` (from checkpoint ``start``: -1 the newest)."""
     import ray
 
     env = {
@@ -71,17 +70,21 @@ def trainers(
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
         "EVERY": str(EVERY),
     }
+    return subprocess.Popen(
+        [sys.executable, "-c", TRAINER, job, str(rank), str(out), str(ckpt), str(STEPS),
+         str(die_at), str(start)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def trainers(
+    job: str, out: Path, ckpt: Path, die_at: int, start: list[int] | None = None
+) -> list[str]:
+    """Run every rank's trainer (from checkpoint ``start[rank]``: -1 the newest); their errors."""
     start = start or [-1] * DP
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TRAINER, job, str(r), str(out), str(ckpt), str(STEPS),
-             str(die_at), str(start[r])],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(DP)
-    ]
+    procs = [spawn(job, r, out, ckpt, die_at, start[r]) for r in range(DP)]
     errors = []
     for p in procs:
         err = p.communicate(timeout=120)[1]
@@ -161,6 +164,31 @@ def test_a_refused_rank_stops_the_rewind_then_all_rewind_to_an_older_checkpoint(
     assert all(counts[(s, r)] == (2 if 3 <= s <= die_at else 1) for s, r in want), counts
     assert before == after  # the SourceLoaders sought in place: not restarted
     assert [(e["step"], e["served_from"]) for e in events] == [(3, "seek")]
+
+
+def test_a_trainer_restarted_alone_is_told_at_once_and_the_live_rank_is_not_disturbed(
+    ray_session, tmp_path
+):
+    # the live rank waits for rank 1 up to loading.timeout_s: long enough never to end here
+    plan = load_plan(two_sources(tmp_path, dp=DP, timeout_s=300))
+    out, ckpt = tmp_path / "dump.jsonl", tmp_path / "ckpt"
+    with Loader(plan, runtime="ray", job="rewind-alone"):
+        live = spawn("rewind-alone", 0, out, ckpt, die_at=-1)
+        dead = spawn("rewind-alone", 1, out, ckpt, die_at=7)
+        dead.communicate(timeout=120)
+        assert dead.returncode == -9
+        # rank 1 alone, from its newest checkpoint (step 6), while rank 0 still runs
+        alone = spawn("rewind-alone", 1, out, ckpt, die_at=-1)
+        err = alone.communicate(timeout=120)[1]
+        assert live.poll() is None  # rank 0's trainer still runs: it was not disturbed
+        live.kill()
+        live.communicate(timeout=60)
+    assert alone.returncode == 1
+    # told that the others are alive (not the loading.timeout_s wait that blames them)
+    assert "alive and consuming (rank 0 at step" in err, err[-2000:]
+    assert "stopped consuming" not in err
+    steps = [json.loads(line) for line in out.read_text().splitlines()]
+    assert max(d["step"] for d in steps if d["rank"] == 1) == 7  # rank 1 was served nothing more
 
 
 def test_a_notice_of_a_trainer_from_before_the_rewind_is_dropped(job_plan):
