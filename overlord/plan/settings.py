@@ -51,8 +51,10 @@ class RecoverySpec(_Model):
         0,
         ge=0,
         description="consumed steps whose items stay held after the newest checkpoint handed "
-        "out, so that trainers restarting from it rewind the live job (overlord.connect(..., "
-        "state=)); each loader's read-ahead budget grows by as much",
+        "out, so that trainers restarting from it (overlord.connect(..., state=)) are served "
+        "from memory; a speed and memory knob: a rewind to any state of the job works without "
+        "it (the loaders read again what they released); each loader's read-ahead budget "
+        "grows by as much",
     )
     fsync: bool = Field(
         False,
