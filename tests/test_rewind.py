@@ -136,3 +136,40 @@ def test_a_state_of_another_job_or_edited_is_refused_and_the_job_goes_on(tmp_pat
         for _ in range(2):  # refused: the job did not move
             for c in clients:
                 assert next(c).step == 4 + _
+
+
+@pytest.mark.integration
+def test_a_rewind_before_a_repartition_starts_the_retired_loaders_again(tmp_path, make_corpus):
+    path = make_corpus(
+        tmp_path,
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 3 for i in range(8)}, "loaders": 2},
+            "code": {"files": {f"data/code/p{i}.jsonl": 3 for i in range(8)}},
+        },
+        world={"dp": DP},
+    )
+    plan, steps = load_plan(path), 30
+    want: dict[tuple[int, int], str] = {}
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(DP)]
+        for _ in range(steps):
+            for c in clients:
+                b = next(c)
+                want[(b.step, b.rank)] = line(b)
+    with Loader(plan) as loader:
+        planner = stamped(loader)
+        clients = [loader.client(r) for r in range(DP)]
+        for step in range(steps):
+            if step == 2:
+                state = clients[0].state_dict()
+                at = planner.repartition("web", 3)  # 2 -> 3 loaders from a shard boundary on
+            for c in clients:
+                assert line(next(c)) == want[(step, c.rank)]
+        assert at is not None and planner.pool.slots["web"][:2] == [[], []]  # retired
+        for c in clients:
+            c.close()
+        clients = reconnect(loader, state)
+        assert all(planner.pool.slots["web"][:2])  # the retired partition's loaders, again
+        for step in range(2, steps):
+            for c in clients:
+                assert line(next(c)) == want[(step, c.rank)], (step, c.rank)
