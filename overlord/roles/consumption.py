@@ -53,7 +53,7 @@ from overlord.errors import CheckpointError, LoaderError
 from overlord.monitor.figures import Figures
 from overlord.plan.spec import Plan
 from overlord.roles.ledger import Ledger
-from overlord.roles.rewind import STAMP, Stamps, Transaction
+from overlord.roles.rewind import STAMP, Stamps, Transaction, canonical
 from overlord.state.checkpoint import check_state
 
 log = logging.getLogger("overlord.planner")
@@ -100,6 +100,7 @@ class Consumption:
         self._open: int | None = None
         self.stamps = stamps
         self.rewinding = Transaction(self._dp)  # the rewind in progress, and its refusals
+        self._done_body = b""  # the state of the last rewind done, as its ranks sent it
         self.origin: dict[str, Any] | None = None  # the state the job (re)started from
         self.restart(0)
 
@@ -229,7 +230,7 @@ class Consumption:
         rank refused closes the rewind for every rank that waited.
         """
         if self.rewinding.age() > self.plan.loading.timeout_s:
-            self._refuse(self._late())
+            self.rewinding.refuse(self._late())  # its ranks are told; this one opens anew
         try:
             problem = self._not_ours(state)
         except CheckpointError as e:
@@ -237,6 +238,8 @@ class Consumption:
         if problem is not None:
             self._refuse(f"rank {rank} cannot reconnect with this state: {problem}")
         step = int(state["step"])
+        if self.rewinding.open is None and self._joins_done(state):
+            return step  # a mesh peer of the rewind just done (its DP rank reconnected)
         try:
             now = self.rewinding.join(rank, state)
         except ValueError as e:
@@ -246,12 +249,22 @@ class Consumption:
             self._refuse(self._alone(alive))
         if self.rewinding.complete():
             self.rewinding.close()
+            self._done_body = canonical(now.state)
             self._rewind(now.state)
             for g in self._peers:
                 self._peers[g] = step - 1
             self._open = step
             log.warning("trainers reconnected from step %d: the job rewound there", step)
         return step
+
+    def _joins_done(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` is that of the last rewind, whose first step no rank consumed yet.
+
+        The other processes of a DP rank (its CP, TP and PP peers) reconnect
+        too, each with the same state, and may come after the rewind is done.
+        """
+        step = int(state["step"])
+        return self._open == step and self.done < step and canonical(state) == self._done_body
 
     def waits(self, rank: int) -> bool:
         """Whether ``rank`` must wait before it is served (a rewind waits for ranks to reconnect).
