@@ -98,10 +98,11 @@ def test_a_rewind_to_the_newest_or_an_older_state_serves_the_uninterrupted_strea
         clients = rewind(8, 11)  # the newest checkpoint, with steps consumed since
         states[11] = clients[0].state_dict()
         clients = rewind(11, STEPS)  # the newest, nothing consumed since
-        clients = rewind(3, STEPS)  # an older checkpoint
+        clients = rewind(3, 6)  # an older checkpoint
+        clients = rewind(11, STEPS)  # a later one again: the loaders read on to it
         events = [e for e in planner.pool.events if e["event"] == "trainers-rewound"]
     served = [(e["step"], e["served_from"]) for e in events]
-    assert [s for s, _ in served] == [8, 11, 3]
+    assert [s for s, _ in served] == [8, 11, 3, 11]
     # within rewind_steps of the newest checkpoint, items stay held: served from memory
     assert served[0][1] == ("memory" if rewind_steps >= 2 else "seek")
     assert served[1][1] == "memory"  # its items were never released
