@@ -189,3 +189,22 @@ def test_a_rewind_whose_ranks_never_all_reconnect_ends_with_an_error(job_plan):
     c.mark_consumed(0, 0)
     c.mark_consumed(1, 0)  # the job moved on: the same state now opens a new rewind
     assert c.reconnect(1, state) == 0 and c.rewinding.open is not None
+
+
+def test_a_restarted_planner_recognises_the_states_of_the_one_before(tmp_path):
+    first = Stamps(str(tmp_path))  # the key is kept in the journal's folder
+    state = first.stamp({"step": 4, "sources": {}})
+    again = Stamps(str(tmp_path))  # a planner Ray restarted, with the same folder
+    assert again.id == first.id and again.problem(state) is None
+    other = Stamps(str(tmp_path / "another-job"))
+    assert "handed out by job" in str(other.problem(state))
+
+
+def test_a_state_of_another_plan_is_refused(job_plan):
+    job = Job(_plan(job_plan, dp=1))
+    state = job.handed(0)
+    state["sources"]["web"]["fingerprint"] = "0" * 16  # another plan reads this source otherwise
+    refused = "(?s)rank 0 cannot reconnect with this state: .*expected fingerprint"
+    with pytest.raises(LoaderError, match=refused):
+        job.consumption.reconnect(0, state)
+    assert job.rewound == [] and job.consumption.rewinding.open is None
