@@ -132,8 +132,8 @@ class Transaction:
     """The rewind in progress of a job of ``dp`` DP ranks, and the errors its ranks receive.
 
     ``heard(rank)``: a trainer of ``rank`` from before the rewind is alive
-    (a notice, or a wait). The caller turns what :meth:`join` and
-    :meth:`hold` say into a rewind or an error.
+    (a notice, or a wait). The caller turns what :meth:`join`,
+    :meth:`alive` and :meth:`age` say into a rewind or an error.
     """
 
     def __init__(self, dp: int):
