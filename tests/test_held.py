@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.roles.held import HeldItems, by_shard
+from overlord.roles.held import FEW, HeldItems, by_shard
 from overlord.sources.shard import ShardItems
 
 
@@ -23,7 +23,7 @@ def _items(lengths: list[int]) -> ShardItems:
 @given(
     sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
     gap=st.integers(0, 3),
-    rounds=st.lists(st.lists(st.integers(-2, 40), max_size=12), max_size=4),
+    rounds=st.lists(st.lists(st.integers(-2, 40), max_size=40), max_size=4),
     read_before=st.one_of(st.none(), st.integers(0, 40)),
 )
 def test_release_and_pick_match_an_item_by_item_model(sizes, gap, rounds, read_before):
@@ -48,12 +48,13 @@ def test_release_and_pick_match_an_item_by_item_model(sizes, gap, rounds, read_b
             else:
                 model.pop(i, None)
         assert held.tokens == sum(model.values())
-        probe = np.arange(-2, 41)
-        pieces, piece = held.pick(at, probe)
-        for i, q in zip(probe.tolist(), piece.tolist()):
-            assert (q >= 0) == (i in model), i
-            if q >= 0:
-                assert pieces[q].base <= i < pieces[q].base + len(pieces[q].items)
+        # a few items (one by one) and many (by arrays) give the same answers
+        for probe in (np.arange(-2, 41), np.arange(-2, 41, 7), np.array(index[:FEW])):
+            pieces, piece = held.pick(at, probe)
+            for i, q in zip(probe.tolist(), piece.tolist()):
+                assert (q >= 0) == (i in model), i
+                if q >= 0:
+                    assert pieces[q].base <= i < pieces[q].base + len(pieces[q].items)
     assert sorted(set(held._released_ahead.get(at, []))) == sorted(set(ahead))
     # a piece goes once every item of it was released
     assert all(p.remaining.any() for p in held.shards.get(at, []))
@@ -68,4 +69,8 @@ def test_by_shard_groups_rows_in_source_order():
     keys = np.array([[1, 0, 4], [0, 7, 1], [1, 0, 2], [0, 7, 0], [0, 2, 9]])
     got = [(at, rows.tolist()) for at, rows in by_shard(keys)]
     assert got == [((0, 2), [4]), ((0, 7), [1, 3]), ((1, 0), [0, 2])]
+    many = np.repeat(keys, FEW, axis=0)  # grouped by arrays past FEW keys: the same groups
+    got = [(at, (rows // FEW).tolist()) for at, rows in by_shard(many)]
+    assert got == [(at, [r for r in rows for _ in range(FEW)]) for at, rows in
+                   [((0, 2), [4]), ((0, 7), [1, 3]), ((1, 0), [0, 2])]]  # fmt: skip
     assert by_shard(np.zeros((0, 3), dtype=np.int64)) == []

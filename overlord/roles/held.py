@@ -21,6 +21,8 @@ import numpy as np
 from overlord.sources.shard import ShardItems
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
+# up to this many items, plain Python over them costs less than numpy's calls would
+FEW = 16
 Key = tuple[int, int, int]  # (epoch, shard_pos, index): an item's place in the source's order
 
 
@@ -66,8 +68,11 @@ def by_shard(keys: np.ndarray) -> list[tuple[Position, np.ndarray]]:
     >>> [(at, rows.tolist()) for at, rows in by_shard(np.array([[0, 2, 5], [0, 1, 0], [0, 2, 1]]))]
     [((0, 1), [1]), ((0, 2), [0, 2])]
     """
-    if not len(keys):
-        return []
+    if len(keys) <= FEW:
+        groups: dict[Position, list[int]] = {}
+        for r, (e, p) in enumerate(keys[:, :2].tolist()):
+            groups.setdefault((e, p), []).append(r)
+        return [(at, np.array(rows, dtype=np.int64)) for at, rows in sorted(groups.items())]
     order = np.lexsort((keys[:, 1], keys[:, 0]))
     shard = keys[order, :2]
     cuts = np.flatnonzero((shard[1:] != shard[:-1]).any(axis=1)) + 1
@@ -202,13 +207,21 @@ class HeldItems:
         index = np.asarray(index, dtype=np.int64)
         if not pieces:
             return pieces, np.full(len(index), -1, dtype=np.int64)
-        bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
+        if len(index) <= FEW:
+            bases = [p.base for p in pieces]
+            found = []
+            for i in index.tolist():
+                q = bisect.bisect_right(bases, i) - 1
+                held = q >= 0 and i - bases[q] < len(pieces[q].items)
+                found.append(q if held and pieces[q].remaining[i - bases[q]] else -1)
+            return pieces, np.array(found, dtype=np.int64)
+        starts = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
         sizes = np.fromiter((len(p.items) for p in pieces), dtype=np.int64, count=len(pieces))
-        j = np.searchsorted(bases, index, side="right") - 1
-        inside = (j >= 0) & (index < bases[j] + sizes[j])
+        j = np.searchsorted(starts, index, side="right") - 1
+        inside = (j >= 0) & (index < starts[j] + sizes[j])
         for q in np.unique(j[inside]).tolist():  # and not released yet
             mine = np.flatnonzero(inside & (j == q))
-            inside[mine] = pieces[q].remaining[index[mine] - bases[q]]
+            inside[mine] = pieces[q].remaining[index[mine] - starts[q]]
         return pieces, np.where(inside, j, -1)
 
     def release(
@@ -216,18 +229,43 @@ class HeldItems:
     ) -> None:
         """Release items ``index`` of shard ``at``; those from ``read_before`` on are not read yet.
 
-        By pieces: the items of each piece are released with one numpy call,
-        whatever their number.
+        A few items one by one; more by pieces, each piece's items with one
+        numpy call whatever their number.
         """
-        index = np.unique(np.asarray(index, dtype=np.int64))  # sorted, each item once
-        if read_before is not None and len(index) and index[-1] >= read_before:
-            cut = int(np.searchsorted(index, read_before))
-            ahead = index[cut:].tolist()  # dropped when they are read
-            self._released_ahead.setdefault(at, []).extend(ahead)
-            index = index[:cut]
+        index = np.asarray(index, dtype=np.int64)
+        if read_before is not None and len(index) and index.max() >= read_before:
+            ahead = index >= read_before
+            self._released_ahead.setdefault(at, []).extend(index[ahead].tolist())
+            index = index[~ahead]  # dropped when they are read
         pieces = self.shards.get(at)
         if not pieces or not len(index):
             return
+        if len(index) <= FEW:
+            emptied = self._release_each(pieces, index.tolist())
+        else:
+            emptied = self._release_by_piece(pieces, np.unique(index))
+        if emptied:
+            self.shards[at] = [p for p in pieces if p.remaining.any()]
+            if not self.shards[at] and at not in self.open:
+                del self.shards[at]
+
+    def _release_each(self, pieces: list[HeldPiece], index: list[int]) -> bool:
+        """Release items ``index`` of a shard's ``pieces``, one by one; whether a piece emptied."""
+        bases = [p.base for p in pieces]
+        emptied = False
+        for i in index:
+            j = bisect.bisect_right(bases, i) - 1
+            if j < 0:
+                continue
+            piece, k = pieces[j], i - bases[j]
+            if k < len(piece.items) and piece.remaining[k]:
+                piece.remaining[k] = False
+                self.tokens -= int(piece.items.length[k])
+                emptied = emptied or not piece.remaining.any()
+        return emptied
+
+    def _release_by_piece(self, pieces: list[HeldPiece], index: np.ndarray) -> bool:
+        """Release items ``index`` (sorted, unique), a piece at a time; whether a piece emptied."""
         bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
         j = np.searchsorted(bases, index, side="right") - 1
         cuts = np.searchsorted(j, np.arange(len(pieces) + 1))  # index is sorted: so is j
@@ -243,10 +281,7 @@ class HeldItems:
                 piece.remaining[k] = False
                 self.tokens -= int(piece.items.length[k].sum())
                 emptied = emptied or not piece.remaining.any()
-        if emptied:
-            self.shards[at] = [p for p in pieces if p.remaining.any()]
-            if not self.shards[at] and at not in self.open:
-                del self.shards[at]
+        return emptied
 
     def rewind(self, start: dict[str, Any], shards: list[Position]) -> Key | None:
         """Consume what ``start`` consumed; the first item it needs that was released, if any.
