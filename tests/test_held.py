@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.roles.held import FEW, HeldItems, by_shard
+from overlord.roles.held import FEW, HeldItems, by_shard, payload
 from overlord.sources.shard import ShardItems
 
 
@@ -74,3 +74,22 @@ def test_by_shard_groups_rows_in_source_order():
     assert got == [(at, [r for r in rows for _ in range(FEW)]) for at, rows in
                    [((0, 2), [4]), ((0, 7), [1, 3]), ((1, 0), [0, 2])]]  # fmt: skip
     assert by_shard(np.zeros((0, 3), dtype=np.int64)) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=20),
+    gappy=st.booleans(),
+)
+def test_payload_by_runs_is_each_item_in_order(picks, gappy):
+    # two pieces; in a gappy one an item's tokens do not follow the one before it
+    pieces = [_items([3, 1, 4, 1, 5, 2]), _items([2, 7, 1, 8, 2, 8])]
+    if gappy:
+        pieces[1].start = pieces[1].start[::-1].copy()  # items laid out in reverse
+    picked = [(pieces[p], k) for p, k in picks]
+    got = payload(picked)
+    want = [pieces[p].tokens[pieces[p].start[k] : pieces[p].start[k] + pieces[p].length[k]]
+            for p, k in picks]  # fmt: skip
+    assert got["lengths"].tolist() == [len(w) for w in want]
+    assert got["tokens"].dtype == np.int32
+    assert got["tokens"].tolist() == [t for w in want for t in w.tolist()]

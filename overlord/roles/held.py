@@ -89,10 +89,21 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
     """
     lengths = np.empty(len(picked), dtype=np.int32)
     parts = []
-    for j, (items, k) in enumerate(picked):
-        s, n = int(items.start[k]), int(items.length[k])
-        parts.append(items.tokens[s : s + n])
-        lengths[j] = n
+    j = 0
+    for items, lo, hi in _runs(picked):
+        lengths[j : j + hi - lo] = items.length[lo:hi]
+        start = items.start[lo:hi]
+        if hi - lo == 1 or (np.diff(start) == items.length[lo : hi - 1]).all():
+            # a run of items back to back in the piece: one slice of its tokens
+            parts.append(
+                items.tokens[int(start[0]) : int(start[-1]) + int(lengths[j + hi - lo - 1])]
+            )
+        else:
+            parts += [
+                items.tokens[a : a + n]
+                for a, n in zip(start.tolist(), lengths[j : j + hi - lo].tolist())
+            ]
+        j += hi - lo
     out = {
         "tokens": np.concatenate(parts) if parts else np.zeros(0, np.int32),
         "lengths": lengths,
@@ -113,6 +124,26 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
             out["keys"] = np.frombuffer(b"".join(keys), dtype=np.uint8)
             out["key_lengths"] = np.array([len(k) for k in keys], dtype=np.int32)
     return out
+
+
+def _runs(picked: list[tuple[ShardItems, int]]) -> list[tuple[ShardItems, int, int]]:
+    """``picked`` as runs ``(items, lo, hi)``: items ``lo .. hi - 1`` of one piece, in order.
+
+    A take asks for a source's items in its order, so most of a step's items
+    of a piece are one run.
+    """
+    runs: list[tuple[ShardItems, int, int]] = []
+    items, lo, hi = None, 0, 0
+    for it, k in picked:
+        if it is items and k == hi:
+            hi += 1
+            continue
+        if items is not None:
+            runs.append((items, lo, hi))
+        items, lo, hi = it, k, k + 1
+    if items is not None:
+        runs.append((items, lo, hi))
+    return runs
 
 
 @dataclass
