@@ -247,24 +247,22 @@ class DataConstructor:
             tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id
         )
         names = images.keys if images is not None else [None] * n
-        samples = [
-            Sample(
-                self.names[s],
-                _sample_id(self.files[self.names[s]].at(e)[f].name, r, c, name),
-                t,
-                row,
-            )
-            for s, e, f, r, c, t, row, name in zip(
-                src.tolist(),
-                keys[:, 0].tolist(),
-                rp["file_index"].tolist(),
-                rp["rec_row"].tolist(),
-                rp["chunk"].tolist(),
-                lengths.tolist(),
-                rp["row"].tolist(),
-                names,
-            )
-        ]
+        files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
+        samples = []
+        for s, e, f, r, c, t, row, name in zip(
+            src.tolist(),
+            keys[:, 0].tolist(),
+            rp["file_index"].tolist(),
+            rp["rec_row"].tolist(),
+            rp["chunk"].tolist(),
+            lengths.tolist(),
+            rp["row"].tolist(),
+            names,
+        ):
+            file = files.get((s, e, f))
+            if file is None:
+                file = files[(s, e, f)] = self.files[self.names[s]].at(e)[f].name
+            samples.append(Sample(self.names[s], _sample_id(file, r, c, name), t, row))
         a = arrays
         batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
                       a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
