@@ -264,7 +264,7 @@ class SourceLoader:
         picked: list[tuple[ShardItems, int]] = [None] * len(keys)  # type: ignore[list-item]
         with self._lock:
             if len(keys):  # the last key in source order read means every key is read
-                e, p, i = keys[np.lexsort(keys.T[::-1])[-1]].tolist()
+                e, p, i = max(keys.tolist())
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
             for at, rows in by_shard(keys):
