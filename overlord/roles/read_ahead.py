@@ -6,7 +6,8 @@ Two daemon threads per loader (a :class:`Reader`):
   (:func:`overlord.sources.shard.shard_windows`) and hands each to the
   scheduler, holding at most one window read ahead;
 - the *piece scheduler* cuts the window it was handed into pieces, starts
-  each piece's tokenizing on a thread of its own when the rule lets it, and
+  each piece's tokenizing on one of the loader's worker threads (kept and
+  reused: :class:`~overlord.runtime.threads.Workers`) when the rule lets it, and
   publishes what is done to the loader in order: a window's counts, its
   pieces' items, a shard's end.
 
