@@ -93,3 +93,26 @@ def test_payload_by_runs_is_each_item_in_order(picks, gappy):
     assert got["lengths"].tolist() == [len(w) for w in want]
     assert got["tokens"].dtype == np.int32
     assert got["tokens"].tolist() == [t for w in want for t in w.tolist()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    released=st.sets(st.integers(0, 29), max_size=10),
+    asked=st.lists(st.integers(0, 29), min_size=1, max_size=40),
+)
+def test_take_few_or_many_finds_each_item_or_names_one_not_held(released, asked):
+    held = HeldItems({})
+    at = (1, 4)
+    held.open_shard(at)
+    for base in (0, 10, 20):  # three pieces of ten items
+        held.add(at, base, _items([k % 3 + 1 for k in range(10)]), np.ones(10, dtype=bool))
+    held.release(at, sorted(released))
+    keys = np.array([[1, 4, i] for i in asked], dtype=np.int64)
+    picked, missing = held.take(keys)
+    if set(asked) & released:
+        assert missing is not None and missing[:2] == at and missing[2] in released
+        return
+    assert missing is None
+    assert [(items.length[k], k) for items, k in picked] == [
+        (i % 10 % 3 + 1, i % 10) for i in asked
+    ]

@@ -228,6 +228,28 @@ class HeldItems:
             return None
         return pieces[j]
 
+    def take(self, keys: np.ndarray) -> tuple[list[tuple[ShardItems, int]], Key | None]:
+        """The held ``(piece items, index in the piece)`` of every key (``(n, 3)``), in order.
+
+        Or, as the second value, a key not held (released, or never read).
+        """
+        picked: list[tuple[ShardItems, int]] = []
+        if len(keys) <= FEW:
+            for e, p, i in keys.tolist():
+                piece = self.piece_of((e, p), i)
+                if piece is None or not piece.remaining[i - piece.base]:
+                    return [], (e, p, i)
+                picked.append((piece.items, i - piece.base))
+            return picked, None
+        slots: list[Any] = [None] * len(keys)
+        for at, rows in by_shard(keys):
+            pieces, found = self.pick(at, keys[rows, 2])
+            if (found < 0).any():
+                return [], (*at, int(keys[rows[np.flatnonzero(found < 0)[0]], 2]))
+            for r, q, i in zip(rows.tolist(), found.tolist(), keys[rows, 2].tolist()):
+                slots[r] = (pieces[q].items, i - pieces[q].base)
+        return slots, None
+
     def pick(self, at: Position, index: np.ndarray) -> tuple[list[HeldPiece], np.ndarray]:
         """The held pieces of shard ``at`` and, per item ``index``, its piece there (-1: not held).
 
@@ -263,18 +285,23 @@ class HeldItems:
         A few items one by one; more by pieces, each piece's items with one
         numpy call whatever their number.
         """
-        index = np.asarray(index, dtype=np.int64)
-        if read_before is not None and len(index) and index.max() >= read_before:
-            ahead = index >= read_before
-            self._released_ahead.setdefault(at, []).extend(index[ahead].tolist())
-            index = index[~ahead]  # dropped when they are read
-        pieces = self.shards.get(at)
-        if not pieces or not len(index):
-            return
-        if len(index) <= FEW:
-            emptied = self._release_each(pieces, index.tolist())
+        if len(index) <= FEW:  # plain Python over a few items, as a list
+            few = index.tolist() if isinstance(index, np.ndarray) else list(index)
+            if read_before is not None and any(i >= read_before for i in few):
+                self._released_ahead.setdefault(at, []).extend(i for i in few if i >= read_before)
+                few = [i for i in few if i < read_before]  # dropped when they are read
+            pieces = self.shards.get(at) or []
+            emptied = bool(pieces and few) and self._release_each(pieces, few)
         else:
-            emptied = self._release_by_piece(pieces, np.unique(index))
+            index = np.asarray(index, dtype=np.int64)
+            if read_before is not None and index.max() >= read_before:
+                ahead = index >= read_before
+                self._released_ahead.setdefault(at, []).extend(index[ahead].tolist())
+                index = index[~ahead]  # dropped when they are read
+            pieces = self.shards.get(at) or []
+            emptied = bool(pieces and len(index)) and self._release_by_piece(
+                pieces, np.unique(index)
+            )
         if emptied:
             self.shards[at] = [p for p in pieces if p.remaining.any()]
             if not self.shards[at] and at not in self.open:

@@ -62,7 +62,7 @@ from overlord.plan.partition import owner
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
-from overlord.roles.held import HeldItems, Key, Position, by_shard, metadata_block, payload
+from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.sources.catalog import SourceFiles
@@ -261,23 +261,19 @@ class SourceLoader:
         Their tokens (and, from an image source, images: :func:`~overlord.roles.held.payload`).
         """
         keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
-        picked: list[tuple[ShardItems, int]] = [None] * len(keys)  # type: ignore[list-item]
         with self._lock:
             if len(keys):  # the last key in source order read means every key is read
                 e, p, i = max(keys.tolist())
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
-            for at, rows in by_shard(keys):
-                pieces, piece = self._held.pick(at, keys[rows, 2])
-                if (piece < 0).any():
-                    i = int(keys[rows[np.flatnonzero(piece < 0)[0]], 2])
-                    raise LoaderError(
-                        f"SourceLoader {self.source}[{self.index}] does not hold item "
-                        f"(epoch {at[0]}, shard {at[1]}, index {i}): it was released (its "
-                        "step was consumed) or never read"
-                    )
-                for r, q, i in zip(rows.tolist(), piece.tolist(), keys[rows, 2].tolist()):
-                    picked[r] = (pieces[q].items, i - pieces[q].base)
+            picked, missing = self._held.take(keys)
+            if missing is not None:
+                e, p, i = missing
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] does not hold item "
+                    f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
+                    "consumed) or never read"
+                )
         return payload(picked)
 
     def _wait_until_read(self, key: Key) -> None:
@@ -316,13 +312,15 @@ class SourceLoader:
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
-        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+        by_shard: dict[Position, list[int]] = {}
+        for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
+            by_shard.setdefault((e, p), []).append(i)
         with self._lock:
-            for at, rows in by_shard(keys):
-                self._release_in(at, keys[rows, 2])
+            for at, index in by_shard.items():
+                self._release_in(at, index)
             self._lock.notify_all()
 
-    def _release_in(self, at: Position, index: np.ndarray) -> None:
+    def _release_in(self, at: Position, index: list[int]) -> None:
         """Release items ``index`` of shard ``at`` (lock held)."""
         last = self.progress.last
         if at > last[:2]:
