@@ -194,6 +194,7 @@ def main() -> None:
                    help="tokens per timed cell (steps = this / tokens per step)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="fewer steps per cell")
     p.add_argument("--profile", metavar="S,DP,T", help="cProfile one cell; print its top")
+    p.add_argument("--pstats", type=Path, help="with --profile: keep the profile here")
     p.add_argument("--json", type=Path, help="write the cells and the fit here")
     args = p.parse_args()
     if args.cell:
@@ -210,7 +211,7 @@ def main() -> None:
             import pstats
 
             s, d, t = (int(v) for v in args.profile.split(","))
-            out = root / "step.pstats"
+            out = args.pstats or root / "step.pstats"
             steps = max(args.min_steps, args.tokens_timed // t)
             got = run_cell(root, s, d, t, args.warmup, steps, str(out))
             print(json.dumps(got))
