@@ -43,6 +43,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m benchmarks.balance
 	$(BIN)/python -m benchmarks.throughput
 	$(BIN)/python -m benchmarks.pretokenized
+	$(BIN)/python -m benchmarks.step_cost
 	$(BIN)/python -m benchmarks.balance_e2e
 	$(BIN)/python -m benchmarks.planner_scale
 	$(BIN)/python -m benchmarks.mesh

@@ -168,3 +168,25 @@ def test_the_local_search_stops_at_its_budget():
     ]
     assert spans[0] == rank_costs(cost, start, 16, 2).max()  # nothing examined: unchanged
     assert spans[2] < spans[1] < spans[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rpr=st.integers(1, 8),
+    cap=st.sampled_from([256, 4096]),
+    beta=st.sampled_from([0.0, 1e-3, 1.0]),
+    method=st.sampled_from([BalanceMethod.KK, BalanceMethod.LPT]),
+)
+def test_one_rank_is_packed_only(seed, rpr, cap, beta, method):
+    """At dp 1 ``assign`` skips the search: its whole rows already meet the bound it stops at."""
+    tokens, cost, ref = _step(seed, 1, rpr, cap, beta)
+    fallback = whole_rows(cost, ref, 1, rpr)
+    # the search's own stopping rule holds at once: it would have returned the fallback
+    bound = pigeonhole_bound(tokens, cost, 1, rpr * cap) * (1 + 1e-9)
+    assert rank_costs(cost, fallback, 1, rpr).max() <= bound
+    assert assign(tokens, cost, ref, 1, rpr, cap, method).tolist() == fallback.tolist()
+    # and the rows are the reference rows, costliest first (ties by row)
+    row_cost = np.bincount(ref, weights=cost, minlength=rpr)
+    order = sorted(range(rpr), key=lambda j: (-row_cost[j], j))
+    assert fallback.tolist() == [order.index(r) for r in ref.tolist()]

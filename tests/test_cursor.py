@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.roundtrip import Part, check_save_restore
 
 from conftest import make_corpus
@@ -47,3 +50,38 @@ def test_a_source_cursor_resumes_from_its_state(tmp_path):
         Part(make, advance, lambda p: {"cursor": p[0].state()}, lambda p: p[1].close()), 12
     )
     assert {k[0] for keys, _ in outputs for k in keys} == {0, 1}  # it crossed an epoch
+
+
+def _one_shard_cursor(n: int) -> SourceCursor:
+    """A cursor over one shard of ``n`` items (item ``i`` has ``i + 1`` tokens), in one block."""
+    block = {
+        "epoch": 0, "shard_pos": 0, "file_index": 0, "last": True, "stop": n,
+        "index": np.arange(n, dtype=np.int64), "tokens": np.arange(1, n + 1, dtype=np.int64),
+        "row": np.arange(n, dtype=np.int64), "chunk": np.full(n, -1, dtype=np.int64),
+        "patches": np.zeros(n, dtype=np.int64),
+    }  # fmt: skip
+    return SourceCursor("s", lambda e: 1, lambda k: [block], lambda: [((0, 0), 0, 1)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(takes=st.lists(st.sets(st.integers(0, 7), max_size=5), max_size=5), prefix=st.booleans())
+def test_takes_of_the_first_items_or_any_match_a_list_model(takes, prefix):
+    # the first pending items (the usual take) and any others leave the same pending items
+    # and the same checkpoint as a list of the items, with the placed ones ahead as skip runs
+    cursor = _one_shard_cursor(40)
+    cursor.peek(39)
+    pending, placed = list(range(40)), set()
+    for chosen in takes:
+        idx = list(range(len(chosen))) if prefix else sorted(chosen)
+        out = cursor.take(np.array(idx, dtype=np.int64))
+        items = [pending[j] for j in idx]
+        assert out["key"][:, 2].tolist() == items and out["tokens"].tolist() == [
+            i + 1 for i in items
+        ]
+        pending = [p for j, p in enumerate(pending) if j not in set(idx)]
+        placed |= set(items)
+        assert cursor.tokens == [p + 1 for p in pending]
+        state = cursor.state()
+        assert state["index"] == pending[0]
+        ahead = sorted(i for i in placed if i > pending[0])
+        assert [i for _, _, s, c in state["skip"] for i in range(s, s + c)] == ahead

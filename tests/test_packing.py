@@ -41,3 +41,48 @@ def test_pack_layout(lengths, seq_len):
         assert flat_lab[z - 1] == IGNORE_INDEX  # never across documents
         assert (pos.reshape(-1)[a:z] == np.arange(z - a)).all()
         assert len(set(seg.reshape(-1)[a:z].tolist())) == 1
+
+
+def _reference(tokens, lengths, row_of, rows, seq_len, pad_id):
+    """The five outputs written document by document, position by position."""
+    ids = np.full((rows, seq_len), pad_id, np.int32)
+    labels = np.full((rows, seq_len), IGNORE_INDEX, np.int32)
+    pos = np.zeros((rows, seq_len), np.int32)
+    seg = np.zeros((rows, seq_len), np.int32)
+    at, src, segs, cu = [0] * rows, 0, [0] * rows, []
+    for n, r in zip(lengths, row_of):
+        segs[r] += 1
+        for k in range(n):
+            ids[r, at[r] + k] = tokens[src + k]
+            labels[r, at[r] + k] = tokens[src + k + 1] if k + 1 < n else IGNORE_INDEX
+            pos[r, at[r] + k] = k
+            seg[r, at[r] + k] = segs[r]
+        cu.append((r, at[r], n))
+        at[r], src = at[r] + n, src + n
+    bounds, flat = [0], 0
+    for r in range(rows):
+        for n in [n for rr, _, n in cu if rr == r] + ([seq_len - at[r]] if at[r] < seq_len else []):
+            flat += n
+            bounds.append(flat)
+    return ids, labels, pos, seg, np.array(bounds, np.int32)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows_docs=st.lists(st.lists(st.integers(0, 7), max_size=4), min_size=1, max_size=5),
+    pad_id=st.integers(0, 3),
+)
+def test_pack_equals_a_per_position_reference(rows_docs, pad_id):
+    # rows written by slices give, output by output and dtype by dtype, what a
+    # position-by-position packing gives (empty documents and empty rows included)
+    seq_len = max(1, max(sum(r) for r in rows_docs))
+    lengths = [n for r in rows_docs for n in r]
+    row_of = [i for i, r in enumerate(rows_docs) for _ in r]
+    tokens = np.arange(10, 10 + sum(lengths), dtype=np.int32)
+    got = pack(tokens, np.array(lengths, np.int64), np.array(row_of, np.int64),
+               len(rows_docs), seq_len, pad_id)  # fmt: skip
+    want = _reference(tokens, lengths, row_of, len(rows_docs), seq_len, pad_id)
+    names = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens")
+    for name, w in zip(names, want):
+        assert got[name].dtype == np.int32, name
+        assert got[name].tolist() == w.tolist(), name

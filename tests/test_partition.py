@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlord.plan.partition import Partition, by_slot, owner, partitions
+from overlord.plan.partition import FEW_ITEMS, Partition, by_slot, owner, partitions
 from overlord.sources.catalog import File, SourceFiles
 
 
@@ -72,3 +72,15 @@ def test_items_group_by_slot_in_slot_order() -> None:
     got = [(s, k, i.tolist()) for s, k, i in by_slot(source, loader)]
     assert got == [(0, 0, [1, 3]), (1, 0, [2]), (1, 2, [0, 4])]
     assert by_slot(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
+
+
+def test_many_items_group_as_a_few_do() -> None:
+    # past FEW_ITEMS the grouping runs on arrays: the same slots, the same order
+    rng = np.random.default_rng(3)
+    source, loader = rng.integers(0, 4, 200), rng.integers(0, 3, 200)
+    got = [(s, k, i.tolist()) for s, k, i in by_slot(source, loader)]
+    want: dict[tuple[int, int], list[int]] = {}
+    for i, slot in enumerate(zip(source.tolist(), loader.tolist())):
+        want.setdefault(slot, []).append(i)
+    assert got == [(s, k, i) for (s, k), i in sorted(want.items())]
+    assert len(source) > FEW_ITEMS

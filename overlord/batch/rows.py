@@ -42,41 +42,42 @@ def pack(
     row_of = np.asarray(row_of, dtype=np.int64)
     n = len(lengths)
     total = int(lengths.sum())
-    src_start = np.zeros(n, dtype=np.int64)
-    if n:
-        np.cumsum(lengths[:-1], out=src_start[1:])
-    # offset of each document inside its row: tokens of earlier documents of that row
+    src_start = np.zeros(n + 1, dtype=np.int64)  # and the end of the last document
+    np.cumsum(lengths, out=src_start[1:])
+    # each row's documents are back to back in ``tokens``: a row is one slice of them
     row_start_doc = np.searchsorted(row_of, np.arange(rows))
-    first_src = np.append(src_start, total)[row_start_doc]
-    in_row = src_start - first_src[row_of]
-    dst_start = row_of * seq_len + in_row
+    first_src = src_start[row_start_doc]
+    row_used = src_start[np.searchsorted(row_of, np.arange(rows), side="right")] - first_src
+    in_row = src_start[:-1] - first_src[row_of]
     if n and (in_row + lengths > seq_len).any():
         bad = int(np.flatnonzero(in_row + lengths > seq_len)[0])
         raise ValueError(f"row {row_of[bad]} overflows its {seq_len} tokens (a planner bug)")
 
-    doc_of_tok = np.repeat(np.arange(n), lengths)
-    offset_in_doc = np.arange(total, dtype=np.int64) - src_start[doc_of_tok]
-    dst = dst_start[doc_of_tok] + offset_in_doc
-
-    size = rows * seq_len
-    input_ids = np.full(size, pad_id, dtype=np.int32)
-    labels = np.full(size, IGNORE_INDEX, dtype=np.int32)
-    position_ids = np.zeros(size, dtype=np.int32)
-    segment_ids = np.zeros(size, dtype=np.int32)
-
-    input_ids[dst] = tokens
+    # the per-token columns in int32, in the documents' order (no per-token int64 index)
+    starts32 = src_start[:-1].astype(np.int32)
+    position = np.arange(total, dtype=np.int32)
+    position -= np.repeat(starts32, lengths)
+    doc_in_row = np.arange(n) - row_start_doc[row_of]
+    segment = np.repeat((doc_in_row + 1).astype(np.int32), lengths)
     nxt = np.empty(total, dtype=np.int32)
     nxt[:-1] = tokens[1:]
     nxt[-1:] = IGNORE_INDEX
-    last = src_start + lengths - 1
+    last = src_start[1:] - 1
     nxt[last[lengths > 0]] = IGNORE_INDEX
-    labels[dst] = nxt
-    position_ids[dst] = offset_in_doc
-    doc_in_row = np.arange(n) - row_start_doc[row_of]
-    segment_ids[dst] = np.repeat(doc_in_row + 1, lengths)
 
-    used = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
-    pad = seq_len - used
+    shape = (rows, seq_len)
+    input_ids = np.full(shape, pad_id, dtype=np.int32)
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)
+    position_ids = np.zeros(shape, dtype=np.int32)
+    segment_ids = np.zeros(shape, dtype=np.int32)
+    for r, lo, u in zip(range(rows), first_src.tolist(), row_used.tolist()):
+        if u:  # one slice per row and output: rows are few, their tokens many
+            input_ids[r, :u] = tokens[lo : lo + u]
+            labels[r, :u] = nxt[lo : lo + u]
+            position_ids[r, :u] = position[lo : lo + u]
+            segment_ids[r, :u] = segment[lo : lo + u]
+
+    pad = seq_len - row_used
     # segments in flattened order: each row's documents, then its padding if any
     seg_len = np.concatenate((lengths, pad[pad > 0]))
     seg_key = np.concatenate((row_of * 2, np.flatnonzero(pad > 0) * 2 + 1))
@@ -84,11 +85,10 @@ def pack(
     cu = np.zeros(len(seg_len) + 1, dtype=np.int32)
     np.cumsum(seg_len, out=cu[1:])
 
-    shape = (rows, seq_len)
     return {
-        "input_ids": input_ids.reshape(shape),
-        "labels": labels.reshape(shape),
-        "position_ids": position_ids.reshape(shape),
-        "segment_ids": segment_ids.reshape(shape),
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
         "cu_seqlens": cu,
     }

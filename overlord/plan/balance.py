@@ -327,6 +327,9 @@ def _rows_balanced(row_cost: np.ndarray, dp: int, rpr: int) -> np.ndarray:
     """
     order = np.lexsort((np.arange(len(row_cost)), -row_cost))
     target = np.empty(len(row_cost), dtype=np.int64)
+    if dp == 1:  # every round is plain: the rows in pop order, costliest first
+        target[order] = np.arange(len(row_cost))
+        return target
     loads = np.zeros(dp)
     ranks = np.arange(dp)
     k = 0
@@ -392,6 +395,10 @@ def assign(
     if method is BalanceMethod.NONE or len(tokens) == 0:
         return ref_row
     fallback = whole_rows(cost, ref_row, dp, rows_per_rank)
+    if dp == 1:
+        # one rank costs the sum of every item however its rows are packed, and the
+        # bound below is at least that sum: the fallback is returned, so skip the search
+        return fallback
     bound = pigeonhole_bound(tokens, cost, dp, rows_per_rank * capacity) * (1 + 1e-9)
     bound = max(bound, good_enough)
     span = rank_costs(cost, fallback, dp, rows_per_rank).max()

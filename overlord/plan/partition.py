@@ -79,14 +79,21 @@ def owner(at: Position, spans: Sequence[Span]) -> int:
     )
 
 
+# up to this many items, by_slot groups them in plain Python
+FEW_ITEMS = 16
+
+
 def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     """Item indexes per ``(source, loader)`` slot, in slot order.
 
     >>> [(s, k, i.tolist()) for s, k, i in by_slot(np.array([1, 0, 1]), np.array([0, 0, 0]))]
     [(0, 0, [1]), (1, 0, [0, 2])]
     """
-    if len(source) == 0:
-        return []
+    if len(source) <= FEW_ITEMS:  # plain Python costs less than numpy's calls here
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, slot in enumerate(zip(source.tolist(), loader.tolist())):
+            groups.setdefault(slot, []).append(i)
+        return [(s, k, np.array(i, dtype=np.int64)) for (s, k), i in sorted(groups.items())]
     key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
     order = np.argsort(key, kind="stable")
     cuts = np.flatnonzero(np.diff(key[order])) + 1

@@ -69,7 +69,8 @@ class DataConstructor:
         self.planner, self.ranks = planner, list(ranks)
         self.prefetch = prefetch
         self._lock = threading.Lock()
-        self._built: dict[tuple[int, int], Future[list[Batch] | None]] = {}
+        # rank -> step -> its build: a rank's calls look at its own builds only
+        self._built: dict[int, dict[int, Future[list[Batch] | None]]] = {r: {} for r in ranks}
         self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
         # the same views put in the object store, once each: see rank_batch_ref
         self._stored: dict[tuple[int, int, int, str], Any] = {}
@@ -147,24 +148,22 @@ class DataConstructor:
             if step < self._asked.get(asker, step):  # rewound: what was built ahead is stale
                 self._gen += 1
                 self._asked[asker] = step
-                for key in [k for k in self._built if k[1] == rank]:
-                    del self._built[key]
+                self._built[rank].clear()
                 self._drop_views(rank, None)
-            fut = self._built.get((step, rank))
+            built = self._built[rank]
+            fut = built.get(step)
             if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
                 # none yet; refused when built ahead; or failed (a retry builds it again)
-                fut = self._built[(step, rank)] = self._pool.submit(self._build_slices, step, rank)
+                fut = built[step] = self._pool.submit(self._build_slices, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
-                if (ahead, rank) not in self._built:
-                    self._built[(ahead, rank)] = self._pool.submit(
-                        self._ahead, ahead, rank, self._gen
-                    )
+                if ahead not in built:
+                    built[ahead] = self._pool.submit(self._ahead, ahead, rank, self._gen)
             # keep a step until every peer of the rank that asks has moved past it
             self._asked[asker] = max(step, self._asked.get(asker, step))
             peers = self.plan.world.ranks_of(rank) if self.plan.world.peers > 1 else [asker]
             low = min(self._asked[g] for g in peers if g in self._asked)
-            for key in [k for k in self._built if k[1] == rank and k[0] < low]:
-                del self._built[key]
+            for old in [s for s in built if s < low]:
+                del built[old]
             self._drop_views(rank, low)
         got = fut.result()
         if got is None:  # refused when it was built ahead: build it now, still off this thread
@@ -233,33 +232,37 @@ class DataConstructor:
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
         images = BatchImages(n) if self.plan.vision is not None else None
         for mine, got in self.loaders.take(by_slot(src, ldr), keys):
-            got_starts = np.concatenate(([0], np.cumsum(got["lengths"])[:-1]))
-            for j, g0, g_len in zip(mine.tolist(), got_starts.tolist(), got["lengths"].tolist()):
-                tokens[starts[j] : starts[j] + g_len] = got["tokens"][g0 : g0 + g_len]
+            # a run of items next to each other in the rank's order is one slice of both
+            got_starts = np.zeros(len(mine) + 1, dtype=np.int64)
+            np.cumsum(got["lengths"], out=got_starts[1:])
+            cuts = np.flatnonzero(np.diff(mine) != 1) + 1
+            run_lo, run_hi = np.append(0, cuts), np.append(cuts, len(mine))
+            for j, g0, g1 in zip(
+                mine[run_lo].tolist(), got_starts[run_lo].tolist(), got_starts[run_hi].tolist()
+            ):
+                tokens[starts[j] : starts[j] + g1 - g0] = got["tokens"][g0:g1]
             if images is not None:
                 images.add(mine, got)
         arrays = pack(
             tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id
         )
         names = images.keys if images is not None else [None] * n
-        samples = [
-            Sample(
-                self.names[s],
-                _sample_id(self.files[self.names[s]].at(e)[f].name, r, c, name),
-                t,
-                row,
-            )
-            for s, e, f, r, c, t, row, name in zip(
-                src.tolist(),
-                keys[:, 0].tolist(),
-                rp["file_index"].tolist(),
-                rp["rec_row"].tolist(),
-                rp["chunk"].tolist(),
-                lengths.tolist(),
-                rp["row"].tolist(),
-                names,
-            )
-        ]
+        files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
+        samples = []
+        for s, e, f, r, c, t, row, name in zip(
+            src.tolist(),
+            keys[:, 0].tolist(),
+            rp["file_index"].tolist(),
+            rp["rec_row"].tolist(),
+            rp["chunk"].tolist(),
+            lengths.tolist(),
+            rp["row"].tolist(),
+            names,
+        ):
+            file = files.get((s, e, f))
+            if file is None:
+                file = files[(s, e, f)] = self.files[self.names[s]].at(e)[f].name
+            samples.append(Sample(self.names[s], _sample_id(file, r, c, name), t, row))
         a = arrays
         batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
                       a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip

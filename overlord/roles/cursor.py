@@ -146,13 +146,17 @@ class SourceCursor:
         out = {c: cols[c][idx] for c in _TAKEN}
         out["key"] = np.stack([cols[c][idx] for c in _KEY], axis=1)
         n = len(self.tokens)
-        keep = np.ones(n, dtype=bool)
-        keep[idx] = False
-        first_left = int(np.argmax(keep)) if keep.any() else n
-        ahead = idx[idx > first_left]
-        self._placed_ahead += [
-            (int(e), int(p), int(i)) for e, p, i in zip(*(cols[c][ahead].tolist() for c in _KEY))
-        ]
+        if len(idx) <= n and idx.tolist() == list(range(len(idx))):
+            first_left, ahead = len(idx), idx[:0]  # the first pending items: most takes
+        else:
+            keep = np.ones(n, dtype=bool)
+            keep[idx] = False
+            first_left = int(np.argmax(keep)) if keep.any() else n
+            ahead = idx[idx > first_left]
+            self._placed_ahead += [
+                (int(e), int(p), int(i))
+                for e, p, i in zip(*(cols[c][ahead].tolist() for c in _KEY))
+            ]
         if len(ahead):
             left = keep[first_left:]
             self._pending = {c: v[first_left:][left] for c, v in cols.items()}

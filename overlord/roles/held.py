@@ -21,6 +21,8 @@ import numpy as np
 from overlord.sources.shard import ShardItems
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
+# up to this many items, plain Python over them costs less than numpy's calls would
+FEW = 16
 Key = tuple[int, int, int]  # (epoch, shard_pos, index): an item's place in the source's order
 
 
@@ -60,6 +62,23 @@ def metadata_block(
     return block
 
 
+def by_shard(keys: np.ndarray) -> list[tuple[Position, np.ndarray]]:
+    """The rows of ``keys`` (``(n, 3)``: epoch, shard position, index) shard by shard.
+
+    >>> [(at, rows.tolist()) for at, rows in by_shard(np.array([[0, 2, 5], [0, 1, 0], [0, 2, 1]]))]
+    [((0, 1), [1]), ((0, 2), [0, 2])]
+    """
+    if len(keys) <= FEW:
+        groups: dict[Position, list[int]] = {}
+        for r, (e, p) in enumerate(keys[:, :2].tolist()):
+            groups.setdefault((e, p), []).append(r)
+        return [(at, np.array(rows, dtype=np.int64)) for at, rows in sorted(groups.items())]
+    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    shard = keys[order, :2]
+    cuts = np.flatnonzero((shard[1:] != shard[:-1]).any(axis=1)) + 1
+    return [((int(keys[g[0], 0]), int(keys[g[0], 1])), g) for g in np.split(order, cuts)]
+
+
 def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
     """What ``take`` answers for items ``(piece items, index in the piece)``, in order.
 
@@ -70,10 +89,21 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
     """
     lengths = np.empty(len(picked), dtype=np.int32)
     parts = []
-    for j, (items, k) in enumerate(picked):
-        s, n = int(items.start[k]), int(items.length[k])
-        parts.append(items.tokens[s : s + n])
-        lengths[j] = n
+    j = 0
+    for items, lo, hi in _runs(picked):
+        lengths[j : j + hi - lo] = items.length[lo:hi]
+        start = items.start[lo:hi]
+        if hi - lo == 1 or (np.diff(start) == items.length[lo : hi - 1]).all():
+            # a run of items back to back in the piece: one slice of its tokens
+            parts.append(
+                items.tokens[int(start[0]) : int(start[-1]) + int(lengths[j + hi - lo - 1])]
+            )
+        else:
+            parts += [
+                items.tokens[a : a + n]
+                for a, n in zip(start.tolist(), lengths[j : j + hi - lo].tolist())
+            ]
+        j += hi - lo
     out = {
         "tokens": np.concatenate(parts) if parts else np.zeros(0, np.int32),
         "lengths": lengths,
@@ -94,6 +124,26 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
             out["keys"] = np.frombuffer(b"".join(keys), dtype=np.uint8)
             out["key_lengths"] = np.array([len(k) for k in keys], dtype=np.int32)
     return out
+
+
+def _runs(picked: list[tuple[ShardItems, int]]) -> list[tuple[ShardItems, int, int]]:
+    """``picked`` as runs ``(items, lo, hi)``: items ``lo .. hi - 1`` of one piece, in order.
+
+    A take asks for a source's items in its order, so most of a step's items
+    of a piece are one run.
+    """
+    runs: list[tuple[ShardItems, int, int]] = []
+    items, lo, hi = None, 0, 0
+    for it, k in picked:
+        if it is items and k == hi:
+            hi += 1
+            continue
+        if items is not None:
+            runs.append((items, lo, hi))
+        items, lo, hi = it, k, k + 1
+    if items is not None:
+        runs.append((items, lo, hi))
+    return runs
 
 
 @dataclass
@@ -178,19 +228,87 @@ class HeldItems:
             return None
         return pieces[j]
 
-    def release(self, at: Position, index: list[int], read_before: int | None = None) -> None:
+    def take(self, keys: np.ndarray) -> tuple[list[tuple[ShardItems, int]], Key | None]:
+        """The held ``(piece items, index in the piece)`` of every key (``(n, 3)``), in order.
+
+        Or, as the second value, a key not held (released, or never read).
+        """
+        picked: list[tuple[ShardItems, int]] = []
+        if len(keys) <= FEW:
+            for e, p, i in keys.tolist():
+                piece = self.piece_of((e, p), i)
+                if piece is None or not piece.remaining[i - piece.base]:
+                    return [], (e, p, i)
+                picked.append((piece.items, i - piece.base))
+            return picked, None
+        slots: list[Any] = [None] * len(keys)
+        for at, rows in by_shard(keys):
+            pieces, found = self.pick(at, keys[rows, 2])
+            if (found < 0).any():
+                return [], (*at, int(keys[rows[np.flatnonzero(found < 0)[0]], 2]))
+            for r, q, i in zip(rows.tolist(), found.tolist(), keys[rows, 2].tolist()):
+                slots[r] = (pieces[q].items, i - pieces[q].base)
+        return slots, None
+
+    def pick(self, at: Position, index: np.ndarray) -> tuple[list[HeldPiece], np.ndarray]:
+        """The held pieces of shard ``at`` and, per item ``index``, its piece there (-1: not held).
+
+        One search over the shard's pieces for every item of a take, not a
+        search per item: a large step takes thousands.
+        """
+        pieces = self.shards.get(at) or []
+        index = np.asarray(index, dtype=np.int64)
+        if not pieces:
+            return pieces, np.full(len(index), -1, dtype=np.int64)
+        if len(index) <= FEW:
+            bases = [p.base for p in pieces]
+            found = []
+            for i in index.tolist():
+                q = bisect.bisect_right(bases, i) - 1
+                held = q >= 0 and i - bases[q] < len(pieces[q].items)
+                found.append(q if held and pieces[q].remaining[i - bases[q]] else -1)
+            return pieces, np.array(found, dtype=np.int64)
+        starts = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
+        sizes = np.fromiter((len(p.items) for p in pieces), dtype=np.int64, count=len(pieces))
+        j = np.searchsorted(starts, index, side="right") - 1
+        inside = (j >= 0) & (index < starts[j] + sizes[j])
+        for q in np.unique(j[inside]).tolist():  # and not released yet
+            mine = np.flatnonzero(inside & (j == q))
+            inside[mine] = pieces[q].remaining[index[mine] - starts[q]]
+        return pieces, np.where(inside, j, -1)
+
+    def release(
+        self, at: Position, index: list[int] | np.ndarray, read_before: int | None = None
+    ) -> None:
         """Release items ``index`` of shard ``at``; those from ``read_before`` on are not read yet.
 
-        A step releases a few items per shard: plain Python over them costs
-        less than numpy's calls would.
+        A few items one by one; more by pieces, each piece's items with one
+        numpy call whatever their number.
         """
-        if read_before is not None and any(i >= read_before for i in index):
-            ahead = [i for i in index if i >= read_before]  # dropped when they are read
-            self._released_ahead.setdefault(at, []).extend(ahead)
-            index = [i for i in index if i < read_before]
-        pieces = self.shards.get(at)
-        if not pieces or not index:
-            return
+        if len(index) <= FEW:  # plain Python over a few items, as a list
+            few = index.tolist() if isinstance(index, np.ndarray) else list(index)
+            if read_before is not None and any(i >= read_before for i in few):
+                self._released_ahead.setdefault(at, []).extend(i for i in few if i >= read_before)
+                few = [i for i in few if i < read_before]  # dropped when they are read
+            pieces = self.shards.get(at) or []
+            emptied = bool(pieces and few) and self._release_each(pieces, few)
+        else:
+            index = np.asarray(index, dtype=np.int64)
+            if read_before is not None and index.max() >= read_before:
+                ahead = index >= read_before
+                self._released_ahead.setdefault(at, []).extend(index[ahead].tolist())
+                index = index[~ahead]  # dropped when they are read
+            pieces = self.shards.get(at) or []
+            emptied = bool(pieces and len(index)) and self._release_by_piece(
+                pieces, np.unique(index)
+            )
+        if emptied:
+            self.shards[at] = [p for p in pieces if p.remaining.any()]
+            if not self.shards[at] and at not in self.open:
+                del self.shards[at]
+
+    def _release_each(self, pieces: list[HeldPiece], index: list[int]) -> bool:
+        """Release items ``index`` of a shard's ``pieces``, one by one; whether a piece emptied."""
         bases = [p.base for p in pieces]
         emptied = False
         for i in index:
@@ -202,10 +320,26 @@ class HeldItems:
                 piece.remaining[k] = False
                 self.tokens -= int(piece.items.length[k])
                 emptied = emptied or not piece.remaining.any()
-        if emptied:
-            self.shards[at] = [p for p in pieces if p.remaining.any()]
-            if not self.shards[at] and at not in self.open:
-                del self.shards[at]
+        return emptied
+
+    def _release_by_piece(self, pieces: list[HeldPiece], index: np.ndarray) -> bool:
+        """Release items ``index`` (sorted, unique), a piece at a time; whether a piece emptied."""
+        bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
+        j = np.searchsorted(bases, index, side="right") - 1
+        cuts = np.searchsorted(j, np.arange(len(pieces) + 1))  # index is sorted: so is j
+        emptied = False
+        for q, (lo, hi) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+            if lo == hi:
+                continue
+            piece = pieces[q]
+            k = index[lo:hi] - piece.base
+            k = k[k < len(piece.items)]
+            k = k[piece.remaining[k]]
+            if len(k):
+                piece.remaining[k] = False
+                self.tokens -= int(piece.items.length[k].sum())
+                emptied = emptied or not piece.remaining.any()
+        return emptied
 
     def rewind(self, start: dict[str, Any], shards: list[Position]) -> Key | None:
         """Consume what ``start`` consumed; the first item it needs that was released, if any.

@@ -6,7 +6,8 @@ Two daemon threads per loader (a :class:`Reader`):
   (:func:`overlord.sources.shard.shard_windows`) and hands each to the
   scheduler, holding at most one window read ahead;
 - the *piece scheduler* cuts the window it was handed into pieces, starts
-  each piece's tokenizing on a thread of its own when the rule lets it, and
+  each piece's tokenizing on one of the loader's worker threads (kept and
+  reused: :class:`~overlord.runtime.threads.Workers`) when the rule lets it, and
   publishes what is done to the loader in order: a window's counts, its
   pieces' items, a shard's end.
 
@@ -36,7 +37,7 @@ import pyarrow as pa
 
 from overlord.plan.spec import Plan, SourceSpec
 from overlord.roles.held import Position
-from overlord.runtime import in_daemon_thread
+from overlord.runtime import Workers
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.shard import ShardIO, ShardItems, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import Tokenizer
@@ -265,6 +266,7 @@ class Reader:
         # while the window thread waits: what it waits on (it waits while this is true)
         self._window_waits_on: Callable[[], bool] | None = None
         self._shards = shards
+        self._workers = Workers(f"overlord-piece-{name}")  # pieces are tokenized on these
         self._threads = [
             threading.Thread(target=fn, name=f"overlord-{what}-{name}", daemon=True)
             for fn, what in ((self._read_windows, "window"), (self._run, "loader"))
@@ -421,7 +423,7 @@ class Reader:
         left.pop(0)
         # the window thread may read the next window now (it waits on what is left of this one)
         self.lock.notify_all()
-        piece = in_daemon_thread(self._tokenize, window, lo, hi)
+        piece = self._workers.submit(self._tokenize, window, lo, hi)
         piece.add_done_callback(self._wake)
         task = Task((window.epoch, window.shard_pos), window.file_index, window, lo, hi, piece)
         task.estimate = estimate
@@ -533,6 +535,7 @@ class Reader:
         with self.lock:
             self.closed = True
             self.lock.notify_all()
+        self._workers.shutdown()  # once the pieces in flight are tokenized
 
     def join(self, timeout: float) -> None:
         """Wait (up to ``timeout``, at most ``CLOSE_WAIT_S``) for the reads in flight to end.

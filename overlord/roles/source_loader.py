@@ -274,19 +274,20 @@ class SourceLoader:
 
         Their tokens (and, from an image source, images: :func:`~overlord.roles.held.payload`).
         """
-        picked: list[tuple[ShardItems, int]] = []
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
         with self._lock:
-            for e, p, i in np.asarray(keys, dtype=np.int64).tolist():
+            if len(keys):  # the last key in source order read means every key is read
+                e, p, i = max(keys.tolist())
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
-                piece = self._held.piece_of((e, p), i)
-                if piece is None or not piece.remaining[i - piece.base]:
-                    raise LoaderError(
-                        f"SourceLoader {self.source}[{self.index}] does not hold item "
-                        f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
-                        "consumed) or never read"
-                    )
-                picked.append((piece.items, i - piece.base))
+            picked, missing = self._held.take(keys)
+            if missing is not None:
+                e, p, i = missing
+                raise LoaderError(
+                    f"SourceLoader {self.source}[{self.index}] does not hold item "
+                    f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
+                    "consumed) or never read"
+                )
         return payload(picked)
 
     def _wait_until_read(self, key: Key) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from overlord.runtime.base import Done, Gone, Handle, OneWay, Ref, RoleOptions, Runtime
 from overlord.runtime.hosting import call_each, spread
 from overlord.runtime.objects import ObjectStore
-from overlord.runtime.threads import Builder, in_daemon_thread
+from overlord.runtime.threads import Builder, Workers, in_daemon_thread
 
 RUNTIMES = ("inline", "ray")
 
@@ -29,6 +29,7 @@ __all__ = [
     "Ref",
     "RoleOptions",
     "Runtime",
+    "Workers",
     "call_each",
     "in_daemon_thread",
     "spread",

@@ -36,6 +36,61 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     return fut
 
 
+class Workers:
+    """Daemon threads, started as needed and kept, that run each job at once into a Future.
+
+    A job never waits behind another: with no idle thread a new one starts,
+    so there are as many threads as jobs ever ran at once (a loader tokenizes
+    at most its ``threads`` pieces at once), and a job after the first few
+    finds a thread waiting on the queue instead of paying for a new one.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads done with their job and not handed another one yet
+        self._count = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on an idle thread, or on a new one; its Future."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                self._count += 1
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        self._todo.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while (job := self._todo.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                result, error = None, None
+            else:
+                try:
+                    result, error = fn(*args), None
+                except BaseException as e:
+                    result, error = None, e
+            with self._lock:  # idle before the Future is done: a job its caller submits next
+                self._idle += 1  # finds this thread, not a new one
+            if fut.cancelled():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+    def shutdown(self) -> None:
+        """End every thread once the jobs submitted before are done."""
+        with self._lock:
+            count, self._count, self._idle = self._count, 0, 0
+        for _ in range(count):
+            self._todo.put(None)
+
+
 class Builder:
     """One daemon thread that runs submitted jobs in order, each into a Future."""
 
