@@ -44,7 +44,9 @@ class PoolView:
         for _ in range(MAX_FAILOVERS):
             calls: list[tuple[Handle[LoaderRole], np.ndarray]] = []
             for s, k, mine in todo:
-                if k >= len(self.loaders[s]):  # a partition added after this view was made
+                # a partition added after this view was made, or retired when it was last
+                # looked at (a rewind to before the retirement starts its loaders anew)
+                if k >= len(self.loaders[s]) or self.loaders[s][k] is None:
                     now = self.planner.call(PoolRole.primaries, self.names[s]).result()
                     self.loaders[s] = list(now)
                 handle = self.loaders[s][k]
