@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -288,3 +289,29 @@ def test_the_guides_torchrun_scripts_exit_0_on_every_rank_as_written(tmp_path):
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"script {n}:\n{script}\n{output[-4000:]}"
         assert "Traceback" not in output and "terminate called" not in output, output[-4000:]
+
+
+LISTEN_WORKER = Path(__file__).parent / "support" / "node_listen_worker.py"
+# a namespace of its own where the host name is an address other than loopback (on lo), as
+# a real machine's resolves to its network address: what gloo binds by default
+NAMESPACE = """ip link set lo up && ip addr add 10.99.0.1/32 dev lo && hostname 10.99.0.1
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 "$0" "$1" "$2" &
+done
+wait"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+    reason="needs root, unshare and ip for a network namespace of its own",
+)
+def test_node_modes_group_listens_on_loopback_only_with_a_loopback_master(tmp_path):
+    out = tmp_path / "listen"
+    cmd = ["unshare", "-n", "-u", "sh", "-c", NAMESPACE, sys.executable, str(LISTEN_WORKER)]
+    done = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        # the trainer's own group binds the host name's address: the check can fail
+        assert any(a.startswith("10.99.0.1:") for a in got["trainer"]), got
+        assert got["node"] and all(a.startswith("127.0.0.1:") for a in got["node"]), got
