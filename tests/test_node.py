@@ -274,12 +274,25 @@ def _docs_corpus(root: Path) -> None:
     module.build_corpus(root)
 
 
+# a loop left early, nothing closed: the process's exit ends node mode
+BREAK = """import torch.distributed as dist
+
+import overlord
+
+dist.init_process_group("gloo")
+loader = overlord.Loader("plan.yaml")
+for batch in loader.client(dist.get_rank()):
+    if batch.step == 5:
+        break
+"""
+
+
 def test_the_guides_torchrun_scripts_exit_0_on_every_rank_as_written(tmp_path):
     """Run as a user runs them: torchrun, 2 CPU processes, nothing closed by hand."""
     scripts = _scripts(TORCHRUN_PAGE)
     assert len(scripts) == 2  # the DataLoader one and the Loader one
     _docs_corpus(tmp_path)
-    for n, script in enumerate(scripts):
+    for n, script in enumerate([*scripts, BREAK]):
         (tmp_path / "train.py").write_text(script)
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",

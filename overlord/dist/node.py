@@ -240,14 +240,23 @@ class NodeClient(Iterator[Batch]):
     # ---- the trainer's side ----------------------------------------------------------------
 
     def __next__(self) -> Batch:
-        """The next step's batch, built ahead on another thread (rank 0) or received."""
+        """The next step's batch, built ahead on another thread (rank 0) or received.
+
+        At the end of the stream it first waits for this rank's thread to end
+        (:meth:`close`): rank 0's, once every rank has received its batches and
+        the end; another rank's, once that end has reached it. So nothing of
+        node mode is pending after the loop, and the trainer may destroy its
+        process groups or exit.
+        """
         if self.stop_step is not None and self.step >= self.stop_step:
+            self.close()
             raise StopIteration
         if self._thread is None:
             self._start()
         kind, got = self._take()
         if kind == END:
             self._ready.put((kind, got))  # every later call ends too
+            self.close()
             raise StopIteration
         if kind == ERROR:
             self._ready.put((kind, got))
@@ -308,8 +317,9 @@ class NodeClient(Iterator[Batch]):
         another rank keeps receiving (dropping what comes) until that end
         reaches it. So call it on every rank, after consuming up to the same
         step (as synchronous training ends them together); a process that
-        exits without calling it calls it then. A thread still waiting after
-        ``loading.timeout_s`` is left behind.
+        exits without calling it calls it then, and so does the end of the
+        stream. A thread still waiting after ``loading.timeout_s`` (rank 0's:
+        that for each send it has left) is left behind.
         """
         self._closed.set()
         if self._thread is None:
@@ -318,7 +328,9 @@ class NodeClient(Iterator[Batch]):
             # let the receiver take the end of the stream: it may wait on a full queue
             while self._thread.is_alive() and not self._ready.empty():
                 self._ready.get_nowait()
-        self._thread.join(self._timeout)
+        # rank 0's thread ends after its sends, each waiting at most the group's timeout
+        sends = self.plan.world.size + 1 if self.rank == 0 else 1
+        self._thread.join(self._timeout * sends)
 
 
 class _RankLost(LoaderError):
