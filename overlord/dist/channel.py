@@ -61,8 +61,21 @@ def _text(tensor: torch.Tensor) -> str:
 class Channel:
     """Rank 0's messages to one rank, as tensors over a gloo group."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, receive_s: float | None = None):
         self.group = group
+        # a receiver waits longer than rank 0's sends do, so that when a hung rank holds
+        # rank 0 up, rank 0's send to it fails first and the error that reaches every
+        # other rank names that rank, not rank 0
+        self.receive_wait = None if receive_s is None else datetime.timedelta(seconds=receive_s)
+
+    def _recv(self, tensor: torch.Tensor) -> None:
+        work = dist.irecv(tensor, src=0, group=self.group)
+        if work is None:
+            raise RuntimeError("this process is not in node mode's group")
+        if self.receive_wait is None:
+            work.wait()
+        else:
+            work.wait(timeout=self.receive_wait)
 
     def send_batch(self, batch: Batch, state: dict[str, Any], to: int) -> None:
         """``batch`` to rank ``to``, with ``state``: the stream's state as of the step after it."""
@@ -97,22 +110,22 @@ class Channel:
     def receive(self) -> tuple[int, Any]:
         """``(kind, (batch, state))`` for a batch, ``(kind, message)`` otherwise."""
         header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, src=0, group=self.group)
+        self._recv(header)
         kind, step, rank, _, _, _, n_meta, n_state = header.tolist()
         if kind != BATCH:
             message = torch.empty(n_meta, dtype=torch.uint8)
             if n_meta:
-                dist.recv(message, src=0, group=self.group)
+                self._recv(message)
             return kind, _text(message)
         meta = torch.empty(n_meta, dtype=torch.uint8)
         after = torch.empty(n_state, dtype=torch.uint8)
         for t in (meta, after):
-            dist.recv(t, src=0, group=self.group)
+            self._recv(t)
         info = json.loads(_text(meta))
         arrays: dict[str, Any] = dict.fromkeys(_ARRAYS)
         for name, shape in info["shapes"].items():  # in the order they were sent
             t = torch.empty(shape, dtype=torch.int32)
-            dist.recv(t, src=0, group=self.group)
+            self._recv(t)
             arrays[name] = t.numpy()
         layout, cp_rank, cp_size = info["cp"]
         batch = Batch(
@@ -124,7 +137,7 @@ class Channel:
             px = torch.empty(images[:2], dtype=torch.float32)
             grid_i = torch.empty((images[2], 2), dtype=torch.int32)
             for t in (px, grid_i):
-                dist.recv(t, src=0, group=self.group)
+                self._recv(t)
             batch.pixel_values, batch.image_grid = px.numpy(), grid_i.numpy()
             batch.cost_llm, batch.cost_encoder = info["costs"]
         return kind, (batch, json.loads(_text(after)))

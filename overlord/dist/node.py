@@ -34,10 +34,12 @@ consumes up to the same stop step (synchronous training does).
 Dead ranks: a rank whose process died fails rank 0's next send to it at
 once (its sockets close), and rank 0 sends every other rank an error
 naming it; a dead rank 0 fails every other rank's receive at once. Every
-wait in the group is bounded by ``loading.timeout_s`` (the group's
-timeout), so a rank that stops taking batches without dying (a hung
-process) fails the others within that time, naming it, as the embedded
-runtime fails a rank whose peers stop consuming.
+wait in the group is bounded: rank 0's sends by ``loading.timeout_s`` (the
+group's timeout), the other ranks' receives by twice that. So a rank that
+stops taking batches without dying (a hung process) fails rank 0 within
+``loading.timeout_s``, naming it, as the embedded runtime fails a rank whose
+peers stop consuming; gloo then closes every connection of rank 0's in the
+group, so the other ranks' errors name rank 0's lost connection instead.
 
 Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
@@ -133,7 +135,7 @@ class NodeClient(Iterator[Batch]):
         self.dp_rank = world.coords(self.rank).dp  # the rank batches name
         # a group of our own, so the trainer's collectives and ours never interleave
         group = self._group if self._group is not None else node_group(self._timeout)
-        self._channel = Channel(group)
+        self._channel = Channel(group, receive_s=2 * self._timeout)
         target = self._serve if self.rank == 0 else self._receive
         self._thread = threading.Thread(target=target, args=(self.plan, self._state), daemon=True)
         self._thread.name = f"overlord-node-{self.rank}"
@@ -211,8 +213,8 @@ class NodeClient(Iterator[Batch]):
             except Exception as e:  # the transport failed (rank 0 gone, a timeout)
                 message = (
                     f"rank {self.rank} lost the node's Loader (rank 0): {type(e).__name__}: {e}; "
-                    f"rank 0's process died, or sent nothing for loading.timeout_s "
-                    f"({self._timeout:.0f} s)"
+                    f"rank 0's process died, or sent nothing for twice loading.timeout_s "
+                    f"({2 * self._timeout:.0f} s)"
                 )
                 self._put((ERROR, message))
                 return
