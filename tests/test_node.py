@@ -190,8 +190,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _by_hand(plan: Path, out: Path) -> list[subprocess.Popen[bytes]]:
-    """``RANKS`` processes started as a scheduler starts them: the environment, no agent."""
+def _by_hand(plan: Path, out: Path, raises: int = -1) -> list[subprocess.Popen[bytes]]:
+    """``RANKS`` processes started as a scheduler starts them: the environment, no agent.
+
+    Rank ``raises`` dies of an uncaught exception at step 3.
+    """
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env["WORLD_SIZE"] = str(RANKS)
     env.pop("LOCAL_WORLD_SIZE", None)
@@ -199,7 +202,7 @@ def _by_hand(plan: Path, out: Path) -> list[subprocess.Popen[bytes]]:
     for r in range(RANKS):
         with open(f"{out}.{r}.err", "w") as err:  # the child holds its own copy
             cmd = [sys.executable, str(KILL_WORKER), str(plan), str(out)]
-            env_r = {**env, "RANK": str(r)}
+            env_r = {**env, "RANK": str(r)} | ({"OVERLORD_TEST_RAISE": "1"} if r == raises else {})
             procs.append(subprocess.Popen(cmd, env=env_r, stdout=subprocess.DEVNULL, stderr=err))
     return procs
 
@@ -215,25 +218,34 @@ def short_plan(tmp_path_factory) -> Path:
     )
 
 
-@pytest.mark.parametrize("victim", [2, 0])
-def test_a_rank_killed_without_torchrun_fails_every_other_rank_naming_it(
-    short_plan, tmp_path, victim
+@pytest.mark.parametrize(
+    ("death", "victim"), [("SIGKILL", 2), ("SIGKILL", 0), ("raise", 1), ("raise", 0)]
+)
+def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
+    short_plan, tmp_path, death, victim
 ):
-    """SIGKILL of one process: every other one raises within loading.timeout_s, naming it."""
+    """A process killed, or dead of its own exception: every other one raises, naming it.
+
+    Within loading.timeout_s, and every process ends (the one that raised too:
+    it does not wait for an orderly end that would never come).
+    """
     out = tmp_path / "run"
-    procs = _by_hand(short_plan, out)
+    procs = _by_hand(short_plan, out, raises=victim if death == "raise" else -1)
     try:
         deadline = time.monotonic() + 120
         while not all(Path(f"{out}.{r}.step").exists() for r in range(RANKS)):
             assert time.monotonic() < deadline, "the ranks never started"
             errors = [Path(f"{out}.{r}.err").read_text() for r in range(RANKS)]
-            assert all(p.poll() is None for p in procs), errors
+            assert death == "raise" or all(p.poll() is None for p in procs), errors
             time.sleep(0.1)
-        procs[victim].send_signal(signal.SIGKILL)
-        killed = time.time()
-        for r, p in enumerate(procs):
-            if r != victim:
-                p.wait(timeout=TIMEOUT_S + 30)  # the process ends, not only its stream
+        if death == "SIGKILL":
+            procs[victim].send_signal(signal.SIGKILL)
+            killed = time.time()
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S + 30)  # the process ends, not only its stream
+        if death == "raise":
+            killed = float(Path(f"{out}.{victim}.raised").read_text())
+            assert "a trainer's bug at step 3" in Path(f"{out}.{victim}.err").read_text()
     finally:
         for p in procs:
             if p.poll() is None:

@@ -27,9 +27,11 @@ sends the end to every rank still alive (a send that fails, to a dead rank,
 does not stop the others) and then ends, so no message is left pending when
 rank 0's process ends. A rank that closes keeps receiving (and dropping)
 batches until rank 0's end reaches it, so rank 0 is never left waiting on a
-send. Each process closes its stream when it exits (an ``atexit`` hook), so a
-script that never calls ``close()`` ends cleanly, as long as every rank
-consumes up to the same stop step (synchronous training does).
+send. The end of the stream closes it, and so does the process's exit (an
+``atexit`` hook), so a script that never calls ``close()`` ends cleanly, as
+long as every rank consumes up to the same stop step (synchronous training
+does); a process that dies of an uncaught exception skips that wait, so its
+peers fail at once, naming it, instead of being fed on.
 
 Dead ranks: a rank whose process died fails rank 0's next send to it at
 once (its sockets close), and rank 0 sends every other rank an error
@@ -56,6 +58,7 @@ from __future__ import annotations
 import atexit
 import json
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -109,6 +112,7 @@ class NodeClient(Iterator[Batch]):
         self._state = state  # as of this rank's position: before ``self.step``
         self._ready: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=AHEAD)
         self._closed = threading.Event()
+        self._failure: str | None = None  # why this process stops mid-stream, if it fails
         self._started = threading.Event()  # the state the stream starts from is known
         self._timeout = plan.loading.timeout_s
         self._thread: threading.Thread | None = None  # started on first use
@@ -183,6 +187,8 @@ class NodeClient(Iterator[Batch]):
         except Exception as e:
             ending = ERROR
             message = f"the node's Loader (rank 0) failed: {type(e).__name__}: {e}"
+        if ending == END and self._failure is not None:
+            ending, message = ERROR, self._failure  # rank 0's trainer failed: not an end
         for r in sorted(live):
             try:  # an end that cannot reach one rank must still reach the others
                 self._channel.send_text(ending, message, r)
@@ -222,7 +228,9 @@ class NodeClient(Iterator[Batch]):
                 self._begin(json.loads(got))
                 continue
             self._put((kind, got))
-            if kind != BATCH:
+            if kind != BATCH or self._failure is not None:
+                # the stream's end; or this process fails: it posts no more receives, so rank
+                # 0's next send to it fails when its process ends (at once) or after the timeout
                 return
 
     def _begin(self, state: dict[str, Any]) -> None:
@@ -251,14 +259,14 @@ class NodeClient(Iterator[Batch]):
         process groups or exit.
         """
         if self.stop_step is not None and self.step >= self.stop_step:
-            self.close()
+            self._end(None)
             raise StopIteration
         if self._thread is None:
             self._start()
         kind, got = self._take()
         if kind == END:
             self._ready.put((kind, got))  # every later call ends too
-            self.close()
+            self._end(None)
             raise StopIteration
         if kind == ERROR:
             self._ready.put((kind, got))
@@ -321,8 +329,25 @@ class NodeClient(Iterator[Batch]):
         step (as synchronous training ends them together); a process that
         exits without calling it calls it then, and so does the end of the
         stream. A thread still waiting after ``loading.timeout_s`` (rank 0's:
-        that for each send it has left) is left behind.
+        that for each send it has left) is left behind. Called while an
+        exception unwinds (``with`` a Loader whose body raised), it stops at
+        once instead, as this process fails (:meth:`_end`).
         """
+        failed = sys.exc_info()[1]  # closing while an exception unwinds: a failure
+        self._end(None if failed is None else f"{type(failed).__name__}: {failed}")
+
+    def _end(self, failure: str | None) -> None:
+        """Close: in order (``failure`` None), or at once, as this process fails.
+
+        A failing process does not wait for the others: rank 0 sends every
+        rank an error naming it instead of the end, another rank stops
+        receiving; its exit then closes its sockets, which fails the rest
+        at once (a wait in order would feed it on until ``loading.timeout_s``).
+        """
+        if failure is not None and self._thread is not None and self._thread.is_alive():
+            self._failure = f"rank {self.rank}'s trainer failed ({failure}), so every rank stops"
+            self._closed.set()
+            return
         self._closed.set()
         if self._thread is None:
             return  # never started: nothing runs
@@ -341,5 +366,8 @@ class _RankLost(LoaderError):
 
 def _close_at_exit(ref: weakref.ref[NodeClient]) -> None:
     client = ref()
-    if client is not None:
-        client.close()
+    if client is None:
+        return
+    # the process dies of an uncaught exception: no orderly end (see NodeClient._end)
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    client._end(None if failed is None else f"{type(failed).__name__}: {failed}")
