@@ -116,6 +116,7 @@ class NodeClient(Iterator[Batch]):
         self._started = threading.Event()  # the state the stream starts from is known
         self._timeout = plan.loading.timeout_s
         self._thread: threading.Thread | None = None  # started on first use
+        self.loader: Any = None  # rank 0's: the node's Loader, from its first use to close()
 
     def _start(self) -> None:
         if not dist.is_initialized():
@@ -161,25 +162,25 @@ class NodeClient(Iterator[Batch]):
             # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it in the
             # same sweep (32 sources at index, benchmarks/memory.py --designs overlord-node)
             lean_allocators()
-            with self._make_loader(plan, state) as loader:
-                self.loader = loader
-                # a DP rank's batch is built once, its views cut once for all its peers
-                serve = loader.client if world.peers == 1 else loader.rank_client
-                clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
-                start = loader.state_dict()
-                for r in sorted(live):
-                    text = json.dumps(start)
-                    self._send(live, r, "the start", self._channel.send_text, START, text)
-                self._begin(start)
-                while not self._closed.is_set():
-                    for r, client in enumerate(clients):
-                        batch = next(client)  # StopIteration at the stop step, for every rank
-                        after = client.state_dict()
-                        if r == 0:
-                            self._put((BATCH, (batch, after)))
-                        else:
-                            what = f"step {batch.step}'s batch"
-                            self._send(live, r, what, self._channel.send_batch, batch, after)
+            # open until close(): its stats() and state_dict() outlive the stream's end
+            self.loader = loader = self._make_loader(plan, state)
+            # a DP rank's batch is built once, its views cut once for all its peers
+            serve = loader.client if world.peers == 1 else loader.rank_client
+            clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
+            start = loader.state_dict()
+            for r in sorted(live):
+                text = json.dumps(start)
+                self._send(live, r, "the start", self._channel.send_text, START, text)
+            self._begin(start)
+            while not self._closed.is_set():
+                for r, client in enumerate(clients):
+                    batch = next(client)  # StopIteration at the stop step, for every rank
+                    after = client.state_dict()
+                    if r == 0:
+                        self._put((BATCH, (batch, after)))
+                    else:
+                        what = f"step {batch.step}'s batch"
+                        self._send(live, r, what, self._channel.send_batch, batch, after)
         except StopIteration:
             pass
         except _RankLost as e:
@@ -259,14 +260,14 @@ class NodeClient(Iterator[Batch]):
         process groups or exit.
         """
         if self.stop_step is not None and self.step >= self.stop_step:
-            self._end(None)
+            self._end(None, release=False)
             raise StopIteration
         if self._thread is None:
             self._start()
         kind, got = self._take()
         if kind == END:
             self._ready.put((kind, got))  # every later call ends too
-            self._end(None)
+            self._end(None, release=False)
             raise StopIteration
         if kind == ERROR:
             self._ready.put((kind, got))
@@ -336,8 +337,11 @@ class NodeClient(Iterator[Batch]):
         failed = sys.exc_info()[1]  # closing while an exception unwinds: a failure
         self._end(None if failed is None else f"{type(failed).__name__}: {failed}")
 
-    def _end(self, failure: str | None) -> None:
+    def _end(self, failure: str | None, release: bool = True) -> None:
         """Close: in order (``failure`` None), or at once, as this process fails.
+
+        ``release`` closes rank 0's Loader too, once its thread has ended (the
+        end of the stream leaves it open, so its stats can still be read).
 
         A failing process does not wait for the others: rank 0 sends every
         rank an error naming it instead of the end, another rank stops
@@ -358,6 +362,8 @@ class NodeClient(Iterator[Batch]):
         # rank 0's thread ends after its sends, each waiting at most the group's timeout
         sends = self.plan.world.size + 1 if self.rank == 0 else 1
         self._thread.join(self._timeout * sends)
+        if release and self.loader is not None and not self._thread.is_alive():
+            self.loader.close()
 
 
 class _RankLost(LoaderError):
