@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +178,165 @@ def test_a_node_loader_of_a_mesh_takes_this_process_global_rank_only(plan_path, 
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match="not a multiple of cp\\*tp\\*pp=4"):
         Loader(mesh)
+
+
+KILL_WORKER = Path(__file__).parent / "support" / "node_kill_worker.py"
+TIMEOUT_S = 20  # the plan's loading.timeout_s: the bound on every rank's end
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _by_hand(plan: Path, out: Path, raises: int = -1) -> list[subprocess.Popen[bytes]]:
+    """``RANKS`` processes started as a scheduler starts them: the environment, no agent.
+
+    Rank ``raises`` dies of an uncaught exception at step 3.
+    """
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env["WORLD_SIZE"] = str(RANKS)
+    env.pop("LOCAL_WORLD_SIZE", None)
+    procs = []
+    for r in range(RANKS):
+        with open(f"{out}.{r}.err", "w") as err:  # the child holds its own copy
+            cmd = [sys.executable, str(KILL_WORKER), str(plan), str(out)]
+            env_r = {**env, "RANK": str(r)} | ({"OVERLORD_TEST_RAISE": "1"} if r == raises else {})
+            procs.append(subprocess.Popen(cmd, env=env_r, stdout=subprocess.DEVNULL, stderr=err))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def short_plan(tmp_path_factory) -> Path:
+    return make_corpus(
+        tmp_path_factory.mktemp("kill"),
+        {"web": {"files": {f"data/web/p{i}.jsonl": 40 for i in range(2)}}},
+        batch={"tokens_per_step": 512, "max_seq_len": 64, "prefetch_steps": 1},
+        world={"dp": RANKS},
+        loading={"timeout_s": TIMEOUT_S},
+    )
+
+
+@pytest.mark.parametrize(
+    ("death", "victim"), [("SIGKILL", 2), ("SIGKILL", 0), ("raise", 1), ("raise", 0)]
+)
+def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
+    short_plan, tmp_path, death, victim
+):
+    """A process killed, or dead of its own exception: every other one raises, naming it.
+
+    Within loading.timeout_s, and every process ends (the one that raised too:
+    it does not wait for an orderly end that would never come).
+    """
+    out = tmp_path / "run"
+    procs = _by_hand(short_plan, out, raises=victim if death == "raise" else -1)
+    try:
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{out}.{r}.step").exists() for r in range(RANKS)):
+            assert time.monotonic() < deadline, "the ranks never started"
+            errors = [Path(f"{out}.{r}.err").read_text() for r in range(RANKS)]
+            assert death == "raise" or all(p.poll() is None for p in procs), errors
+            time.sleep(0.1)
+        if death == "SIGKILL":
+            procs[victim].send_signal(signal.SIGKILL)
+            killed = time.time()
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S + 30)  # the process ends, not only its stream
+        if death == "raise":
+            killed = float(Path(f"{out}.{victim}.raised").read_text())
+            assert "a trainer's bug at step 3" in Path(f"{out}.{victim}.err").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        if r == victim:
+            continue
+        result = json.loads(Path(f"{out}.{r}").read_text())
+        assert f"rank {victim}" in result["error"], result["error"]
+        assert result["at"] - killed < TIMEOUT_S, (r, result["at"] - killed)
+        err = Path(f"{out}.{r}.err").read_text()
+        assert p.returncode == 1, (r, p.returncode, err)  # the worker's own exit, no abort
+        assert "terminate called" not in err
+
+
+DOCS = Path(__file__).resolve().parents[1]
+TORCHRUN_PAGE = DOCS / "docs" / "guides" / "torchrun.md"
+SCRIPT = "a torchrun script: tests/test_node.py runs it as written"
+
+
+def _scripts(page: Path) -> list[str]:
+    """The page's python blocks marked as torchrun scripts, as written."""
+    lines, found = page.read_text().split("\n"), []
+    for i, line in enumerate(lines):
+        if SCRIPT in line and lines[i + 1] == "```python":
+            end = lines.index("```", i + 2)
+            found.append("\n".join(lines[i + 2 : end]) + "\n")
+    return found
+
+
+def _docs_corpus(root: Path) -> None:
+    """The corpus and quick start plan every docs page runs against (the root conftest.py's)."""
+    spec = importlib.util.spec_from_file_location("docs_conftest", DOCS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build_corpus(root)
+
+
+# a loop left early, nothing closed: the process's exit ends node mode
+BREAK = """import torch.distributed as dist
+
+import overlord
+
+dist.init_process_group("gloo")
+loader = overlord.Loader("plan.yaml")
+for batch in loader.client(dist.get_rank()):
+    if batch.step == 5:
+        break
+"""
+
+
+def test_the_guides_torchrun_scripts_exit_0_on_every_rank_as_written(tmp_path):
+    """Run as a user runs them: torchrun, 2 CPU processes, nothing closed by hand."""
+    scripts = _scripts(TORCHRUN_PAGE)
+    assert len(scripts) == 2  # the DataLoader one and the Loader one
+    _docs_corpus(tmp_path)
+    for n, script in enumerate([*scripts, BREAK]):
+        (tmp_path / "train.py").write_text(script)
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", "train.py"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"script {n}:\n{script}\n{output[-4000:]}"
+        assert "Traceback" not in output and "terminate called" not in output, output[-4000:]
+
+
+LISTEN_WORKER = Path(__file__).parent / "support" / "node_listen_worker.py"
+# a namespace of its own where the host name is an address other than loopback (on lo), as
+# a real machine's resolves to its network address: what gloo binds by default
+NAMESPACE = """ip link set lo up && ip addr add 10.99.0.1/32 dev lo && hostname 10.99.0.1
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 "$0" "$1" "$2" &
+done
+wait"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+    reason="needs root, unshare and ip for a network namespace of its own",
+)
+def test_node_modes_group_listens_on_loopback_only_with_a_loopback_master(tmp_path):
+    out = tmp_path / "listen"
+    cmd = ["unshare", "-n", "-u", "sh", "-c", NAMESPACE, sys.executable, str(LISTEN_WORKER)]
+    done = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        # the trainer's own group binds the host name's address: the check can fail
+        assert any(a.startswith("10.99.0.1:") for a in got["trainer"]), got
+        assert got["node"] and all(a.startswith("127.0.0.1:") for a in got["node"]), got

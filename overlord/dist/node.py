@@ -17,14 +17,31 @@ it takes a Ray loader process's allocators (``lean_allocators``: glibc's
 malloc arenas capped, Arrow on the system allocator); the other ranks' are
 left as they were.
 
-Messages are tensors: a header of eight int64 (kind, step, DP rank, three
-unused, the lengths of the meta JSON and of the state's JSON), then two byte
-tensors of JSON: the batch's samples, cost, CP fields and the shape of every
-array present, and the state as of the step after it (what ``state_dict()``
-returns once the batch is taken); then each array present as an int32
-tensor (a pipeline stage's missing fields stay ``None``). Nothing is
-pickled. An error of the Loader reaches every rank as a
-:class:`~overlord.errors.LoaderError` naming where it happened.
+The protocol (its messages: :mod:`overlord.dist.channel`, tensors and JSON,
+nothing pickled): rank 0 sends each other rank ``START`` (the state the
+stream starts from), then its batch of every step, each with the state as of
+the step after it, in step order and rank order; then ``END`` (the stop
+step, or rank 0 closed) or ``ERROR`` (the Loader failed, or a rank died: the
+message names the place or the rank). Every way out of rank 0's thread
+sends the end to every rank still alive (a send that fails, to a dead rank,
+does not stop the others) and then ends, so no message is left pending when
+rank 0's process ends. A rank that closes keeps receiving (and dropping)
+batches until rank 0's end reaches it, so rank 0 is never left waiting on a
+send. The end of the stream closes it, and so does the process's exit (an
+``atexit`` hook), so a script that never calls ``close()`` ends cleanly, as
+long as every rank consumes up to the same stop step (synchronous training
+does); a process that dies of an uncaught exception skips that wait, so its
+peers fail at once, naming it, instead of being fed on.
+
+Dead ranks: a rank whose process died fails rank 0's next send to it at
+once (its sockets close), and rank 0 sends every other rank an error
+naming it; a dead rank 0 fails every other rank's receive at once. Every
+wait in the group is bounded: rank 0's sends by ``loading.timeout_s`` (the
+group's timeout), the other ranks' receives by twice that. So a rank that
+stops taking batches without dying (a hung process) fails rank 0 within
+``loading.timeout_s``, naming it, as the embedded runtime fails a rank whose
+peers stop consuming; gloo then closes every connection of rank 0's in the
+group, so the other ranks' errors name rank 0's lost connection instead.
 
 Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
@@ -38,111 +55,26 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
 from __future__ import annotations
 
+import atexit
 import json
 import queue
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
-from overlord.batch import Batch, Sample
+from overlord.batch import Batch
+from overlord.dist.channel import BATCH, END, ERROR, START, Channel, node_group
 from overlord.errors import CheckpointError, LoaderError
 from overlord.plan.spec import Plan
 from overlord.runtime.hosting import lean_allocators
 from overlord.state.checkpoint import check_state
 from overlord.world import World
 
-_BATCH, _END, _ERROR, _START = 0, 1, 2, 3
-_ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
-_HEADER = 8
 AHEAD = 2  # batches a rank holds ready beyond the one its trainer has
-
-
-def _bytes(text: str) -> torch.Tensor:
-    data = text.encode()
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-
-
-def _text(tensor: torch.Tensor) -> str:
-    return bytes(tensor.numpy().tobytes()).decode()
-
-
-class _Channel:
-    """Rank 0's messages to one rank, as tensors over a gloo group."""
-
-    def __init__(self, group: Any):
-        self.group = group
-
-    def send_batch(self, batch: Batch, state: dict[str, Any], to: int) -> None:
-        samples = [[s.source, s.id, s.tokens, s.row] for s in batch.samples]
-        px, grid_i = batch.pixel_values, batch.image_grid  # a plan with images
-        images = None if px is None or grid_i is None else [*px.shape, len(grid_i)]
-        arrays = batch.arrays()  # a mesh rank's: its CP slice, its stage's fields
-        meta = _bytes(json.dumps({
-            "samples": samples, "cost": batch.cost, "images": images,
-            "costs": [batch.cost_llm, batch.cost_encoder],
-            "cp": [batch.cp_layout, batch.cp_rank, batch.cp_size],
-            "shapes": {k: list(a.shape) for k, a in arrays.items()},
-        }))  # fmt: skip
-        after = _bytes(json.dumps(state, separators=(",", ":")))
-        header = [_BATCH, batch.step, batch.rank, 0, 0, 0, len(meta), len(after)]
-        for t in (torch.tensor(header, dtype=torch.int64), meta, after):
-            dist.send(t.contiguous(), dst=to, group=self.group)
-        for a in arrays.values():
-            dist.send(torch.from_numpy(np.ascontiguousarray(a, np.int32)), dst=to, group=self.group)
-        if px is not None and grid_i is not None:
-            for image in (px, grid_i):
-                dist.send(torch.from_numpy(np.ascontiguousarray(image)), dst=to, group=self.group)
-
-    def send_text(self, kind: int, text: str, to: int) -> None:
-        """An end, an error (its message) or the start (the state the stream starts from)."""
-        message = _bytes(text)
-        header = [kind, 0, 0, 0, 0, 0, len(message), 0]
-        dist.send(torch.tensor(header, dtype=torch.int64), dst=to, group=self.group)
-        if len(message):
-            dist.send(message, dst=to, group=self.group)
-
-    def receive(self) -> tuple[int, Any]:
-        """``(kind, (batch, state))`` for a batch, ``(kind, message)`` otherwise."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, src=0, group=self.group)
-        kind, step, rank, _, _, _, n_meta, n_state = header.tolist()
-        if kind != _BATCH:
-            message = torch.empty(n_meta, dtype=torch.uint8)
-            if n_meta:
-                dist.recv(message, src=0, group=self.group)
-            return kind, _text(message)
-        meta = torch.empty(n_meta, dtype=torch.uint8)
-        after = torch.empty(n_state, dtype=torch.uint8)
-        for t in (meta, after):
-            dist.recv(t, src=0, group=self.group)
-        info = json.loads(_text(meta))
-        arrays: dict[str, Any] = dict.fromkeys(_ARRAYS)
-        for name, shape in info["shapes"].items():  # in the order they were sent
-            t = torch.empty(shape, dtype=torch.int32)
-            dist.recv(t, src=0, group=self.group)
-            arrays[name] = t.numpy()
-        layout, cp_rank, cp_size = info["cp"]
-        batch = Batch(
-            step, rank, samples=[Sample(*s) for s in info["samples"]], cost=info["cost"],
-            cp_layout=layout, cp_rank=cp_rank, cp_size=cp_size, **arrays,
-        )  # fmt: skip
-        images = info.get("images")
-        if images is not None:
-            px = torch.empty(images[:2], dtype=torch.float32)
-            grid_i = torch.empty((images[2], 2), dtype=torch.int32)
-            for t in (px, grid_i):
-                dist.recv(t, src=0, group=self.group)
-            batch.pixel_values, batch.image_grid = px.numpy(), grid_i.numpy()
-            batch.cost_llm, batch.cost_encoder = info["costs"]
-        return kind, (batch, json.loads(_text(after)))
 
 
 class NodeClient(Iterator[Batch]):
@@ -180,9 +112,11 @@ class NodeClient(Iterator[Batch]):
         self._state = state  # as of this rank's position: before ``self.step``
         self._ready: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=AHEAD)
         self._closed = threading.Event()
+        self._failure: str | None = None  # why this process stops mid-stream, if it fails
         self._started = threading.Event()  # the state the stream starts from is known
         self._timeout = plan.loading.timeout_s
         self._thread: threading.Thread | None = None  # started on first use
+        self.loader: Any = None  # rank 0's: the node's Loader, from its first use to close()
 
     def _start(self) -> None:
         if not dist.is_initialized():
@@ -205,19 +139,22 @@ class NodeClient(Iterator[Batch]):
             )
         self.dp_rank = world.coords(self.rank).dp  # the rank batches name
         # a group of our own, so the trainer's collectives and ours never interleave
-        group = self._group if self._group is not None else dist.new_group(backend="gloo")
-        self._channel = _Channel(group)
+        group = self._group if self._group is not None else node_group(self._timeout)
+        self._channel = Channel(group, receive_s=2 * self._timeout)
         target = self._serve if self.rank == 0 else self._receive
         self._thread = threading.Thread(target=target, args=(self.plan, self._state), daemon=True)
         self._thread.name = f"overlord-node-{self.rank}"
         self._thread.start()
+        # a script that never closes its stream still ends node mode in order: a process
+        # that exits while this thread waits in gloo aborts, and its peers see it crash
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- rank 0: the node's Loader ---------------------------------------------------------
 
     def _serve(self, plan: Plan, state: dict[str, Any] | None) -> None:
         world = plan.world
-        others = range(1, world.size)
-        ending, message = _END, ""  # every way out tells the other ranks, who wait for it
+        live = set(range(1, world.size))  # the ranks the end must reach
+        ending, message = END, ""  # every way out tells the other ranks, who wait for it
         try:
             if self._make_loader is None:
                 raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
@@ -225,31 +162,54 @@ class NodeClient(Iterator[Batch]):
             # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it in the
             # same sweep (32 sources at index, benchmarks/memory.py --designs overlord-node)
             lean_allocators()
-            with self._make_loader(plan, state) as loader:
-                self.loader = loader
-                # a DP rank's batch is built once, its views cut once for all its peers
-                serve = loader.client if world.peers == 1 else loader.rank_client
-                clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
-                start = loader.state_dict()
-                for r in others:
-                    self._channel.send_text(_START, json.dumps(start), r)
-                self._begin(start)
-                while not self._closed.is_set():
-                    for r, client in enumerate(clients):
-                        batch = next(client)  # StopIteration at the stop step, for every rank
-                        after = client.state_dict()
-                        if r == 0:
-                            self._put((_BATCH, (batch, after)))
-                        else:
-                            self._channel.send_batch(batch, after, r)
+            # open until close(): its stats() and state_dict() outlive the stream's end
+            self.loader = loader = self._make_loader(plan, state)
+            # a DP rank's batch is built once, its views cut once for all its peers
+            serve = loader.client if world.peers == 1 else loader.rank_client
+            clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
+            start = loader.state_dict()
+            for r in sorted(live):
+                text = json.dumps(start)
+                self._send(live, r, "the start", self._channel.send_text, START, text)
+            self._begin(start)
+            while not self._closed.is_set():
+                for r, client in enumerate(clients):
+                    batch = next(client)  # StopIteration at the stop step, for every rank
+                    after = client.state_dict()
+                    if r == 0:
+                        self._put((BATCH, (batch, after)))
+                    else:
+                        what = f"step {batch.step}'s batch"
+                        self._send(live, r, what, self._channel.send_batch, batch, after)
         except StopIteration:
             pass
+        except _RankLost as e:
+            ending, message = ERROR, str(e)
         except Exception as e:
-            ending = _ERROR
+            ending = ERROR
             message = f"the node's Loader (rank 0) failed: {type(e).__name__}: {e}"
-        for r in others:
-            self._channel.send_text(ending, message, r)
+        if ending == END and self._failure is not None:
+            ending, message = ERROR, self._failure  # rank 0's trainer failed: not an end
+        for r in sorted(live):
+            try:  # an end that cannot reach one rank must still reach the others
+                self._channel.send_text(ending, message, r)
+            except Exception:
+                live.discard(r)
         self._put((ending, message))
+
+    def _send(
+        self, live: set[int], to: int, what: str, send: Callable[..., None], *args: Any
+    ) -> None:
+        """``send(*args, to)``; a rank that cannot take it is gone: the stream stops, naming it."""
+        try:
+            send(*args, to)
+        except Exception as e:
+            live.discard(to)
+            raise _RankLost(
+                f"rank {to} of the node is gone: rank 0 could not send it {what} "
+                f"({type(e).__name__}: {e}); its process died or stopped taking batches for "
+                f"loading.timeout_s ({self._timeout:.0f} s), so every rank stops"
+            ) from e
 
     # ---- the other ranks -------------------------------------------------------------------
 
@@ -258,14 +218,20 @@ class NodeClient(Iterator[Batch]):
             try:
                 kind, got = self._channel.receive()
             except Exception as e:  # the transport failed (rank 0 gone, a timeout)
-                message = f"rank {self.rank} lost the node's Loader: {type(e).__name__}: {e}"
-                self._put((_ERROR, message))
+                message = (
+                    f"rank {self.rank} lost the node's Loader (rank 0): {type(e).__name__}: {e}; "
+                    f"rank 0's process died, or sent nothing for twice loading.timeout_s "
+                    f"({2 * self._timeout:.0f} s)"
+                )
+                self._put((ERROR, message))
                 return
-            if kind == _START:
+            if kind == START:
                 self._begin(json.loads(got))
                 continue
             self._put((kind, got))
-            if kind != _BATCH:
+            if kind != BATCH or self._failure is not None:
+                # the stream's end; or this process fails: it posts no more receives, so rank
+                # 0's next send to it fails when its process ends (at once) or after the timeout
                 return
 
     def _begin(self, state: dict[str, Any]) -> None:
@@ -285,16 +251,25 @@ class NodeClient(Iterator[Batch]):
     # ---- the trainer's side ----------------------------------------------------------------
 
     def __next__(self) -> Batch:
-        """The next step's batch, built ahead on another thread (rank 0) or received."""
+        """The next step's batch, built ahead on another thread (rank 0) or received.
+
+        At the end of the stream it first waits for this rank's thread to end
+        (:meth:`close`): rank 0's, once every rank has received its batches and
+        the end; another rank's, once that end has reached it. So nothing of
+        node mode is pending after the loop, and the trainer may destroy its
+        process groups or exit.
+        """
         if self.stop_step is not None and self.step >= self.stop_step:
+            self._end(None, release=False)
             raise StopIteration
         if self._thread is None:
             self._start()
-        kind, got = self._ready.get()
-        if kind == _END:
+        kind, got = self._take()
+        if kind == END:
             self._ready.put((kind, got))  # every later call ends too
+            self._end(None, release=False)
             raise StopIteration
-        if kind == _ERROR:
+        if kind == ERROR:
             self._ready.put((kind, got))
             raise LoaderError(got)
         batch, after = got
@@ -306,6 +281,16 @@ class NodeClient(Iterator[Batch]):
         self.step += 1
         self._state = after
         return batch
+
+    def _take(self) -> tuple[int, Any]:
+        """The next message of this rank's thread, which ends with one (bounded waits only)."""
+        while True:
+            try:
+                return self._ready.get(timeout=1.0)
+            except queue.Empty:
+                assert self._thread is not None
+                if not self._thread.is_alive() and self._ready.empty():
+                    return ERROR, f"rank {self.rank}: node mode's thread ended without an end"
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's state as of this rank's position (the same on every rank in step)."""
@@ -339,12 +324,34 @@ class NodeClient(Iterator[Batch]):
     def close(self) -> None:
         """Stop, and wait for this rank's thread to end (before the process group goes).
 
-        Rank 0 stops its Loader; another rank's thread ends when rank 0's end
-        of the stream reaches it, which it does once every rank has taken its
-        batches up to the stop step (so call it on every rank, as synchronous
-        training ends them together). A thread still waiting after
-        ``loading.timeout_s`` is left behind.
+        Rank 0 stops its Loader and sends every rank the end of the stream;
+        another rank keeps receiving (dropping what comes) until that end
+        reaches it. So call it on every rank, after consuming up to the same
+        step (as synchronous training ends them together); a process that
+        exits without calling it calls it then, and so does the end of the
+        stream. A thread still waiting after ``loading.timeout_s`` (rank 0's:
+        that for each send it has left) is left behind. Called while an
+        exception unwinds (``with`` a Loader whose body raised), it stops at
+        once instead, as this process fails (:meth:`_end`).
         """
+        failed = sys.exc_info()[1]  # closing while an exception unwinds: a failure
+        self._end(None if failed is None else f"{type(failed).__name__}: {failed}")
+
+    def _end(self, failure: str | None, release: bool = True) -> None:
+        """Close: in order (``failure`` None), or at once, as this process fails.
+
+        ``release`` closes rank 0's Loader too, once its thread has ended (the
+        end of the stream leaves it open, so its stats can still be read).
+
+        A failing process does not wait for the others: rank 0 sends every
+        rank an error naming it instead of the end, another rank stops
+        receiving; its exit then closes its sockets, which fails the rest
+        at once (a wait in order would feed it on until ``loading.timeout_s``).
+        """
+        if failure is not None and self._thread is not None and self._thread.is_alive():
+            self._failure = f"rank {self.rank}'s trainer failed ({failure}), so every rank stops"
+            self._closed.set()
+            return
         self._closed.set()
         if self._thread is None:
             return  # never started: nothing runs
@@ -352,4 +359,21 @@ class NodeClient(Iterator[Batch]):
             # let the receiver take the end of the stream: it may wait on a full queue
             while self._thread.is_alive() and not self._ready.empty():
                 self._ready.get_nowait()
-        self._thread.join(self._timeout)
+        # rank 0's thread ends after its sends, each waiting at most the group's timeout
+        sends = self.plan.world.size + 1 if self.rank == 0 else 1
+        self._thread.join(self._timeout * sends)
+        if release and self.loader is not None and not self._thread.is_alive():
+            self.loader.close()
+
+
+class _RankLost(LoaderError):
+    """A rank of the node that rank 0 can no longer send to (its process died, or hung)."""
+
+
+def _close_at_exit(ref: weakref.ref[NodeClient]) -> None:
+    client = ref()
+    if client is None:
+        return
+    # the process dies of an uncaught exception: no orderly end (see NodeClient._end)
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    client._end(None if failed is None else f"{type(failed).__name__}: {failed}")
