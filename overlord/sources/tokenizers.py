@@ -17,7 +17,6 @@ import pyarrow as pa
 
 from overlord.errors import PlanError
 from overlord.plan.spec import Plan, SourceSpec, TokenizerKind, TokenizerSpec
-from overlord.sources.segments import encode_segments
 
 
 class Tokenizer(Protocol):
@@ -152,40 +151,8 @@ class HFTokenizer:
 
         The binding hands each text's ids out as a Python list; they go into
         one numpy array in a single pass (``np.fromiter`` over the chained
-        lists), with no Python loop over texts or tokens. A text over
-        :data:`LONG_TEXT` is tokenized a segment at a time
-        (:func:`overlord.sources.segments.encode_segments`): the same ids, without
-        the memory of its whole encoding at once.
+        lists), with no Python loop over texts or tokens.
         """
-        texts = texts.cast(pa.large_string())
-        n = len(texts)
-        if n == 0:
-            return self._encode_batch(texts)
-        _, off_buf, data_buf = texts.buffers()
-        offs = np.frombuffer(off_buf, np.int64)[texts.offset : texts.offset + n + 1]
-        long = np.diff(offs) > LONG_TEXT
-        if not long.any():
-            return self._encode_batch(texts)
-        tokens, offsets = self._encode_batch(texts.take(pa.array(np.flatnonzero(~long))))
-        data = memoryview(data_buf)
-        eos = [] if self.eos_id is None else [np.asarray([self.eos_id], np.int32)]
-        parts: list[np.ndarray] = []
-        at = 0  # the next short text
-        for i in range(n):
-            if not long[i]:
-                parts.append(tokens[offsets[at] : offsets[at + 1]])
-                at += 1
-                continue
-            text = data[offs[i] : offs[i + 1]]
-            ids = encode_segments(self._tok, text)
-            if ids is None:  # its segments do not settle: the whole text at once
-                whole = self._tok.encode(bytes(text).decode(), add_special_tokens=False)
-                ids = np.asarray(whole.ids, np.int32)
-            parts.append(np.concatenate([ids, *eos]))
-        lengths = np.fromiter((len(p) for p in parts), np.int64, n)
-        return np.concatenate(parts).astype(np.int32), np.concatenate(([0], np.cumsum(lengths)))
-
-    def _encode_batch(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         batch = texts.to_pylist()
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         encodings = encode(batch, add_special_tokens=False)
