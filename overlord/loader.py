@@ -126,6 +126,7 @@ class Loader:
             base,
             state,
             {s.name: s.storage_options for s in self.plan.sources},
+            timeout_s=self.plan.loading.timeout_s,
         )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address)

@@ -31,8 +31,9 @@ class LoadingSpec(_Model):
         64 << 20,
         ge=1024,
         description="the largest record read, in bytes (a JSONL line, plain or compressed; a "
-        "tar member): a larger one is a bad record named by file and row (on_error decides), "
-        "never held; protects a machine from one huge record",
+        "Parquet cell, judged by its page; a tar member): a larger one is a bad record named "
+        "by file and row (on_error decides), never held; protects a machine from one huge "
+        "record",
     )
 
 

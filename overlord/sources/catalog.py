@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlord.errors import CheckpointError
+from overlord.errors import CheckpointError, SourceError
 from overlord.plan.partition import owner
 from overlord.sources.files import find_shards
-from overlord.sources.remote import file_size
+from overlord.sources.remote import endpoint_problems, file_size
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,7 @@ def job_files(
     base_dir: str,
     state: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    timeout_s: float = 300.0,
 ) -> dict[str, SourceFiles]:
     """Each source's files for a job starting now, from ``state`` (a checkpoint) if given.
 
@@ -173,8 +174,16 @@ def job_files(
     options of a source's URLs, by source name. A source the state records keeps
     its recorded lists up to the furthest epoch the state reaches; files
     listed now join it from the next epoch. Raises :class:`CheckpointError`
-    naming every recorded file that is missing or changed size.
+    naming every recorded file that is missing or changed size, and :class:`SourceError`
+    naming every endpoint that cannot be reached within ``timeout_s`` (``loading.timeout_s``)
+    with every source that uses it, before any source is listed.
     """
+    sources = list(sources)
+    options = storage_options or {}
+    down = endpoint_problems(((n, list(p), options.get(n)) for n, p in sources), timeout_s)
+    if down:
+        names = sorted({n for _, users in down for n in users})
+        raise SourceError(", ".join(names), None, None, "; ".join(m for m, _ in down))
     saved = (state or {}).get("sources", {})
     out: dict[str, SourceFiles] = {}
     problems: list[str] = []

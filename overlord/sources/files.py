@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import fsspec
 
 from overlord.errors import PlanError
-from overlord.sources.remote import Retries, open_file
+from overlord.sources.remote import Retries, endpoint_problems, open_file
 
 
 class SourcePaths(Protocol):
@@ -158,15 +158,29 @@ def check_files(data: dict[str, Any], base_dir: Path) -> list[tuple[str, str]]:
     """
     problems: list[tuple[str, str]] = []
     sources: list[Any] = data["sources"] if isinstance(data.get("sources"), list) else []
+    listed: list[tuple[int, str, list[str], dict[str, Any] | None]] = []
     for i, src in enumerate(sources):
         name, path = _field(src, "name"), _field(src, "path")
         patterns = [path] if isinstance(path, str) else path
         if not isinstance(name, str) or not isinstance(patterns, list):
             continue
+        options = _field(src, "storage_options")
+        options = options if isinstance(options, dict) else None
+        listed.append((i, name, [p for p in patterns if isinstance(p, str)], options))
+    # every endpoint tried at once first: one that is down is named with all its sources,
+    # within loading.timeout_s, and none of them is listed (each would fail after retries)
+    timeout = _field(_field(data, "loading"), "timeout_s")
+    timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 300.0
+    index = {name: i for i, name, _, _ in listed}
+    down: set[str] = set()
+    for message, names in endpoint_problems([entry[1:] for entry in listed], timeout):
+        problems.append((f"sources[{index[names[0]]}].storage_options", message))
+        down.update(names)
+    for i, name, patterns, options in listed:
+        if name in down:
+            continue
         try:
-            options = _field(src, "storage_options")
-            options = options if isinstance(options, dict) else None
-            find_shards(name, [p for p in patterns if isinstance(p, str)], base_dir, options)
+            find_shards(name, patterns, base_dir, options)
         except PlanError as e:
             problems += [(f"sources[{i}].path", msg) for _, msg in e.problems]
     for i, src in enumerate(sources):

@@ -20,6 +20,7 @@ from overlord.errors import SourceError
 from overlord.plan.spec import Format
 from overlord.sources.files import Shard
 from overlord.sources.jsonl import CODECS, CompressedJsonl, PlainJsonl
+from overlord.sources.parquet_pages import large_pages
 from overlord.sources.records import RecordBlock, ShardReader, empty_block
 
 __all__ = ["RecordBlock", "ShardReader", "empty_block", "open_shard", "read_blocks", "read_shard"]
@@ -36,9 +37,15 @@ class ParquetReader(ShardReader):
     """A Parquet file whose blocks are its row groups; ``columns`` name and type its fields."""
 
     def __init__(
-        self, source: str, shard: Shard, columns: list[tuple[str, tuple[str, Any]]], skip: bool
+        self,
+        source: str,
+        shard: Shard,
+        columns: list[tuple[str, tuple[str, Any]]],
+        skip: bool,
+        max_record_bytes: int | None = None,
     ):
         self.source, self.shard, self.skip = source, shard, skip
+        self.max_record_bytes = max_record_bytes
         self.columns = [name for name, _ in columns]
         self._f = shard.open(source)
         try:
@@ -61,15 +68,87 @@ class ParquetReader(ShardReader):
         sizes = [meta.row_group(i).num_rows for i in range(self.n_blocks)]
         self._row0 = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
 
-    def row_group(self, k: int) -> tuple[pa.Table, np.ndarray]:
-        """Row group ``k``'s columns, and the rows it holds."""
+    def row_group(self, k: int) -> tuple[pa.Table, np.ndarray, list[SourceError]]:
+        """Row group ``k``'s columns, the rows they hold, and its bad records.
+
+        Rows that :func:`overlord.sources.parquet_pages.large_pages` finds in a page over
+        ``max_record_bytes``, and the row group's rows after the first of them, are bad
+        records (raised unless ``skip``); the rows before it are read in one batch that
+        stops at it, so that no page over the bound is ever decompressed.
+        """
         try:
-            table = self._pf.read_row_group(k, columns=self.columns)
-        except (pa.ArrowException, OSError) as e:
+            cut, errors = self._large(k)
+            if cut is None:
+                table = self._pf.read_row_group(k, columns=self.columns)
+            else:
+                table = self._head(k, cut)
+        except (pa.ArrowException, OSError, ValueError) as e:
             raise SourceError(
                 self.source, self.shard.name, None, f"cannot read Parquet row group {k} ({e})"
             ) from None
-        return table, np.arange(table.num_rows, dtype=np.int64) + int(self._row0[k])
+        if errors and not self.skip:
+            raise errors[0]
+        return table, np.arange(table.num_rows, dtype=np.int64) + int(self._row0[k]), errors
+
+    def _large(self, k: int) -> tuple[int | None, list[SourceError]]:
+        """The first row of row group ``k`` not to read (None: all), and the errors from it on."""
+        limit = self.max_record_bytes
+        if limit is None:
+            return None, []
+        group = self._pf.metadata.row_group(k)
+        n = group.num_rows
+        bad: list[tuple[int, int, str]] = []  # rows [a, b) in a page over the bound: why
+        for i in range(group.num_columns):
+            chunk = group.column(i)
+            column = chunk.path_in_schema
+            if column not in self.columns:
+                continue
+            for page in large_pages(self._f, chunk, limit):
+                over = f"more than loading.max_record_bytes ({limit})"
+                if page.dictionary:
+                    why = (f"row group {k}, column '{column}': its dictionary page holds "
+                           f"{page.size} bytes, {over}, and any row of the row group may "
+                           "use it: not read")  # fmt: skip
+                    bad.append((0, n, why))
+                else:
+                    a, b = page.first_row, page.first_row + page.rows
+                    why = (f"row group {k}, column '{column}': the page of its rows {a}-{b - 1} "
+                           f"holds {page.size} bytes, {over}; a Parquet page is read whole, "
+                           "so it is not read")  # fmt: skip
+                    bad.append((a, b, why))
+        if not bad:
+            return None, []
+        cut = min(a for a, _, _ in bad)
+        after = (f"row group {k}: a page before this row is over loading.max_record_bytes "
+                 f"({limit}), and a column's pages are read in order, so the row group's "
+                 f"rows from {cut} on are not read")  # fmt: skip
+        row0 = int(self._row0[k])
+        errors = []
+        for r in range(cut, n):
+            why = next((w for a, b, w in bad if a <= r < b), after)
+            errors.append(SourceError(self.source, self.shard.name, row0 + r, why))
+        return cut, errors
+
+    def _head(self, k: int, cut: int) -> pa.Table:
+        """Rows ``[0, cut)`` of row group ``k``, read no further.
+
+        Its batches end where the page over the bound starts, so that Arrow never
+        decompresses that page.
+        """
+        schema = pa.schema([self._pf.schema_arrow.field(c) for c in self.columns])
+        if cut == 0:
+            return schema.empty_table()
+        got: list[pa.RecordBatch] = []
+        held = 0
+        batches = self._pf.iter_batches(
+            batch_size=cut, row_groups=[k], columns=self.columns, use_threads=False
+        )
+        for batch in batches:
+            got.append(batch.slice(0, cut - held))
+            held += got[-1].num_rows
+            if held >= cut:
+                break
+        return pa.Table.from_batches(got, schema)
 
     def close(self) -> None:
         """Close the file."""
@@ -77,15 +156,17 @@ class ParquetReader(ShardReader):
 
 
 class _Parquet(ParquetReader):
-    def __init__(self, source: str, shard: Shard, text_field: str, skip: bool):
-        super().__init__(source, shard, [(text_field, STRINGS)], skip)
+    def __init__(
+        self, source: str, shard: Shard, text_field: str, skip: bool, max_record_bytes: int | None
+    ):
+        super().__init__(source, shard, [(text_field, STRINGS)], skip, max_record_bytes)
         self.text_field = text_field
 
     def block(self, k: int) -> RecordBlock:
-        table, rows = self.row_group(k)
+        table, rows, large = self.row_group(k)
         col = table.column(self.text_field).combine_chunks().cast(pa.large_string())
         if col.null_count == 0:
-            return RecordBlock(k, rows, col)
+            return RecordBlock(k, rows, col, large)
         valid = np.asarray(col.is_valid())
         skipped = [
             SourceError(self.source, self.shard.name, int(r), f"field '{self.text_field}' is null")
@@ -93,7 +174,7 @@ class _Parquet(ParquetReader):
         ]
         if not self.skip:
             raise skipped[0]
-        return RecordBlock(k, rows[valid], col.filter(pa.array(valid)), skipped)
+        return RecordBlock(k, rows[valid], col.filter(pa.array(valid)), skipped + large)
 
 
 def open_shard(
@@ -108,13 +189,13 @@ def open_shard(
 ) -> ShardReader:
     """Open one shard for reading by blocks; ``cache`` keeps plain JSONL line indexes.
 
-    ``max_record_bytes`` bounds a JSONL line (``loading.max_record_bytes``).
+    ``max_record_bytes`` bounds a JSONL line and a Parquet cell (``loading.max_record_bytes``).
 
     A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
     try:
         if fmt is Format.PARQUET:
-            return _Parquet(source, shard, text_field, skip)
+            return _Parquet(source, shard, text_field, skip, max_record_bytes)
         for suffix, codec in CODECS.items():
             if shard.name.endswith(suffix):
                 return CompressedJsonl(

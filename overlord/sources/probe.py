@@ -8,7 +8,9 @@ Parquet the schema in the file's footer (``text_field`` is a column of
 strings; no row is read), for an image-text source (WebDataset tar, Parquet
 with ``image_field``) its first sample, whose image is decoded, resized and
 cut into patches as a SourceLoader would. Every problem is returned, each
-with its place, so that one run of ``validate`` shows them all.
+with its place, so that one run of ``validate`` shows them all. An object-store
+endpoint that cannot be reached is one problem naming every source that uses it,
+found within ``loading.timeout_s``.
 
 The other files and records are not opened: a bad record further on is met
 by the job, which names it (``on_error``).
@@ -30,7 +32,7 @@ import pyarrow.parquet as pq
 from overlord.errors import PlanError, SourceError
 from overlord.plan.spec import Format, Plan, SourceSpec, TokenizerKind
 from overlord.sources.files import Shard, resolve_files
-from overlord.sources.remote import Retries
+from overlord.sources.remote import Retries, endpoint_problems
 
 _CHUNK = 1 << 16
 _MAX_FIRST_LINE = 64 << 20  # bytes read at most to find a first record
@@ -50,9 +52,21 @@ class Problem:
 def check_sources(plan: Plan) -> list[Problem]:
     """Every problem found opening the plan's tokenizer and the first record of each source."""
     problems = check_tokenizer(plan)
+    # every endpoint tried at once first: one that is down is named once, with its sources
+    down = endpoint_problems(
+        ((s.name, _patterns(s.path), s.storage_options) for s in plan.sources),
+        plan.loading.timeout_s,
+    )
+    problems += [Problem(f"source {', '.join(repr(n) for n in names)}", m) for m, names in down]
+    skipped = {n for _, names in down for n in names}
     for spec in plan.sources:
-        problems += check_source(plan, spec)
+        if spec.name not in skipped:
+            problems += check_source(plan, spec)
     return problems
+
+
+def _patterns(path: str | list[str]) -> list[str]:
+    return [path] if isinstance(path, str) else list(path)
 
 
 def check_tokenizer(plan: Plan) -> list[Problem]:

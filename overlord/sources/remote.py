@@ -15,6 +15,13 @@ gives exactly the bytes the first try would have, nothing lost or repeated,
 whatever reads the file (a block of a plain JSONL file, a Parquet row group, a
 compressed stream, a tar). The last error raises :class:`SourceError` naming
 the URL. Local paths are read directly: a local disk error is not transient.
+
+Before a job lists its files, every endpoint its sources name (an ``endpoint_url`` in
+their ``storage_options``, an ``http(s)://`` URL's host) is tried once with a TCP
+connection, all at once and within ``loading.timeout_s``
+(:func:`unreachable_endpoints`): an endpoint that cannot be reached is named with every
+source that uses it, instead of each source's listing failing in turn after its
+retries and the client library's own.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -183,3 +193,78 @@ def open_file(
 def file_size(f: Any, url: str) -> int:
     """The size of file ``url``, which :func:`open_file` opened as ``f``."""
     return f.size() if isinstance(f, RetryingFile) else os.path.getsize(url)
+
+
+def endpoint_of(url: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """Where a URL's requests go, when the plan says: its ``endpoint_url``, an http(s) host.
+
+    None for a local path, or for a store whose client finds its endpoint itself (S3 by its
+    region, GCS): those are not tried ahead.
+    """
+    if not is_url(url):
+        return None
+    options = dict(storage_options or {})
+    client = options.get("client_kwargs")
+    found = options.get("endpoint_url") or (
+        client.get("endpoint_url") if isinstance(client, Mapping) else None
+    )
+    if isinstance(found, str) and found:
+        return found
+    if url.startswith(("http://", "https://")):
+        parts = urlsplit(url)
+        return f"{parts.scheme}://{parts.netloc}"
+    return None
+
+
+def _connect(endpoint: str, timeout_s: float) -> str | None:
+    """Why no TCP connection to ``endpoint`` opens within ``timeout_s``; None if one does."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    try:
+        port = parts.port or (80 if parts.scheme == "http" else 443)
+    except ValueError as e:
+        return f"its port is not a number ({e})"
+    if not parts.hostname:
+        return "it names no host"
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer within loading.timeout_s ({timeout_s:g} s)"
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+
+
+def unreachable_endpoints(endpoints: Iterable[str], timeout_s: float) -> dict[str, str]:
+    """The endpoints that cannot be reached, each with why; tried at once, within ``timeout_s``."""
+    todo = sorted(set(endpoints))
+    if not todo:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+        why = list(pool.map(lambda e: _connect(e, timeout_s), todo))
+    return {e: w for e, w in zip(todo, why) if w is not None}
+
+
+def endpoint_problems(
+    sources: Iterable[tuple[str, list[str], Mapping[str, Any] | None]], timeout_s: float
+) -> list[tuple[str, list[str]]]:
+    """Every endpoint of ``sources`` (name, patterns, storage options) that cannot be reached.
+
+    Returns, per such endpoint, a message naming it and every source that uses it, and the
+    names of those sources (whose files cannot be listed).
+    """
+    users: dict[str, list[str]] = {}
+    for name, patterns, options in sources:
+        for pattern in patterns:
+            endpoint = endpoint_of(pattern, options)
+            if endpoint is not None and name not in users.get(endpoint, []):
+                users.setdefault(endpoint, []).append(name)
+    down = unreachable_endpoints(users, timeout_s)
+    return [
+        (
+            f"endpoint {endpoint} cannot be reached ({why}); the sources that use it: "
+            + ", ".join(f"'{n}'" for n in users[endpoint])
+            + ". Check that the store is up and its address (storage_options: endpoint_url)",
+            users[endpoint],
+        )
+        for endpoint, why in down.items()
+    ]

@@ -50,7 +50,7 @@ from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.remote import Retries
 from overlord.sources.token_files import open_token_shard
-from overlord.sources.tokenizers import Tokenizer
+from overlord.sources.tokenizers import Tokenizer, encode_capped
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
 from overlord.sources.window import EMPTY_TEXTS, PIECE_BYTES, Packed, Piece, Window, piece_bounds
@@ -294,8 +294,14 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     """Tokenize records ``[lo, hi)`` of a window and cut them into items, in order."""
     piece = window.arrays(lo, hi)
     texts = piece.texts
-    tokens, offsets = tokenizer.encode(texts)
     cap = plan.batch.max_seq_len
+    policy = plan.batch.long_docs
+    if policy is LongDocs.TRUNCATE and piece.images is None:
+        # only what max_seq_len tokens need of a long record is tokenized, and an item holds
+        # its own tokens: not the whole record's, for as long as the item is held
+        tokens, offsets = encode_capped(tokenizer, texts, cap)
+    else:
+        tokens, offsets = tokenizer.encode(texts)
     fused = None
     if piece.images is not None:  # image tokens go before each text (overlord.plan.vision)
         assert plan.vision is not None

@@ -1,4 +1,10 @@
-"""Tokenizers: a whole shard of texts in, one flat int32 token array and offsets out."""
+"""Tokenizers: a whole shard of texts in, one flat int32 token array and offsets out.
+
+:func:`encode_capped` gives each text's first ``max_seq_len`` tokens only
+(``long_docs: truncate``), exactly as :meth:`Tokenizer.encode` would begin them, with
+a long text tokenized only as far as those tokens need: its memory follows
+``max_seq_len``, not the record's size.
+"""
 
 from __future__ import annotations
 
@@ -59,6 +65,17 @@ class BytesTokenizer:
         tokens[is_byte] = data
         return tokens, out_offs
 
+    def prefix_bytes(self, n: int) -> int:
+        """Bytes of text that ``n`` tokens can cover at most: one each."""
+        return n
+
+    def first_tokens(self, data: memoryview, n: int) -> np.ndarray:
+        """The first ``n`` tokens of the UTF-8 text ``data`` (end-of-document id included)."""
+        head = np.frombuffer(data[:n], np.uint8).astype(np.int32)
+        if len(head) < n:
+            head = np.append(head, np.int32(self.eod_id))
+        return head
+
 
 class HFTokenizer:
     """A ``tokenizers`` tokenizer.json; ``eos`` (if given) ends every document."""
@@ -84,6 +101,45 @@ class HFTokenizer:
                 raise ValueError(f"tokenizer {path} has no token '{eos}' (tokenizer.eos)")
             self.eos_id = eos_id
         self.pad_id = self.eos_id if self.eos_id is not None else 0
+        self._longest: int | None = None  # bytes of the vocabulary's longest token
+
+    def prefix_bytes(self, n: int) -> int:
+        """Bytes of text that ``n`` tokens can cover, by the vocabulary's longest token.
+
+        A first guess: :meth:`first_tokens` reads on until the tokens it keeps are
+        settled, so that a tokenizer whose unknown token covers a whole word (or a
+        normalizer that drops characters) still gives what the whole text would.
+        """
+        if self._longest is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._longest = max((len(t.encode()) for t in vocab), default=1)
+        return n * self._longest + _PREFIX_SLACK
+
+    def first_tokens(self, data: memoryview, n: int) -> np.ndarray:
+        """The first ``n`` tokens of the UTF-8 text ``data``, as :meth:`encode` begins them.
+
+        A prefix of the text is tokenized, twice as long each time, until its first ``n``
+        tokens are settled: they lie in pre-tokenized words (``word_ids``) with a whole word
+        between them and the prefix's last word, which the cut may have changed (a word's
+        tokens depend only on the word; the pre-tokenizer looks at most one character
+        ahead). A token of no word (an added token) settles nothing. At worst the
+        prefix grows to the whole text.
+        """
+        size = self.prefix_bytes(n)
+        while size < len(data):
+            cut = size
+            while cut > 0 and data[cut] & 0xC0 == 0x80:  # not inside a character
+                cut -= 1
+            enc = self._tok.encode(bytes(data[:cut]).decode(), add_special_tokens=False)
+            words = enc.word_ids
+            kept = words[n - 1] if len(words) > n else None
+            if kept is not None:
+                last = max((w for w in words[n:] if w is not None), default=-1)
+                if last >= kept + 2:
+                    return np.asarray(enc.ids[:n], np.int32)
+            size *= 2
+        tokens, _ = self.encode(pa.array([bytes(data).decode()], pa.large_string()))
+        return tokens[:n]
 
     def token_id(self, token: str) -> int | None:
         """The id of ``token`` in the vocabulary, None if it has none."""
@@ -116,6 +172,55 @@ class HFTokenizer:
         is_id[offs[1:] - 1] = False
         tokens[is_id] = ids
         return tokens, offs
+
+
+_PREFIX_SLACK = 4096  # bytes past what the tokens can cover: the word the cut falls in
+LONG_TEXT = 256 << 10  # a text tokenized on its own (as far as it is needed) past this size
+
+
+def encode_capped(tokenizer: Tokenizer, texts: pa.Array, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every text's first ``cap`` tokens: ``tokenizer.encode``'s, each document cut at ``cap``.
+
+    Texts too long for ``cap`` tokens to need all of them (and over :data:`LONG_TEXT`)
+    are tokenized one at a time and only as far as their first ``cap`` tokens need
+    (``first_tokens``); the others at once, as :meth:`Tokenizer.encode` does, their
+    tokens past ``cap`` dropped. The tokens are the same either way.
+    """
+    texts = texts.cast(pa.large_string())
+    first_tokens = getattr(tokenizer, "first_tokens", None)
+    n = len(texts)
+    if first_tokens is None or n == 0:
+        return _cut(*tokenizer.encode(texts), cap)
+    _, off_buf, data_buf = texts.buffers()
+    offs = np.frombuffer(off_buf, np.int64)[texts.offset : texts.offset + n + 1]
+    long = np.diff(offs) > max(LONG_TEXT, tokenizer.prefix_bytes(cap))  # type: ignore[attr-defined]
+    if not long.any():
+        return _cut(*tokenizer.encode(texts), cap)
+    short = np.flatnonzero(~long)
+    tokens, offsets = _cut(*tokenizer.encode(texts.take(pa.array(short))), cap)
+    data = memoryview(data_buf)
+    parts: list[np.ndarray] = []
+    at = 0  # the next short text
+    for i in range(n):
+        if long[i]:
+            parts.append(first_tokens(data[offs[i] : offs[i + 1]], cap))
+        else:
+            parts.append(tokens[offsets[at] : offsets[at + 1]])
+            at += 1
+    lengths = np.fromiter((len(p) for p in parts), np.int64, n)
+    return np.concatenate(parts).astype(np.int32), np.concatenate(([0], np.cumsum(lengths)))
+
+
+def _cut(tokens: np.ndarray, offsets: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each document of ``tokens`` cut to its first ``cap`` tokens, in an array of their own."""
+    lengths = np.diff(offsets)
+    if not len(lengths) or lengths.max() <= cap:
+        return tokens, offsets
+    kept = np.minimum(lengths, cap)
+    out = np.concatenate(([0], np.cumsum(kept))).astype(np.int64)
+    # the position in ``tokens`` of each kept token: its document's start, plus its place
+    at = np.arange(out[-1], dtype=np.int64) + np.repeat(offsets[:-1] - out[:-1], kept)
+    return tokens[at], out
 
 
 def make_tokenizer(spec: TokenizerSpec, base_dir: str | None = None) -> Tokenizer:

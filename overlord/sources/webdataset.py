@@ -211,13 +211,22 @@ class WebDatasetReader(ShardReader):
 class ParquetImageReader(ParquetReader):
     """A Parquet file with a text column and a binary column of encoded images."""
 
-    def __init__(self, source: str, shard: Shard, text_field: str, image_field: str, skip: bool):
-        super().__init__(source, shard, [(text_field, STRINGS), (image_field, BINARY)], skip)
+    def __init__(
+        self,
+        source: str,
+        shard: Shard,
+        text_field: str,
+        image_field: str,
+        skip: bool,
+        max_record_bytes: int | None = None,
+    ):
+        columns = [(text_field, STRINGS), (image_field, BINARY)]
+        super().__init__(source, shard, columns, skip, max_record_bytes)
         self.fields = (text_field, image_field)
 
     def block(self, k: int) -> RecordBlock:
         """Row group ``k``."""
-        table, rows = self.row_group(k)
+        table, rows, large = self.row_group(k)
         text = table.column(self.fields[0]).combine_chunks().cast(pa.large_string())
         image = table.column(self.fields[1]).combine_chunks().cast(pa.large_binary())
         valid = np.asarray(text.is_valid()) & np.asarray(image.is_valid())
@@ -229,7 +238,7 @@ class ParquetImageReader(ParquetReader):
             raise skipped[0]
         keep = pa.array(valid)
         return RecordBlock(
-            k, rows[valid], text.filter(keep), skipped, images=image.filter(keep), keys=None
+            k, rows[valid], text.filter(keep), skipped + large, images=image.filter(keep)
         )
 
 
@@ -250,7 +259,7 @@ def open_image_shard(
 ) -> ShardReader:
     """Open one image-text shard; a file that cannot be opened raises :class:`SourceError`.
 
-    ``max_record_bytes`` bounds a tar member (``loading.max_record_bytes``).
+    ``max_record_bytes`` bounds a tar member and a Parquet cell (``loading.max_record_bytes``).
     """
     try:
         if fmt is Format.WEBDATASET:
@@ -258,7 +267,9 @@ def open_image_shard(
                 source, shard, text_field, image_field, block_bytes, skip, max_record_bytes
             )
         assert image_field is not None
-        return ParquetImageReader(source, shard, text_field, image_field, skip)
+        return ParquetImageReader(
+            source, shard, text_field, image_field, skip, max_record_bytes
+        )
     except SourceError:
         raise
     except (OSError, pa.ArrowException) as e:
