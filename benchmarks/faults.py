@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
-import io
 import json
 import logging
 import random
@@ -49,13 +48,14 @@ from benchmarks._lib import damage, hostile
 from benchmarks._lib.corpus import write_corpus
 from overlord import Loader, load_plan
 from overlord.errors import LoaderError
-from overlord.ops.run import dump_line, run_plan
+from overlord.ops.run import dump_line
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.api import PlannerRole
 from overlord.roles.client import Client
 
 PEAK_RATIO = 1.5  # a hostile input's run peaks within this of the run without it
-RSS_DRIFT = 0.02  # resident memory from step 10,000 to the last
+RSS_DRIFT = 0.02  # resident memory from step RSS_FROM to the last
+RSS_FROM = 10_000
 
 
 # ---- (a) trainers killed and restarted --------------------------------------------------------
@@ -82,17 +82,31 @@ def restarted(loader: Loader, rank: int, state: dict[str, Any]) -> Any:
                   loader._notices)  # fmt: skip
 
 
+def uninterrupted(plan: Plan, steps: int) -> tuple[dict[tuple[int, int], str], dict[int, Any]]:
+    """The uninterrupted run: each (step, rank)'s dump line, and the state before each step."""
+    lines, states = {}, {}
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for step in range(steps):
+            for c in clients:
+                batch = next(c)
+                lines[(batch.step, batch.rank)] = dump_line(batch)
+            states[step + 1] = json.loads(json.dumps(clients[0].state_dict()))
+    return lines, states
+
+
 def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[str, Any]:
     """``count`` kills and restarts of every trainer, checked against the uninterrupted run.
 
-    A trial kills the trainers at a random step and restarts them; it is exact when
-    what the restarted trainers receive, up to the next kill, is the uninterrupted
-    run's, line for line.
+    A trial kills the trainers at a random step and restarts them from a random
+    checkpoint the job wrote so far. It is exact when what the restarted trainers
+    receive, up to the next kill, is the uninterrupted run's, line for line. (Whether
+    the checkpoints they write equal the uninterrupted run's states is counted too; a
+    state may differ and still resume the same stream.) A trial that is not exact
+    leaves the job restarted from the uninterrupted run's state (and its checkpoints
+    replaced by those), so that each trial is judged on its own.
     """
-    reference = io.StringIO()
-    run_plan(plan, steps, dump=reference, progress=False)
-    want = {(d["step"], d["rank"]): line for line in reference.getvalue().splitlines()
-            for d in [json.loads(line)]}  # fmt: skip
+    want, truth = uninterrupted(plan, steps + 1)
     rng = random.Random(seed)
     dp = plan.world.dp
     saved: dict[int, dict[str, Any]] = {}  # the job's checkpoints, by step
@@ -105,37 +119,35 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
         for trial in range(count + 1):  # the last runs only to check the last restart
             last = trial == count
             kill = min(steps - 1, start + (every if last else rng.randrange(1, 3 * every)))
-            exact, served = True, 0
+            lines_exact, states_exact = True, True
             for step in range(start, kill + 1):
                 for c in clients:
                     batch = next(c)
-                    exact &= dump_line(batch) == want[(batch.step, batch.rank)]
-                    served += 1
+                    lines_exact &= dump_line(batch) == want[(batch.step, batch.rank)]
                 if (step + 1) % every == 0:
                     # as a checkpoint file holds it (the embedded runtime hands out its own)
                     states = [json.loads(json.dumps(c.state_dict())) for c in clients]
-                    exact &= all(s == states[0] for s in states)
+                    states_exact &= all(s == truth[step + 1] for s in states)
                     saved[step + 1] = states[0]
+            exact = lines_exact
             if rows:  # what the previous trial's restart served
-                rows[-1]["exact"] = exact
+                rows[-1].update(exact=exact, lines_exact=lines_exact, states_exact=states_exact)
             else:
                 first_exact = exact
             if last:
                 break
             # every trainer is killed after step `kill`: its clients are dropped unclosed
-            row = {"trial": trial, "ran": (start, kill), "served": served, "exact": exact,
-                   "restart": None, "newest": None, "refused": None, "failed": None}  # fmt: skip
+            row: dict[str, Any] = {"trial": trial, "ran": (start, kill), "restart": None,
+                                   "newest": None, "refused": None, "failed": None}  # fmt: skip
             rows.append(row)
             older = sorted(s for s in saved if s <= kill + 1)
-            if not older:  # nothing saved yet: the trainers start the job again
-                loader.close()
-                loader = Loader(plan)
-                clients = [loader.client(r) for r in range(dp)]
-                start = 0
-                continue
-            chosen = row["restart"] = rng.choice(older)
-            row["newest"] = older[-1]
+            chosen = row["restart"] = rng.choice(older) if older else 0
+            row["newest"] = older[-1] if older else 0
+            if not exact:  # the job went astray: judge the next trial from the true state
+                saved = {k: truth[k] for k in saved}
             try:
+                if not exact or not older:
+                    raise _Restart
                 clients = [restarted(loader, r, saved[chosen]) for r in range(dp)]
             except LoaderError as e:
                 row["refused"] = " ".join(str(e).split())
@@ -144,18 +156,30 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
                     clients = [restarted(loader, r, saved[chosen]) for r in range(dp)]
                 except LoaderError as e2:  # the live job cannot go back: restart it from there
                     row["failed"] = " ".join(str(e2).split())
-                    loader.close()
-                    loader = Loader(plan, state=copy.deepcopy(saved[chosen]))
-                    clients = [loader.client(r) for r in range(dp)]
+                    loader, clients = _new_job(loader, plan, saved.get(chosen))
+            except _Restart:
+                loader, clients = _new_job(loader, plan, saved.get(chosen))
             start = chosen
     finally:
         loader.close()
     return {"rows": rows, "exact": sum(r["exact"] for r in rows), "trials": len(rows),
             "first_exact": first_exact,
+            "lines_exact": sum(r["lines_exact"] for r in rows),
+            "states_exact": sum(r["states_exact"] for r in rows),
             "refused": sum(r["refused"] is not None for r in rows),
+            "as_chosen": sum(r["exact"] and r["refused"] is None for r in rows),
             "failed": sum(r["failed"] is not None for r in rows),
-            "older": sum(r["restart"] is not None and r["restart"] < r["newest"]
-                         for r in rows)}  # fmt: skip
+            "older": sum(r["restart"] < r["newest"] for r in rows)}  # fmt: skip
+
+
+class _Restart(Exception):
+    """The job is started again (from a state), not rewound."""
+
+
+def _new_job(old: Loader, plan: Plan, state: dict[str, Any] | None) -> tuple[Loader, list[Any]]:
+    old.close()
+    loader = Loader(plan, state=copy.deepcopy(state))
+    return loader, [loader.client(r) for r in range(plan.world.dp)]
 
 
 # ---- (c) hostile inputs -----------------------------------------------------------------------
@@ -239,18 +263,23 @@ def rss_run(plan: Plan, steps: int, every: int, trace: bool) -> dict[str, Any]:
             done = step + 1
             if done % every == 0:
                 points.append((done, rss_kib()))
-                if trace and done == every:
-                    tracemalloc.start(12)
-                    first_snapshot = tracemalloc.take_snapshot()
+                print(f"    step {done:,}: {points[-1][1] / 1024:.1f} MiB", flush=True)
+            # traced from half-way to RSS_FROM: what the first snapshot holds was allocated
+            # since (what is replaced in steady state, the planner's history, included)
+            if trace and done == RSS_FROM // 2:
+                tracemalloc.start(12)
+            if trace and done == RSS_FROM:
+                first_snapshot = tracemalloc.take_snapshot()
         if trace and first_snapshot is not None:
             top = tracemalloc.take_snapshot().compare_to(first_snapshot, "traceback")
             grew = [f"{s.size_diff / 1024:+.0f} KiB {s.count_diff:+d}: {s.traceback.format()[-1]}"
                     for s in top[:8]]  # fmt: skip
             tracemalloc.stop()
-    base = points[0][1]
+    # from step 10,000 (the planner's history, HISTORY_STEPS, fills in the first 4,096)
+    start, base = next(((s, k) for s, k in points if s >= RSS_FROM), points[0])
     drift = (points[-1][1] - base) / base
-    return {"points": points, "drift": drift, "ok": abs(drift) <= RSS_DRIFT, "grew": grew,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {"points": points, "drift": drift, "from": start, "ok": abs(drift) <= RSS_DRIFT,
+            "grew": grew, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -258,15 +287,20 @@ def rss_run(plan: Plan, steps: int, every: int, trace: bool) -> dict[str, Any]:
 
 def print_trials(a: dict[str, Any]) -> None:
     print(f"(a) trainers killed and restarted from random earlier checkpoints: {a['exact']}/"
-          f"{a['trials']} exact; {a['older']} restarts to an older checkpoint than the newest, "
+          f"{a['trials']} exact (batches {a['lines_exact']}, checkpoints {a['states_exact']}); "
+          f"{a['as_chosen']}/{a['trials']} exact from the checkpoint chosen; "
+          f"{a['older']} chose an older checkpoint than the newest, "
           f"{a['refused']} refused, {a['failed']} of those not resumed from the newest either "
           "(the job restarted from it)")  # fmt: skip
     for r in a["rows"]:
-        to = "-" if r["restart"] is None else f"step {r['restart']} (newest {r['newest']})"
+        to = f"step {r['restart']} (newest {r['newest']})"
+        verdict = "exact" if r["exact"] else (
+            f"DIFFERS (batches {'exact' if r['lines_exact'] else 'differ'}, checkpoints "
+            f"{'exact' if r['states_exact'] else 'differ'})")  # fmt: skip
         note = f"  REFUSED: {r['refused'][:150]}" if r["refused"] else ""
         note += f"  NEWEST FAILED TOO: {r['failed'][:150]}" if r["failed"] else ""
         print(f"  trial {r['trial']:>2}: ran steps {r['ran'][0]:>3}..{r['ran'][1]:<3}, killed; "
-              f"restart from {to}: {'exact' if r['exact'] else 'DIFFERS'}{note}")  # fmt: skip
+              f"restart from {to}: {verdict}{note}")  # fmt: skip
 
 
 def print_damage(rows: list[dict[str, Any]]) -> None:
@@ -316,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{s // 1000}k {kib / 1024:.1f} MiB" for s, kib in d["points"])
             )
             print(
-                f"    drift from step {every:,} to {steps:,}: {100 * d['drift']:+.2f}% "
+                f"    drift from step {d['from']:,} to {steps:,}: {100 * d['drift']:+.2f}% "
                 f"({'flat' if d['ok'] else 'NOT flat'} within {100 * RSS_DRIFT:.0f}%)"
             )
             for line in d["grew"]:
