@@ -240,3 +240,22 @@ def test_a_delta_is_small(plan_path, tmp_path):
     records = [r for seg in segments(path) for r in read_segment(seg)[0]]
     deltas = [len(encode(r, SEED)) for r in records if r["t"] == "plan"]
     assert len(deltas) >= 4 and max(deltas) < 200  # two sources; the benchmark measures ten
+
+
+def test_a_resumed_journal_goes_on_with_its_chain(tmp_path):
+    state = {"version": 3, "step": 4, "sources": {}}
+    journal = Journal(tmp_path)
+    journal.snapshot(state, 3, {})
+    journal.delta(4, {"c": {}, "p": {}})
+    journal.close()
+    data = (tmp_path / "seg-0000000004.log").read_bytes()
+    (tmp_path / "seg-0000000004.log").write_bytes(data + b"0123456789abcdef")  # torn by a kill
+    (got,) = recover(tmp_path)
+    assert got.problems and got.chain == data.splitlines()[-1][:32].decode()
+    journal = Journal(tmp_path)
+    journal.continue_after(got)  # cuts the torn end, and chains the next record to the last
+    journal.delta(5, {"c": {}, "p": {}})
+    journal.consumed(5)
+    journal.close()
+    (again,) = recover(tmp_path)
+    assert again.problems == [] and len(again.deltas) == 2 and again.consumed == 5
