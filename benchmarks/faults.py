@@ -287,16 +287,22 @@ def rss_run(plan: Plan, steps: int, every: int, trace: bool) -> dict[str, Any]:
 
 def print_trials(a: dict[str, Any]) -> None:
     print(f"(a) trainers killed and restarted from random earlier checkpoints: {a['exact']}/"
-          f"{a['trials']} exact (batches {a['lines_exact']}, checkpoints {a['states_exact']}); "
+          f"{a['trials']} exact (batches {a['lines_exact']}, checkpoints "
+          f"{'not compared' if a['states_exact'] is None else a['states_exact']}); "
           f"{a['as_chosen']}/{a['trials']} exact from the checkpoint chosen; "
           f"{a['older']} chose an older checkpoint than the newest, "
           f"{a['refused']} refused, {a['failed']} of those not resumed from the newest either "
-          "(the job restarted from it)")  # fmt: skip
+          "(inline: the job restarted from it; ray: the trials stop)")  # fmt: skip
     for r in a["rows"]:
         to = f"step {r['restart']} (newest {r['newest']})"
-        verdict = "exact" if r["exact"] else (
-            f"DIFFERS (batches {'exact' if r['lines_exact'] else 'differ'}, checkpoints "
-            f"{'exact' if r['states_exact'] else 'differ'})")  # fmt: skip
+        verdict = (
+            "exact"
+            if r["exact"]
+            else (
+                f"DIFFERS (batches {'exact' if r['lines_exact'] else 'differ'}, checkpoints "
+                f"{ {True: 'exact', False: 'differ', None: 'not compared'}[r['states_exact']] })"
+            )
+        )
         note = f"  REFUSED: {r['refused'][:150]}" if r["refused"] else ""
         note += f"  NEWEST FAILED TOO: {r['failed'][:150]}" if r["failed"] else ""
         print(f"  trial {r['trial']:>2}: ran steps {r['ran'][0]:>3}..{r['ran'][1]:<3}, killed; "
@@ -334,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, help="default 20 (--quick: 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    p.add_argument("--runtime", default="inline", choices=("inline", "ray"),
+                   help="(a): the job in this process, or on Ray with trainer processes "
+                   "(run under tools/loopback)")  # fmt: skip
     p.add_argument("--cases", help="(c): only the hostile inputs whose name holds this")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -359,7 +368,16 @@ def main(argv: list[str] | None = None) -> int:
             if "a" in args.parts:
                 count = args.trials or (5 if args.quick else 20)
                 plan = trial_plan(root / "trials", rewind_steps=4)
-                results["trials"] = trials(plan, 40 if args.quick else 120, 2, count, args.seed)
+                steps = 40 if args.quick else 120
+                if args.runtime == "ray":
+                    from benchmarks._lib.trainers import ray_trials
+
+                    want, _ = uninterrupted(plan, steps + 1)
+                    (root / "ray").mkdir()
+                    results["trials"] = ray_trials(plan, root / "ray", want, steps, 2, count,
+                                                   args.seed)  # fmt: skip
+                else:
+                    results["trials"] = trials(plan, steps, 2, count, args.seed)
                 print_trials(results["trials"])
             if "b" in args.parts:
                 plan = trial_plan(root / "damage", rewind_steps=0)
