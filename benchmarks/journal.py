@@ -21,7 +21,7 @@ from benchmarks._lib.corpus import write_corpus
 from overlord import Loader, load_plan
 from overlord.plan.spec import validate_plan
 from overlord.roles.api import PlannerRole
-from overlord.state.journal import encode, read_segment, recover, segments
+from overlord.state.journal import SEED, encode, read_segment, recover, segments
 
 
 def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> dict:
@@ -44,7 +44,7 @@ def run(plan_path: Path, steps: int, fsync: bool, every: int, folder: Path) -> d
     recovered = recover(path)
     read_s = time.perf_counter() - t0
     loader.close()
-    snaps = [len(encode(r)) for r in records if r["t"] == "snap"]
+    snaps = [len(encode(r, SEED)) for r in records if r["t"] == "snap"]
     return {
         "stats": stats,
         "snapshot_bytes": max(snaps),

@@ -57,3 +57,7 @@ class ActorDiedError(LoaderError):
 
 class CheckpointError(OverlordError):
     """A checkpoint cannot be read or does not fit the plan it is loaded into."""
+
+
+class OutputError(OverlordError):
+    """An output a run writes (its dump, its report) cannot be written; names the file."""

@@ -11,8 +11,8 @@ import numpy as np
 
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
-from overlord.ops.run import run_plan
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
 from overlord.plan.spec import Plan
 from overlord.plans import load_plan
@@ -128,7 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"the checkpoint is at step {state['step']}, nothing to do up to --steps {args.steps}"
         )
         return 0
-    dump = open(args.dump, "w") if args.dump else None  # noqa: SIM115
+    dump = open_dump(args.dump) if args.dump else None
     try:
         summary = run_plan(
             plan,
@@ -142,7 +142,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     finally:
         if dump is not None:
-            dump.close()
+            close_dump(dump)
     print_summary(summary)
     if summary.get("report"):
         print(f"report: {summary['report']}")

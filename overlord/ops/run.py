@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from overlord.errors import OverlordError
+from overlord.errors import OutputError, OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
 from overlord.roles import planner as planner_module
@@ -38,6 +38,27 @@ def dump_line(batch: Any) -> str:
     if batch.cost_llm is not None:  # a plan with images: the cost's two terms
         line.update(cost_llm=batch.cost_llm, cost_encoder=batch.cost_encoder)
     return json.dumps(line, separators=(",", ":"))
+
+
+def open_dump(path: str) -> TextIO:
+    """Open ``--dump``'s file; :class:`OutputError` naming it if it cannot be."""
+    try:
+        return open(path, "w")  # noqa: SIM115 (closed by close_dump)
+    except OSError as e:
+        raise OutputError(f"cannot write the dump {path}: {e.strerror or e}") from None
+
+
+def close_dump(dump: TextIO) -> None:
+    """Close a dump; its last buffered lines failing (a full disk) is an :class:`OutputError`."""
+    try:
+        dump.close()
+    except OSError as e:
+        raise _dump_error(dump, e) from None
+
+
+def _dump_error(dump: TextIO, e: OSError) -> OutputError:
+    name = getattr(dump, "name", None) or "(the dump stream)"
+    return OutputError(f"cannot write the dump {name}: {e.strerror or e}")
 
 
 def run_plan(
@@ -82,7 +103,10 @@ def run_plan(
                 costs.append(batch.cost)
                 tokens += batch.num_tokens
                 if dump is not None:
-                    dump.write(dump_line(batch) + "\n")
+                    try:
+                        dump.write(dump_line(batch) + "\n")
+                    except OSError as e:  # a full disk: the run stops, naming its output
+                        raise _dump_error(dump, e) from None
             if trace is not None:
                 trace.step(step, costs, waits)
                 if (step - first) % sample_every == 0 or step + 1 == steps:
@@ -100,11 +124,18 @@ def run_plan(
         if checkpoint_dir:
             ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
         stats = gather_history(loader.stats(), history)
+    if dump is not None:
+        try:  # its last lines reach the disk before the summary says the run is done
+            dump.flush()
+        except OSError as e:
+            raise _dump_error(dump, e) from None
     summary = summarize(plan, stats, first, steps, tokens, seconds, ckpt_bytes)
     if trace is not None and report:
         try:
             written = write_run_report(report, plan, summary, stats["history"], trace)
             summary["report"] = str(written)
+        except OutputError as e:  # names the file
+            summary["report_error"] = str(e)
         except (OSError, OverlordError) as e:
             summary["report_error"] = f"cannot write the report to {report}: {e}"
     return summary

@@ -9,12 +9,15 @@ the steps. The run loop fills a :class:`RunTrace` as it goes.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from overlord.errors import OutputError
 from overlord.ops.report import (
     Report,
     balance_rows,
@@ -128,19 +131,32 @@ def write_run_report(
     history: list[dict[str, Any]],
     trace: RunTrace,
 ) -> Path:
-    """Write ``report.md`` and its four PNG plots to ``out``; the report's path."""
+    """Write ``report.md`` and its four PNG plots to ``out``; the report's path.
+
+    A file that cannot be written (a full disk) raises :class:`OutputError` naming it,
+    and its torn part is removed.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     a, b = summary["steps"]
     hist = [h for h in history if a <= h["step"] < b]
     r = Report(out, plan, {}, summary, hist, None, 0.0)
     if hist:
-        plot_mixture(r, out / "mixture.png")
-        plot_balance(r, out / "balance.png")
+        _written(out / "mixture.png", lambda p: plot_mixture(r, p))
+        _written(out / "balance.png", lambda p: plot_balance(r, p))
     if trace.steps:
-        plot_ranks(plan, trace, out / "ranks.png")
+        _written(out / "ranks.png", lambda p: plot_ranks(plan, trace, p))
     if trace.loaders:
-        plot_loaders(plan, trace, out / "loaders.png")
+        _written(out / "loaders.png", lambda p: plot_loaders(plan, trace, p))
     path = out / "report.md"
-    path.write_text(render(plan, summary, r, trace))
+    _written(path, lambda p: p.write_text(render(plan, summary, r, trace)))
     return path
+
+
+def _written(path: Path, write: Callable[[Path], object]) -> None:
+    try:
+        write(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.unlink()  # a torn plot or page is not left for a reader to take for whole
+        raise OutputError(f"cannot write the report's {path}: {e.strerror or e}") from None

@@ -8,20 +8,42 @@ the step's plan is handed out; and a record each time the step that every
 rank consumed advances, written before the loaders release its items.
 
 Each snapshot starts a new segment file ``seg-<step>.log``. A record is one
-line: the CRC-32 of its JSON text, a space, the JSON text. Reading stops at
-the first record that is torn (no final newline: the writer died in the
-middle) or whose checksum or JSON is wrong; what came before it is used, and
-the problem is reported with its file, record number and byte offset. Nothing
-here is pickled.
+line: its digest, a space, its JSON text. The first line of a segment is a
+header record, ``{"t": "head", "journal": 2, "start": <step>}``: the format
+version, and the step in the file's name. Each record's digest is a link of a
+chain: the first 32 hex digits of the sha256 of the previous record's digest
+and this record's text (the header's previous digest is a fixed seed). So a
+record's digest covers the format version, the segment's start and every
+record before it: an edited record fails, and so does a record deleted,
+reordered, repeated or moved from another segment. A CRC-32 would catch a
+torn write too, but it is linear: an edit whose CRC is fixed up (by hand, or
+by a tool that "repairs" files) passes it. 128 bits of sha256 make an
+accidental match impossible. Like a checkpoint's digest, the chain carries no
+key: it catches damage and edits, not a writer who recomputes every digest
+after the one it edits (the journal's folder is the job's alone to write).
+
+Reading takes the records up to a torn last record (no final newline: the
+writer died in the middle of it), reports it, and resumes before it. Any
+other record that fails (its digest, its JSON, a header of an unknown
+version) refuses the journal with a :class:`JournalError` naming the file,
+the record, its byte offset and the field: a damaged journal is never
+resumed. Segments written before the header and the chain (a CRC-32 of each
+line's text, 8 hex digits, format 1) still read, and a planner that resumes
+one appends records of that format to it until its next snapshot, which
+starts a segment of format 2. Nothing here is pickled; a journal that cannot
+be written (a full disk) raises a :class:`JournalError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,33 +58,77 @@ class JournalError(CheckpointError):
     """A journal record is torn or corrupt; says which file, record and byte."""
 
 
-def encode(record: dict[str, Any]) -> bytes:
-    """One journal line: the CRC-32 of the JSON text in hex, a space, the text, a newline.
+VERSION = 2  # the header and the chained digests; 1: a CRC-32 per line, no header
+SEED = "overlord-journal"  # the header's previous digest: the chain starts here
+_DIGEST_HEX = 32  # 128 bits of sha256
+_CRC_HEX = 8  # format 1
+
+
+def link(previous: str, text: bytes) -> str:
+    """The digest of a record of ``text`` that follows a record of digest ``previous``.
+
+    >>> link(SEED, b'{"t":"cons","s":3}') == link(SEED, b'{"t":"cons","s":4}')
+    False
+    """
+    return hashlib.sha256(previous.encode() + b" " + text).hexdigest()[:_DIGEST_HEX]
+
+
+def encode(record: dict[str, Any], previous: str | None = None) -> bytes:
+    """One journal line: its digest (chained to ``previous``), a space, the JSON text, a newline.
+
+    Without ``previous``, a line of format 1 (the CRC-32 of the text), as journals
+    written before the chain held and as :meth:`Journal.continue_after` appends to them.
 
     >>> encode({"t": "cons", "s": 3}).decode().strip()
     '0c4cea20 {"t":"cons","s":3}'
+    >>> len(encode({"t": "cons", "s": 3}, SEED).split()[0])
+    32
     """
     text = json.dumps(record, separators=(",", ":"))
-    return f"{zlib.crc32(text.encode()):08x} {text}\n".encode()
+    if previous is None:
+        return f"{zlib.crc32(text.encode()):08x} {text}\n".encode()
+    return f"{link(previous, text.encode())} {text}\n".encode()
 
 
-def decode(line: bytes, where: str) -> dict[str, Any]:
-    """The record of one line; :class:`JournalError` if it is torn or corrupt."""
+def header(start: int) -> dict[str, Any]:
+    """The first record of a segment whose snapshot is the state before step ``start``."""
+    return {"t": "head", "journal": VERSION, "start": start}
+
+
+def decode(line: bytes, where: str, previous: str | None = None) -> dict[str, Any]:
+    """The record of one line; :class:`JournalError` if it is torn or corrupt.
+
+    ``previous`` is the digest of the record before it (format 2); None reads
+    a line of format 1, checked by its CRC-32.
+    """
     if not line.endswith(b"\n"):
         raise JournalError(f"{where}: torn record (no end of line): the writer stopped in it")
-    crc, _, text = line[:-1].partition(b" ")
-    try:
-        ok = int(crc, 16) == zlib.crc32(text)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise JournalError(f"{where}: checksum mismatch: the record is corrupt")
+    found, _, text = line[:-1].partition(b" ")
+    if previous is None:
+        try:
+            ok = len(found) == _CRC_HEX and int(found, 16) == zlib.crc32(text)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise JournalError(
+                f"{where}: field 'crc32': checksum mismatch (expected {zlib.crc32(text):08x}, "
+                f"found {found[:_DIGEST_HEX].decode(errors='replace')!r}): the record is corrupt"
+            )
+    else:
+        want = link(previous, text)
+        if found != want.encode():
+            raise JournalError(
+                f"{where}: field 'digest': expected {want}, found "
+                f"{found[:_DIGEST_HEX].decode(errors='replace')!r}: the record was changed, "
+                "damaged, or moved from another place after it was written; the journal is "
+                "refused (resume the job from a checkpoint)"
+            )
     try:
         record = json.loads(text)
     except ValueError as e:
         raise JournalError(f"{where}: not JSON ({e})") from None
     if not isinstance(record, dict) or "t" not in record:
-        raise JournalError(f"{where}: not a journal record")
+        raise JournalError(f"{where}: field 't': missing, not a journal record")
     return record
 
 
@@ -77,29 +143,64 @@ class Recovered:
     problems: list[str] = field(default_factory=list)  # torn or corrupt records skipped
     segment: Path | None = None  # the segment read
     end: int = 0  # where its valid records end (bytes)
+    chain: str | None = None  # the digest of its last valid record (None: format 1)
 
 
 def read_segment(path: Path, strict: bool = True) -> tuple[list[dict[str, Any]], int, str | None]:
     """Valid records of one segment, the byte offset where they end, and the problem found.
 
-    With ``strict`` a bad record raises :class:`JournalError`; otherwise reading
-    stops there and the problem is returned.
+    The header (format 2) is checked and left out. A torn last record raises
+    :class:`JournalError` with ``strict``; otherwise reading stops there and the
+    problem is returned. Any other bad record raises, ``strict`` or not.
     """
-    data = path.read_bytes()
+    records, end, problem, _ = _read(path, strict)
+    return records, end, problem
+
+
+def _read(path: Path, strict: bool) -> tuple[list[dict[str, Any]], int, str | None, str | None]:
+    """:func:`read_segment`, and the digest of the last valid record (None: format 1)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise JournalError(f"cannot read journal {path}: {e.strerror or e}") from None
     records: list[dict[str, Any]] = []
-    offset = 0
+    # format 1 began with the snapshot's CRC-32, 8 hex digits; format 2 with a header
+    chain: str | None = None if data[: _CRC_HEX + 1].endswith(b" ") else SEED
+    offset, index = 0, 0
     while offset < len(data):
         end = data.find(b"\n", offset)
         line = data[offset:] if end < 0 else data[offset : end + 1]
-        where = f"journal {path}, record {len(records)} at byte {offset}"
+        where = f"journal {path}, record {index} at byte {offset}"
         try:
-            records.append(decode(line, where))
+            record = decode(line, where, chain)
         except JournalError as e:
-            if strict:
+            if strict or end >= 0:  # a whole line that fails was damaged, not torn
                 raise
-            return records, offset, str(e)
+            return records, offset, str(e), chain
+        if chain is not None:
+            chain = line[:_DIGEST_HEX].decode()
+        if index == 0 and chain is not None:
+            _check_header(record, path, where)
+        else:
+            records.append(record)
         offset += len(line)
-    return records, offset, None
+        index += 1
+    return records, offset, None, chain
+
+
+def _check_header(record: dict[str, Any], path: Path, where: str) -> None:
+    if record.get("t") != "head":
+        raise JournalError(f"{where}: field 't': expected the header 'head', found {record['t']!r}")
+    if record.get("journal") != VERSION:
+        raise JournalError(
+            f"{where}: field 'journal': format version {record.get('journal')!r} is not "
+            f"supported: expected {VERSION} (or 1, without a header)"
+        )
+    if _SEGMENT.match(path.name) and record.get("start") != _start(path):
+        raise JournalError(
+            f"{where}: field 'start': expected {_start(path)} (the step in the file's name), "
+            f"found {record.get('start')!r}: the segment was renamed or copied from elsewhere"
+        )
 
 
 def _start(segment: Path) -> int:
@@ -117,18 +218,19 @@ def segments(directory: Path) -> list[Path]:
 def recover(directory: str | Path) -> list[Recovered]:
     """Read a journal back: every segment with an intact snapshot, oldest first.
 
-    A torn or corrupt record ends its segment; the problem is in that
-    segment's ``problems`` (and a segment whose snapshot is unreadable is left
-    out, with its problem given to the next one).
+    A torn last record ends its segment; the problem is in that segment's
+    ``problems`` (and a segment whose snapshot is torn is left out, with its
+    problem given to the next one). Any other bad record raises
+    :class:`JournalError`.
     """
     out: list[Recovered] = []
     problems: list[str] = []
     for seg in segments(Path(directory)):
-        records, end, problem = read_segment(seg, strict=False)
+        records, end, problem, chain = _read(seg, strict=False)
         if not records or records[0]["t"] != "snap":
             problems.append(problem or f"journal {seg}: does not start with a snapshot")
             continue
-        r = Recovered(records[0]["state"], problems=problems, segment=seg, end=end)
+        r = Recovered(records[0]["state"], problems=problems, segment=seg, end=end, chain=chain)
         problems = []
         r.consumed = int(records[0].get("consumed", -1))
         r.loaders = records[0].get("loaders")
@@ -204,11 +306,16 @@ class Journal:
 
     def __init__(self, directory: str | Path, fsync: bool = False):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JournalError(f"cannot write the planner's journal in {directory}: {e}") from None
         self.fsync = fsync
         self._file: Any = None
-        self.bytes: dict[str, int] = {"snap": 0, "plan": 0, "cons": 0, "ldr": 0}
-        self.records: dict[str, int] = {"snap": 0, "plan": 0, "cons": 0, "ldr": 0}
+        self._path: Path | None = None  # the segment written to
+        self._chain: str | None = SEED  # the digest of the last record written (None: format 1)
+        self.bytes: dict[str, int] = {"head": 0, "snap": 0, "plan": 0, "cons": 0, "ldr": 0}
+        self.records: dict[str, int] = {"head": 0, "snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.write_s = 0.0
         self._starts = [_start(p) for p in segments(self.directory)]  # first step of each
         self._replan: dict[int, dict[str, Any]] = {}  # deltas a restarted planner re-plans
@@ -249,17 +356,33 @@ class Journal:
             if later.name > seg.name:  # its snapshot was unreadable
                 later.unlink()
                 self._starts.remove(_start(later))
-        with open(seg, "r+b") as f:
-            f.truncate(recovered.end)
-        self._file = open(seg, "ab")  # noqa: SIM115 (kept open: one write per step)
+        self._path, self._chain = seg, recovered.chain  # a segment of format 1 goes on in it
+        with self._writing():
+            with open(seg, "r+b") as f:
+                f.truncate(recovered.end)
+            self._file = open(seg, "ab")  # noqa: SIM115 (kept open: one write per step)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """An OSError (a full disk, a folder removed) as a :class:`JournalError` naming the file."""
+        try:
+            yield
+        except OSError as e:
+            raise JournalError(
+                f"cannot write the planner's journal {self._path or self.directory}: "
+                f"{e.strerror or e} (recovery.journal_dir sets its folder)"
+            ) from None
 
     def _write(self, record: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        line = encode(record)
-        self._file.write(line)
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
+        line = encode(record, self._chain)
+        with self._writing():
+            self._file.write(line)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+        if self._chain is not None:
+            self._chain = line[:_DIGEST_HEX].decode()
         self.write_s += time.perf_counter() - t0
         self.bytes[record["t"]] += len(line)
         self.records[record["t"]] += 1
@@ -267,14 +390,21 @@ class Journal:
     def snapshot(self, state: dict[str, Any], consumed: int, loaders: dict[str, Any]) -> None:
         """Start a segment with the full state before step ``state["step"]``."""
         step = int(state["step"])
-        if self._file is not None:
-            self._file.close()
         path = self.directory / f"seg-{step:010d}.log"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(b"")
-        self._file = open(tmp, "ab")  # noqa: SIM115
+        with self._writing():
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self._path = tmp
+            tmp.write_bytes(b"")
+            self._file = open(tmp, "ab")  # noqa: SIM115
+        self._chain = SEED
+        self._write(header(step))
         self._write({"t": "snap", "state": state, "consumed": consumed, "loaders": loaders})
-        os.replace(tmp, path)  # a segment exists only once its snapshot is whole
+        with self._writing():
+            os.replace(tmp, path)  # a segment exists only once its snapshot is whole
+        self._path = path
         self._starts.append(step)
 
     def restart(self, state: dict[str, Any], consumed: int, loaders: dict[str, Any]) -> None:
@@ -311,5 +441,6 @@ class Journal:
     def close(self) -> None:
         """Close the file (the job's owner removes the folder)."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk was named when it was written to
+                self._file.close()
             self._file = None
