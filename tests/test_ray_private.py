@@ -301,3 +301,27 @@ def _alive(pids: set[int]) -> set[int]:
         if state != "Z":
             out.add(p)
     return out
+
+
+# ---- loopback: what Ray is told while a local instance starts --------------------------------
+
+
+def test_a_local_node_is_put_on_loopback_only_while_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside tools/loopback every address is loopback, so the switch itself is checked here;
+    docs/guides/security.md has what a local serve listens on outside it."""
+    pytest.importorskip("ray")
+    from ray._private import ray_constants, services
+
+    from overlord.runtime import ray_connect
+
+    monkeypatch.delenv(ray_connect._LOOPBACK_SWITCH, raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with ray_connect._loopback_node():
+        assert os.environ[ray_connect._LOOPBACK_SWITCH] == "0"  # for the processes it starts
+        assert ray_constants.ENABLE_RAY_CLUSTER is False  # for this one, which imported Ray
+        assert services.get_node_ip_address() == "127.0.0.1"
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+    assert ray_connect._LOOPBACK_SWITCH not in os.environ
+    assert before is ray_constants.ENABLE_RAY_CLUSTER

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from overlord.errors import LoaderError
@@ -91,6 +92,10 @@ def _host_port(address: str) -> tuple[str, int] | None:
     if not host or not port.isdigit():
         return None
     return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _probe(address: str, timeout: float = 5.0) -> None:
@@ -186,9 +191,14 @@ def _join(ray: Any, address: str, timeout: float, common: dict[str, Any]) -> Non
     quiet = _NotTheMainThread()
     worker_log = logging.getLogger("ray._private.worker")
     worker_log.addFilter(quiet)
+    where = _host_port(address)
+    # a cluster on this machine's loopback (a local `overlord serve`'s) listens there alone:
+    # Ray would otherwise look for it at the machine's interface address
+    on_loopback = where is not None and _is_loopback(where[0])
     try:
-        joining.thread.start()
-        finished = joining.wait(max(0.0, timeout - (time.monotonic() - start)))
+        with _loopback_node() if on_loopback else contextlib.nullcontext():
+            joining.thread.start()
+            finished = joining.wait(max(0.0, timeout - (time.monotonic() - start)))
     finally:
         worker_log.removeFilter(quiet)
     if not finished:
@@ -209,8 +219,37 @@ def _join(ray: Any, address: str, timeout: float, common: dict[str, Any]) -> Non
         raise e
 
 
+# Ray on Linux takes the machine's interface address as the node's, even when asked for
+# 127.0.0.1 (it resolves loopback to a "remotely reachable" address), and then its servers
+# listen on every interface. Its one switch for a node of loopback alone is the one meant
+# for laptops: with it off, the node's address is 127.0.0.1, and the GCS, the raylet and
+# every worker listen there. Ray reads it when it is imported, in each of its processes.
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """While a local instance starts: its node on 127.0.0.1, in this process and its own."""
+    constants: Any = sys.modules.get("ray._private.ray_constants")
+    before_env = os.environ.get(_LOOPBACK_SWITCH)
+    before = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_LOOPBACK_SWITCH] = "0"  # the processes it starts inherit it
+    if before is not None:
+        constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray already
+    try:
+        yield
+    finally:
+        # a later join of another cluster from this process takes its address as usual
+        if before_env is None:
+            os.environ.pop(_LOOPBACK_SWITCH, None)
+        else:
+            os.environ[_LOOPBACK_SWITCH] = before_env
+        if before is not None:
+            constants.ENABLE_RAY_CLUSTER = before
+
+
 def _start_local(ray: Any, common: dict[str, Any]) -> None:
-    """A new local instance; a SIGTERM handler the program had set is kept.
+    """A new local instance on 127.0.0.1; a SIGTERM handler the program had set is kept.
 
     Ray replaces the SIGTERM handler while it starts its processes (its own stops them and
     exits with status 1). A program's own handler (the ``overlord`` command's) is put back;
@@ -223,7 +262,10 @@ def _start_local(ray: Any, common: dict[str, Any]) -> None:
         # "local": a new instance of this process's own. Without it Ray joins whatever cluster
         # the machine's address file names (another user's `ray start`, or a stale one it
         # then waits for): a job runs only where it was told to
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **common)
+        with _loopback_node():
+            ray.init(
+                address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **common
+            )
     except SystemExit:
         if not main:
             raise
