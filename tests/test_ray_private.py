@@ -210,14 +210,28 @@ def test_sigterm_stops_a_serving_job_with_status_143(tmp_path: Path) -> None:
 # ---- Ray's address file: a stale one is not followed ----------------------------------------
 
 
+# what plain ray.init() would join: Ray's own lookup, without an address
+_RAYS_CHOICE = """
+from ray._private.services import canonicalize_bootstrap_address
+print(canonicalize_bootstrap_address(None))
+"""
+
+
 def test_a_ray_command_starts_its_own_instance_beside_a_stale_address_file(tmp_path: Path) -> None:
     folder = Path(tempfile.mkdtemp(prefix="ovr-", dir="/tmp"))  # short: Ray's socket paths
     try:
         with socket.create_server(("127.0.0.1", 0)) as s:
             dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed below: nothing listens there
-        (folder / "ray_current_cluster").write_text(dead)
+        record = folder / "ray" / "ray_current_cluster"  # where Ray looks: RAY_TMPDIR/ray
+        record.parent.mkdir()
+        record.write_text(dead)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env.update(RAY_TMPDIR=str(folder), TMPDIR=str(folder))
+        followed = subprocess.run(
+            [sys.executable, "-c", _RAYS_CHOICE], capture_output=True, text=True, timeout=120,
+            env=env, check=True,
+        ).stdout.strip()  # fmt: skip
+        assert followed.endswith(dead.rpartition(":")[2])  # plain ray.init() would go there
         plan = two_sources(tmp_path)
         done = subprocess.run(
             [overlord_command(), "run", str(plan), "--runtime", "ray", "--steps", "2"],
@@ -225,7 +239,7 @@ def test_a_ray_command_starts_its_own_instance_beside_a_stale_address_file(tmp_p
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.startswith("steps 0..1: "), done.stdout
-        assert (folder / "ray_current_cluster").read_text() == dead  # not followed, not touched
+        assert record.read_text() == dead  # not followed, not touched
     finally:
         for pid in _processes_of(folder):
             with contextlib.suppress(OSError):
