@@ -145,6 +145,35 @@ def test_the_connect_timeout_comes_from_the_environment_too(silent: Silent) -> N
     assert f"no answer from the Ray cluster at '{silent.address}' within 2 s" in done.stderr
 
 
+_TWICE = """
+import sys
+from overlord.errors import LoaderError
+from overlord.runtime.ray_runtime import init_ray
+for attempt in (1, 2):
+    try:
+        init_ray(sys.argv[1], timeout=2)
+    except LoaderError as e:
+        print(attempt, e, flush=True)
+import ray
+print("initialized:", ray.is_initialized(), flush=True)
+"""
+
+
+def test_a_timed_out_connect_leaves_ray_uninitialized_and_refuses_a_second(
+    silent: Silent,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _TWICE, silent.address], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout + done.stderr[-3000:]
+    assert lines[0].startswith(f"1 no answer from the Ray cluster at '{silent.address}'")
+    assert lines[1].startswith(f"2 an earlier connect of this process to the Ray cluster at "
+                               f"'{silent.address}' ran out of time")  # fmt: skip
+    assert lines[2] == "initialized: False"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_a_command_that_is_connecting(
     silent: Silent, sig: signal.Signals, tmp_path: Path
@@ -205,6 +234,33 @@ def test_sigterm_stops_a_serving_job_with_status_143(tmp_path: Path) -> None:
             break
         time.sleep(0.1)
     assert not _alive(started), "processes started by `overlord serve` outlived it"
+
+
+def test_ctrl_c_stops_a_run_on_ray_while_it_runs(tmp_path: Path) -> None:
+    plan = two_sources(tmp_path)
+    cmd = [overlord_command(), "run", str(plan), "--runtime", "ray", "--steps", "1000000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # running once the planner's actor is up
+            started = _processes_under(proc.pid)
+            if any(b"ray::Planner" in _cmdline(p) for p in started) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(2)  # steps are being served
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "overlord: stopped by SIGINT" in err and "Traceback" not in err, err
+    for _ in range(300):
+        if not _alive(started):
+            break
+        time.sleep(0.1)
+    assert not _alive(started), "processes started by `overlord run` outlived it"
 
 
 # ---- Ray's address file: a stale one is not followed ----------------------------------------
