@@ -266,13 +266,12 @@ def _start_local(ray: Any, common: dict[str, Any]) -> None:
             ray.init(
                 address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **common
             )
-    except SystemExit:
-        if not main:
-            raise
+    except BaseException as e:  # Ctrl-C among others: what was started so far is stopped
         with contextlib.suppress(Exception):
             ray.shutdown()
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        signal.raise_signal(signal.SIGTERM)
+        if isinstance(e, SystemExit) and main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
         raise
     finally:
         if main and keep:

@@ -6,10 +6,10 @@ overlord adds no RPC layer of its own: a call is ``actor.method.remote()``, a
 wait is ``ray.get``.
 
 Security: anyone who can reach a Ray cluster can run code on it. The local
-instance overlord starts has its dashboard off and is asked to use 127.0.0.1;
-Ray may still listen on the machine's interface address (it maps loopback to
-the node address), so keep a shared machine's Ray inside a private network
-or a network namespace, and keep Ray's token authentication on (its default).
+instance overlord starts has its dashboard off and listens on 127.0.0.1 only
+(:mod:`overlord.runtime.ray_connect` says how); other users of the machine can
+still reach loopback, so keep Ray's token authentication on (its default), or
+run the job in a network namespace of its own.
 """
 
 from __future__ import annotations
