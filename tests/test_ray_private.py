@@ -60,7 +60,8 @@ def test_a_local_instance_is_never_a_cluster_ray_start_recorded():
     env = {**os.environ, "RAY_TMPDIR": str(folder)}
     ray = Path(sys.executable).with_name("ray")
     started = subprocess.run(
-        [str(ray), "start", "--head", "--num-cpus=1", "--include-dashboard=false",
+        # --port=0: beside a cluster of someone else's on Ray's default port, too
+        [str(ray), "start", "--head", "--port=0", "--num-cpus=1", "--include-dashboard=false",
          "--disable-usage-stats"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
