@@ -33,14 +33,19 @@ from overlord.state.checkpoint import check_state
 from overlord.streams import RankStream, StreamKind, local_constructor, open_stream, stream_kind
 
 
-def make_runtime(name: str, job: str, address: str | None = None) -> Runtime:
-    """The runtime called ``name`` for job ``job`` (``ray``: on the cluster at ``address``)."""
+def make_runtime(
+    name: str, job: str, address: str | None = None, connect_timeout: float | None = None
+) -> Runtime:
+    """The runtime called ``name`` for job ``job``.
+
+    ``ray``: on the cluster at ``address``, reached within ``connect_timeout`` seconds.
+    """
     if name == "inline":
         return InlineRuntime()
     if name == "ray":
         from overlord.runtime.ray_runtime import RayRuntime
 
-        return RayRuntime(job, address)
+        return RayRuntime(job, address, connect_timeout=connect_timeout)
     raise ValueError(f"unknown runtime '{name}': expected one of {', '.join(RUNTIMES)}")
 
 
@@ -83,7 +88,9 @@ class Loader:
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
     rank had consumed it, on any DP size. ``runtime`` is ``inline`` (every role
     in this process) or ``ray`` (every role a Ray actor of job ``job``, on the
-    cluster at ``address`` or a local instance). With ``build_batches=False``
+    cluster at ``address`` or a local instance of its own; joining a cluster
+    gives up after ``connect_timeout`` seconds, None: ``OVERLORD_CONNECT_TIMEOUT``,
+    else 60). With ``build_batches=False``
     the loaders keep no payloads and only :meth:`dry_run` is available.
 
     Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
@@ -107,6 +114,7 @@ class Loader:
         job: str | None = None,
         address: str | None = None,
         node: bool | None = None,
+        connect_timeout: float | None = None,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
@@ -129,7 +137,7 @@ class Loader:
             timeout_s=self.plan.loading.timeout_s,
         )
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
-        self.runtime = make_runtime(runtime, self.job, address)
+        self.runtime = make_runtime(runtime, self.job, address, connect_timeout)
         # roles in processes of their own (Ray's actors) can die alone: shadows and a planner
         # journal by default; their memory is their own; ranks wait for each other; groups
         # are balanced by assigners in parallel

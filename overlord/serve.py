@@ -66,6 +66,17 @@ def job_lock(name: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a command (``signum`` says which).
+
+    A KeyboardInterrupt, so that it unwinds like Ctrl-C, stopping what was started on the way.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def serve(
     plan: Plan,
     name: str,
@@ -73,30 +84,50 @@ def serve(
     resume: str | None = None,
     ready: Callable[[Loader], None] | None = None,
     stop: threading.Event | None = None,
+    connect_timeout: float | None = None,
 ) -> int:
     """Run job ``name`` until ``stop`` is set or SIGINT/SIGTERM; stop every actor on the way out.
 
-    A second ``serve`` of the same name on this machine is refused (see :func:`job_lock`).
+    Returns 0 when ``stop`` ended it, 128 + the signal's number when a signal did (130
+    for Ctrl-C, 143 for SIGTERM). A signal while the job starts (connecting to Ray,
+    starting actors) raises :class:`Stopped` at once, and what was started is stopped;
+    while it serves, the job is stopped in order, and a second signal cuts that short.
+    Joining the cluster at ``address`` gives up after ``connect_timeout`` seconds
+    (None: ``OVERLORD_CONNECT_TIMEOUT``, else 60). A second ``serve`` of the same name on
+    this machine is refused (see :func:`job_lock`).
     """
     state = checkpoint.load(resume) if resume else None
     stop = stop or threading.Event()
+    serving = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if not serving.is_set() or got:
+            raise Stopped(signum)
+        got.append(signum)
+        stop.set()
+
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, on_signal)
     try:
         with (
             job_lock(name),
-            Loader(plan, runtime="ray", state=state, job=name, address=address) as loader,
-        ):
+            Loader(
+                plan, runtime="ray", state=state, job=name, address=address,
+                connect_timeout=connect_timeout,
+            ) as loader,
+        ):  # fmt: skip
             if ready is not None:
                 ready(loader)
+            serving.set()
             while not stop.wait(0.5):
                 pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
+    return 128 + got[0] if got else 0
 
 
 def connect(
@@ -107,6 +138,7 @@ def connect(
     *,
     global_rank: int | None = None,
     state: dict[str, Any] | None = None,
+    connect_timeout: float | None = None,
 ) -> Client:
     """The batches of DP rank ``rank``, or of mesh rank ``global_rank``, from the job ``job``.
 
@@ -120,7 +152,12 @@ def connect(
     with the same state, and the steps from it are served again, exactly as
     before (see :mod:`overlord.roles.rewind`).
     Where the batches come from is :func:`overlord.streams.open_stream`'s to say.
+    Joining the cluster gives up after ``connect_timeout`` seconds (None:
+    ``OVERLORD_CONNECT_TIMEOUT``, else 60) with an error naming its address.
     """
+    from overlord.runtime.ray_runtime import init_ray
+
+    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
     stream = open_stream(
         job=job, rank=rank, address=address, stop_step=stop_step, global_rank=global_rank,
         state=state,
@@ -129,11 +166,20 @@ def connect(
     return stream
 
 
-def wait_for_job(job: str, timeout: float = 60.0, address: str | None = None) -> None:
-    """Block until job ``job`` can be connected to (for scripts that start serve alongside)."""
+def wait_for_job(
+    job: str,
+    timeout: float = 60.0,
+    address: str | None = None,
+    connect_timeout: float | None = None,
+) -> None:
+    """Block until job ``job`` can be connected to (for scripts that start serve alongside).
+
+    ``connect_timeout`` bounds joining the cluster, as in :func:`connect`; ``timeout``
+    the wait for the job once joined.
+    """
     from overlord.runtime.ray_runtime import init_ray, lookup
 
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
+    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
     deadline = time.monotonic() + timeout
     while True:
         try:

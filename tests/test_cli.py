@@ -367,6 +367,73 @@ def test_steps_must_be_positive(
     assert ("must be positive" if steps != "two" else "expected a whole number") in err
 
 
+# ---- connecting to Ray: its flags (the connect itself: tests/test_ray_private.py) --------------
+
+
+@pytest.mark.parametrize("command", ["serve", "status", "run"])
+def test_every_command_that_joins_ray_takes_a_connect_timeout(command: str) -> None:
+    from overlord.ops.cli import build_parser
+
+    first = ["serve", "plan.yaml", "--name", "j"] if command == "serve" else [command, "x"]
+    args = build_parser().parse_args([*first, "--connect-timeout", "2.5"])
+    assert args.connect_timeout == 2.5
+    assert build_parser().parse_args(first).connect_timeout is None  # the environment, else 60
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_connect_timeout_must_be_a_positive_number_of_seconds(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["status", "job", "--connect-timeout", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --connect-timeout:" in err
+    assert ("expected a number of seconds" if value == "soon" else "must be above 0") in err
+
+
+def test_an_address_needs_the_ray_runtime(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(corpus(tmp_path)), "--address", "127.0.0.1:6379"]) == 2
+    assert "--address needs --runtime ray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "never", "nan"])
+def test_the_connect_timeout_of_the_environment_is_checked(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    from overlord.errors import LoaderError
+    from overlord.runtime.ray_connect import connect_timeout
+
+    monkeypatch.setenv("OVERLORD_CONNECT_TIMEOUT", text)
+    with pytest.raises(LoaderError, match=f"OVERLORD_CONNECT_TIMEOUT='{text}' \\(environment\\)"):
+        connect_timeout()
+    monkeypatch.setenv("OVERLORD_CONNECT_TIMEOUT", "7")
+    assert connect_timeout() == 7.0 and connect_timeout(1.5) == 1.5
+    monkeypatch.delenv("OVERLORD_CONNECT_TIMEOUT")
+    assert connect_timeout() == 60.0
+
+
+def test_sigterm_stops_a_command_with_status_143(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+
+    import overlord.ops.cli as cli
+
+    def terminated(args: Any) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at once: this is the main thread
+        raise AssertionError("SIGTERM did not stop the command")
+
+    monkeypatch.setattr(cli, "_cmd_validate", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["validate", str(corpus(tmp_path))]) == 143
+    assert capsys.readouterr().err == "overlord: stopped by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+
+
 # ---- the installed console script --------------------------------------------------------------
 
 

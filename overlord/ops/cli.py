@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +31,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, found '{text}'") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, found {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0 (``--connect-timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, found '{text}'") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, found {text}")
     return value
 
 
@@ -128,7 +142,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"the checkpoint is at step {state['step']}, nothing to do up to --steps {args.steps}"
         )
         return 0
-    dump = open_dump(args.dump) if args.dump else None
+    dump = open_dump(args.dump) if args.dump else None  # a bad path fails before connecting
+    started = False
+    if args.runtime == "ray":
+        from overlord.runtime.ray_connect import init_ray
+
+        # joined (or started) here, within --connect-timeout; the run's Loader then uses it
+        started = init_ray(args.address, args.connect_timeout)
     try:
         summary = run_plan(
             plan,
@@ -143,6 +163,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         if dump is not None:
             close_dump(dump)
+        if started:
+            from overlord.runtime.ray_connect import shutdown_ray
+
+            shutdown_ray()
     print_summary(summary)
     if summary.get("report"):
         print(f"report: {summary['report']}")
@@ -196,24 +220,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    code = serve(plan, args.name, address=args.address, resume=args.resume, ready=ready)
-    print(f"overlord: job '{args.name}' stopped", flush=True)
+    code = serve(
+        plan, args.name, address=args.address, resume=args.resume, ready=ready,
+        connect_timeout=args.connect_timeout,
+    )  # fmt: skip
+    how = f" by {signal.Signals(code - 128).name}" if code > 128 else ""
+    print(f"overlord: job '{args.name}' stopped{how}", flush=True)
     return code
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from overlord.ops.status import status
 
-    try:
-        return status(args.job, address=args.address, once=args.once, interval=args.interval)
-    except KeyboardInterrupt:
-        return 0
+    return status(
+        args.job, address=args.address, once=args.once, interval=args.interval,
+        connect_timeout=args.connect_timeout,
+    )  # fmt: skip
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from overlord.ops.demo import run_demo
 
     return run_demo(Path(args.out), steps=args.steps, dp=args.dp)
+
+
+def _connect_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--connect-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="give up joining the Ray cluster after this long, with an error naming its "
+        "address (default: OVERLORD_CONNECT_TIMEOUT, else 60)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", help="continue from the newest checkpoint in this folder")
     r.add_argument("--runtime", default="inline", choices=list(RUNTIMES))
     r.add_argument(
+        "--address",
+        help="with --runtime ray: the Ray cluster to join (default: RAY_ADDRESS, else a new "
+        "local instance of this command's own)",
+    )
+    _connect_timeout(r)
+    r.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: free)"
     )
     r.add_argument("--report", help="write a Markdown report with PNG plots to this folder")
@@ -251,7 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run a plan's roles as named Ray actors for trainers")
     sv.add_argument("plan")
     sv.add_argument("--name", required=True, help="job name that trainers connect to")
-    sv.add_argument("--address", help="Ray cluster address (default: start a local instance)")
+    sv.add_argument(
+        "--address",
+        help="Ray cluster address (default: RAY_ADDRESS, else a new local instance of this "
+        "command's own, never one another process started)",
+    )
+    _connect_timeout(sv)
     sv.add_argument("--resume", help="start from the newest checkpoint in this folder")
     sv.add_argument("--dp", type=int, help="override world.dp")
     sv.add_argument(
@@ -262,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="a live table of a job served on Ray")
     st.add_argument("job")
     st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, or auto)")
+    _connect_timeout(st)
     st.add_argument("--once", action="store_true", help="print the table once and exit")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     st.set_defaults(func=_cmd_status)
@@ -280,14 +330,30 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "checkpoint_every", None) is not None and not args.checkpoint_dir:
         print("overlord: --checkpoint-every needs --checkpoint-dir", file=sys.stderr)
         return 2
+    if getattr(args, "address", None) and getattr(args, "runtime", "ray") != "ray":
+        print("overlord: --address needs --runtime ray", file=sys.stderr)
+        return 2
+    from overlord.serve import Stopped
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        raise Stopped(signum)
+
+    # SIGTERM unwinds like Ctrl-C: whatever the command started (a local Ray instance, its
+    # actors) is stopped on the way out, in every phase, connecting included
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         return int(args.func(args))
     except OverlordError as e:
         print(f"overlord: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("overlord: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"overlord: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

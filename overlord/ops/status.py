@@ -77,8 +77,18 @@ def render(job: str, f: dict[str, Any]) -> Any:
     return Group(src, ranks)
 
 
-def status(job: str, address: str | None = None, once: bool = False, interval: float = 1.0) -> int:
-    """Show job ``job``'s figures: once, or redrawn every ``interval`` s until Ctrl-C."""
+def status(
+    job: str,
+    address: str | None = None,
+    once: bool = False,
+    interval: float = 1.0,
+    connect_timeout: float | None = None,
+) -> int:
+    """Show job ``job``'s figures: once, or redrawn every ``interval`` s until Ctrl-C.
+
+    Joining the cluster gives up after ``connect_timeout`` seconds (None:
+    ``OVERLORD_CONNECT_TIMEOUT``, else 60) with an error naming its address.
+    """
     try:
         from rich.console import Console
         from rich.live import Live
@@ -88,7 +98,7 @@ def status(job: str, address: str | None = None, once: bool = False, interval: f
     from overlord.runtime.base import Handle
     from overlord.runtime.ray_runtime import init_ray, lookup
 
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
+    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
     planner: Handle[OpsRole] = lookup(job, "planner")
 
     def read() -> dict[str, Any]:

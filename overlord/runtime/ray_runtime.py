@@ -6,17 +6,15 @@ overlord adds no RPC layer of its own: a call is ``actor.method.remote()``, a
 wait is ``ray.get``.
 
 Security: anyone who can reach a Ray cluster can run code on it. The local
-instance overlord starts has its dashboard off and is asked to use 127.0.0.1;
-Ray may still listen on the machine's interface address (it maps loopback to
-the node address), so keep a shared machine's Ray inside a private network
-or a network namespace, and keep Ray's token authentication on (its default).
+instance overlord starts has its dashboard off and listens on 127.0.0.1 only
+(:mod:`overlord.runtime.ray_connect` says how); other users of the machine can
+still reach loopback, so keep Ray's token authentication on (its default), or
+run the job in a network namespace of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -31,16 +29,9 @@ from overlord.runtime.base import (
     found_or_spawned,
 )
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, drop, hosted, leaned
+from overlord.runtime.ray_connect import NAMESPACE, _ray, init_ray, stop_watching
 
-NAMESPACE = "overlord"
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("the ray runtime needs Ray: pip install 'overlord-data[ray]'") from e
-    return ray
+__all__ = ["NAMESPACE", "RayHandle", "RayObjects", "RayRef", "RayRuntime", "init_ray", "lookup"]
 
 
 class RayRef:
@@ -128,14 +119,22 @@ class RayRuntime:
 
     ``address`` is a Ray cluster address (``auto``, ``ray://host:10001``); None
     starts a local instance (bound to 127.0.0.1, dashboard off) unless Ray is
-    already initialized in this process. With ``connect=False`` (inside an
-    actor) it only uses the Ray this process already runs in.
+    already initialized in this process. Joining a cluster gives up after
+    ``connect_timeout`` seconds (None: ``OVERLORD_CONNECT_TIMEOUT``, else 60).
+    With ``connect=False`` (inside an actor) it only uses the Ray this process
+    already runs in.
     """
 
     name = "ray"
     objects = RayObjects()
 
-    def __init__(self, job: str, address: str | None = None, connect: bool = True):
+    def __init__(
+        self,
+        job: str,
+        address: str | None = None,
+        connect: bool = True,
+        connect_timeout: float | None = None,
+    ):
         self.job = job
         self._handles: list[RayHandle] = []
         self._hosts = Hosts(self.spawn)
@@ -144,7 +143,7 @@ class RayRuntime:
         # caller, or it dies with it: it is detached, and removed by the job's name prefix
         self._detached = not connect
         if connect:
-            self._started_ray = init_ray(address)
+            self._started_ray = init_ray(address, connect_timeout)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # sent into an actor (the planner), the runtime spawns there without owning Ray
@@ -261,77 +260,9 @@ class RayRuntime:
                     with contextlib.suppress(Exception):
                         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         if self._started_ray:
+            stop_watching()  # the head goes with this instance, on purpose
             ray.shutdown()
             self._started_ray = False
-
-
-def _resolve_auto() -> str:
-    """What ``address="auto"`` means: the one Ray instance running on this machine, if any."""
-    try:
-        # Ray's own lookup (its address file, else its running GCS processes)
-        from ray._private.services import canonicalize_bootstrap_address
-
-        found = canonicalize_bootstrap_address("auto")
-    except ImportError:  # a Ray without it: let ray.init judge "auto" itself
-        return "auto"
-    except (ConnectionError, ValueError) as e:
-        raise LoaderError(f"cannot find the Ray cluster of this machine: {e}") from None
-    if not found:
-        raise LoaderError(
-            "no Ray cluster runs on this machine (address 'auto'): start the job first "
-            "('overlord serve PLAN --name JOB'), or give the cluster's address (RAY_ADDRESS)"
-        )
-    return str(found)
-
-
-def _probe(address: str, timeout: float = 5.0) -> None:
-    """Fail fast when nothing listens at ``address``: Ray itself retries for minutes."""
-    target = address.split("://", 1)[-1]
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
-        return  # a form we do not parse: let Ray judge it
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except OSError as e:
-        raise LoaderError(
-            f"cannot reach the Ray cluster at '{address}' ({e.strerror or e}): check the address "
-            "and that the cluster is up"
-        ) from None
-
-
-def init_ray(address: str | None) -> bool:
-    """Connect to Ray at ``address`` (else ``RAY_ADDRESS``), or start a private local instance.
-
-    True if this call started one. Without an address, the instance is always a new one
-    of this process's, never a cluster another process recorded on the machine.
-    """
-    address = address or os.environ.get("RAY_ADDRESS")
-    token = os.path.expanduser("~/.ray/auth_token")
-    if address and "RAY_AUTH_MODE" not in os.environ and os.path.exists(token):
-        # a cluster started on this machine uses Ray's token authentication (its default),
-        # and a client finds the token only in token mode, set before Ray is imported
-        os.environ["RAY_AUTH_MODE"] = "token"
-    ray = _ray()
-    if ray.is_initialized():
-        return False
-    common = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
-    if address:
-        if address == "auto":
-            address = _resolve_auto()
-        _probe(address)
-        try:
-            ray.init(address=address, **common)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise LoaderError(
-                f"cannot reach the Ray cluster at '{address}': {e}. Check the address, that the "
-                "cluster is up, and RAY_AUTH_MODE=token if it uses token authentication"
-            ) from None
-        return False
-    # "local": a new instance of this process's own. Without it Ray joins whatever cluster
-    # the machine's address file names (another user's `ray start`, or a stale one it then
-    # waits for): a job runs only where it was told to
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **common)
-    return True
 
 
 def lookup(job: str, role: str) -> RayHandle:
