@@ -11,7 +11,7 @@ from overlord.monitor.figures import Figures
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.consumption import Consumption
 from overlord.roles.ledger import Ledger
-from overlord.roles.rewind import Stamps
+from overlord.roles.rewind import STALE_S, Stamps
 from overlord.state.format import STATE_VERSION
 
 
@@ -162,6 +162,10 @@ def test_a_trainer_restarted_alone_is_told_at_once_and_the_live_ranks_go_on(job_
     assert c.reconnect(2, five) == 5  # rank 2's trainer restarted; the others did not die
     assert c.reconnect(3, five) == 5  # so did rank 3's
     assert c.waits(2)  # nothing heard from the others yet
+    c.mark_consumed(0, 5)  # at once: the last notice of a killed trainer, delivered late?
+    assert c.waits(2)  # so not a sign of life yet
+    assert c.rewinding.open is not None
+    c.rewinding.open.opened -= STALE_S  # later than a killed trainer's calls can arrive:
     c.mark_consumed(0, 5)  # rank 0's trainer consumes on
     c.waiting(1, 6, since=0)  # rank 1's trainer waits for its step 6 (for rank 2)
     with pytest.raises(LoaderError, match=r"alive and consuming \(rank 0 at step 5, rank 1 at "

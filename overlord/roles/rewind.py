@@ -38,6 +38,11 @@ from typing import Any
 
 STAMP = "job"  # the key of a state's stamp: {"id": job id, "digest": hex HMAC-SHA256}
 KEY_FILE = "job-key.json"  # in the planner's journal folder: the key of a restarted planner
+# A killed trainer's last calls (its consumption notices, a wait signal) can reach the planner
+# after its successor reconnected: calls of different processes are not ordered. Only a sign
+# of life this long after a rewind opened shows a trainer that still runs (a live one that
+# waits signals every second; one that consumes, every step).
+STALE_S = 3.0
 
 
 def canonical(state: dict[str, Any]) -> bytes:
@@ -188,14 +193,14 @@ class Transaction:
         self._alive[rank] = (time.monotonic(), step)
 
     def alive(self) -> dict[int, int]:
-        """The ranks not in the open rewind heard since it opened, with their steps."""
+        """The ranks not in the open rewind heard since it opened (after :data:`STALE_S`)."""
         now = self.open
         if now is None:
             return {}
         return {
             r: step
             for r, (when, step) in sorted(self._alive.items())
-            if r not in now.joined and when >= now.opened
+            if r not in now.joined and when >= now.opened + STALE_S
         }
 
     def refused(self, rank: int) -> str | None:
