@@ -52,6 +52,7 @@ from overlord.ops.run import dump_line
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.api import PlannerRole
 from overlord.roles.client import Client
+from overlord.roles.rewind import STAMP, Stamps
 
 PEAK_RATIO = 1.5  # a hostile input's run peaks within this of the run without it
 RSS_DRIFT = 0.02  # resident memory from step RSS_FROM to the last
@@ -71,8 +72,23 @@ def trial_plan(root: Path, rewind_steps: int) -> Plan:
     return validate_plan(data, base_dir=plan.base_dir)
 
 
+def as_a_job(loader: Loader) -> Loader:
+    """An embedded Loader whose planner stamps its states, as a job on Ray does.
+
+    Only a job's states can be reconnected with (``overlord.connect(job, rank,
+    state=)``); an embedded Loader hands out unstamped ones, since no trainer
+    process reconnects to it.
+    """
+    planner = loader.planner.obj  # type: ignore[attr-defined]
+    planner.stamps = planner.consumption.stamps = Stamps(None)
+    return loader
+
+
 def restarted(loader: Loader, rank: int, state: dict[str, Any]) -> Any:
     """A trainer's new client of the live job, from its checkpoint ``state``."""
+    # the killed trainers' consumption notices were sent before they died: they land before
+    # a new process reconnects (seconds later, on Ray), not after
+    loader._notices.flush()  # noqa: SLF001
     state = copy.deepcopy(state)  # as a checkpoint read from a file: the job's own
     if "state" in inspect.signature(loader.client).parameters:
         return loader.client(rank, state=state)  # type: ignore[call-arg]
@@ -112,7 +128,7 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
     saved: dict[int, dict[str, Any]] = {}  # the job's checkpoints, by step
     rows: list[dict[str, Any]] = []
     first_exact = False
-    loader = Loader(plan)
+    loader = as_a_job(Loader(plan))
     try:
         clients = [loader.client(r) for r in range(dp)]
         start = 0
@@ -127,7 +143,7 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
                 if (step + 1) % every == 0:
                     # as a checkpoint file holds it (the embedded runtime hands out its own)
                     states = [json.loads(json.dumps(c.state_dict())) for c in clients]
-                    states_exact &= all(s == truth[step + 1] for s in states)
+                    states_exact &= all(_bare(s) == truth[step + 1] for s in states)
                     saved[step + 1] = states[0]
             exact = lines_exact
             if rows:  # what the previous trial's restart served
@@ -172,13 +188,18 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
             "older": sum(r["restart"] < r["newest"] for r in rows)}  # fmt: skip
 
 
+def _bare(state: dict[str, Any]) -> dict[str, Any]:
+    """A state without the job's stamp (the uninterrupted run's have none)."""
+    return {k: v for k, v in state.items() if k != STAMP}
+
+
 class _Restart(Exception):
     """The job is started again (from a state), not rewound."""
 
 
 def _new_job(old: Loader, plan: Plan, state: dict[str, Any] | None) -> tuple[Loader, list[Any]]:
     old.close()
-    loader = Loader(plan, state=copy.deepcopy(state))
+    loader = as_a_job(Loader(plan, state=copy.deepcopy(state)))
     return loader, [loader.client(r) for r in range(plan.world.dp)]
 
 

@@ -85,3 +85,20 @@ def test_takes_of_the_first_items_or_any_match_a_list_model(takes, prefix):
         assert state["index"] == pending[0]
         ahead = sorted(i for i in placed if i > pending[0])
         assert [i for _, _, s, c in state["skip"] for i in range(s, s + c)] == ahead
+
+
+def test_a_cursor_from_a_state_keeps_its_skip_runs_while_nothing_is_pending():
+    # a state at item 2 of a shard whose items 5 and 6 were placed ahead: the loaders send the
+    # shard again without them. A take of every item received so far leaves nothing pending,
+    # and the checkpoint must still hold the skip run (else a resume delivers 5 and 6 again)
+    start = {"epoch": 0, "shard_pos": 0, "index": 2, "skip": [[0, 0, 5, 2]]}
+    first = {
+        "epoch": 0, "shard_pos": 0, "file_index": 0, "last": False, "stop": 5,
+        "index": np.arange(2, 5, dtype=np.int64), "tokens": np.full(3, 4, dtype=np.int64),
+        "row": np.arange(2, 5, dtype=np.int64), "chunk": np.full(3, -1, dtype=np.int64),
+        "patches": np.zeros(3, dtype=np.int64),
+    }  # fmt: skip
+    cursor = SourceCursor("s", lambda e: 1, lambda k: [first], lambda: [((0, 0), 0, 1)], start)
+    cursor.peek(2)
+    cursor.take(np.arange(3))  # items 2, 3 and 4: nothing pending, item 7 not received yet
+    assert cursor.state() == {"epoch": 0, "shard_pos": 0, "index": 5, "skip": [[0, 0, 5, 2]]}

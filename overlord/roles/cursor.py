@@ -164,10 +164,15 @@ class SourceCursor:
         else:  # every item before the first left was taken, none after it: a slice
             self._pending = {c: v[first_left:] for c, v in cols.items()}
             self.tokens = self.tokens[first_left:]
+        # placed items at or before the first pending one are behind the cursor now; with
+        # nothing pending, those not yet received stay placed ahead (a cursor that starts
+        # from a state holds its skip runs before the loaders send their shard again)
         start = self._first()
-        self._placed_ahead = sorted(
-            k for k in self._placed_ahead if start is not None and k > start
-        )
+        if start is None:
+            (e, p), i = self._expect, self._start_index
+            self._placed_ahead = sorted(k for k in self._placed_ahead if k >= (e, p, i))
+        else:
+            self._placed_ahead = sorted(k for k in self._placed_ahead if k > start)
         return out
 
     def _first(self) -> Key | None:
