@@ -41,6 +41,7 @@ import pyarrow.json as pa_json
 
 from overlord.errors import SourceError
 from overlord.sources.files import Shard
+from overlord.sources.long_lines import STREAM_LINE, BadLine, raw_bytes_for, scan_line
 from overlord.sources.records import RecordBlock, ShardReader, empty_block
 from overlord.sources.remote import file_size
 
@@ -215,9 +216,11 @@ class PlainJsonl(ShardReader):
         skip: bool,
         cache: dict[Any, Any],
         max_bytes: int | None = None,
+        text_prefix: int | None = None,
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
         self.block_bytes, self.max_bytes = block_bytes, max_bytes
+        self.text_prefix = text_prefix  # UTF-8 bytes of a text that are all it is read for
         self._f = shard.open(source)
         size = file_size(self._f, shard.url)
         key = (shard.url, int(size), block_bytes)
@@ -241,6 +244,10 @@ class PlainJsonl(ShardReader):
         M, long_at = self.max_bytes, None
         if M is not None and hi - lo > self.block_bytes + M:
             long_at, hi = hi, max(lo, min(hi, (k + 1) * self.block_bytes))
+        elif self.text_prefix is not None and hi - lo > self.block_bytes + STREAM_LINE:
+            streamed = self._streamed(k, lo, hi, row0)
+            if streamed is not None:
+                return streamed
         data = self._read(lo, hi)
         if long_at is not None:
             data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
@@ -252,6 +259,37 @@ class PlainJsonl(ShardReader):
             size = long_at - lo - len(data)  # the line, and its newline if it has one
             size -= self._read(long_at - 1, long_at) == b"\n"
             block.skipped.append(_too_long(self.source, self.shard.name, row, size, M, self.skip))
+        return block
+
+    def _streamed(self, k: int, lo: int, hi: int, row0: int) -> RecordBlock | None:
+        """Block ``k`` whose last line is long, that line read as a stream for its text's prefix.
+
+        Only the last line of a block can be long (the others start and end before
+        its nominal end). None where the line must be read whole
+        (:mod:`overlord.sources.long_lines`).
+        """
+        assert self.text_prefix is not None
+        data = self._read(lo, max(lo, min(hi, (k + 1) * self.block_bytes)))
+        data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
+        block = parse_lines(
+            self.source, self.shard.name, data, self.text_field, self.skip, row0, k, self.max_bytes
+        )
+        start, row = lo + len(data), row0 + data.count(b"\n")
+        end = hi - (self._read(hi - 1, hi) == b"\n")
+        self._f.seek(start)
+        try:
+            got = scan_line(self._f.read, end - start, self.text_field,
+                            raw_bytes_for(self.text_prefix))  # fmt: skip
+        except BadLine as e:
+            err = SourceError(self.source, self.shard.name, row, str(e))
+            if not self.skip:
+                raise err from None
+            block.skipped.append(err)
+            return block
+        if got is None:
+            return None
+        block.rows = np.append(block.rows, np.int64(row))
+        block.texts = pa.concat_arrays([block.texts, pa.array([got.text], pa.large_string())])
         return block
 
     def _read(self, lo: int, hi: int) -> bytes:

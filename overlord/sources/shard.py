@@ -43,14 +43,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from overlord.errors import SourceError
-from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
+from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec, TokenizerKind
 from overlord.sources.catalog import File
 from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.remote import Retries
 from overlord.sources.token_files import open_token_shard
-from overlord.sources.tokenizers import Tokenizer, encode_capped
+from overlord.sources.tokenizers import LONG_TEXT, Tokenizer, encode_capped
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
 from overlord.sources.window import EMPTY_TEXTS, PIECE_BYTES, Packed, Piece, Window, piece_bounds
@@ -206,6 +206,7 @@ def shard_windows(
             skip,
             cache.indexes,
             plan.loading.max_record_bytes,
+            _text_prefix(plan, spec),
         )
     try:
         if reader.n_blocks is not None:
@@ -219,6 +220,22 @@ def shard_windows(
             yield _window(plan, spec, shard.name, epoch, shard_pos, file_index, number, blocks)
     finally:
         reader.close()
+
+
+def _text_prefix(plan: Plan, spec: SourceSpec) -> int | None:
+    """UTF-8 bytes of a record's text that are all its tokens need, if they are known.
+
+    Under ``truncate`` with the bytes tokenizer (a token a byte) and no transform (it
+    would see the whole text): past :data:`LONG_TEXT` and ``max_seq_len`` bytes, so that
+    :func:`encode_capped` cuts the prefix as it would the whole text. A ``tokenizers``
+    tokenizer may need any length of text to settle its first tokens: its records are
+    read whole.
+    """
+    if plan.batch.long_docs is not LongDocs.TRUNCATE or spec.transform is not None:
+        return None
+    if plan.tokenizer.kind is not TokenizerKind.BYTES:
+        return None
+    return max(LONG_TEXT, plan.batch.max_seq_len) + 1
 
 
 def _batched(blocks: Iterator[RecordBlock], n: int) -> Iterator[list[RecordBlock]]:
