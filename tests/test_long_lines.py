@@ -56,6 +56,19 @@ def test_the_text_is_the_records_or_its_prefix(small_pieces: None) -> None:
     assert cut > 100  # the prefixes were met, not only short texts
 
 
+def test_a_whole_text_is_the_records(small_pieces: None) -> None:
+    rng = random.Random(1)
+    for _ in range(1000):  # ensure_ascii escapes an emoji as a pair of surrogates
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(400)))
+        record = {"other": "z" * rng.randrange(300), "text": text, "n": [1, {"k": "v"}]}
+        line = json.dumps(record, ensure_ascii=rng.random() < 0.5).encode()
+        got = long_lines.scan_line(io.BytesIO(line).read, len(line), "text", 64, whole=True)
+        assert got is not None and not got.cut
+        got_text = got.text if isinstance(got.text, str) else bytes(got.text).decode()
+        assert got_text == text
+        assert long_lines.text_array(got.text).to_pylist() == [text]
+
+
 @pytest.mark.parametrize(
     "line, why",
     [
@@ -116,9 +129,10 @@ def test_a_streamed_line_gives_the_tokens_of_the_whole(
     seen: list[int] = []
     scan_line = long_lines.scan_line
 
-    def spy(read, size, text_field, keep):  # type: ignore[no-untyped-def]
+    def spy(read, size, text_field, keep, whole=False):  # type: ignore[no-untyped-def]
+        assert not whole  # the prefix only
         seen.append(size)
-        return scan_line(read, size, text_field, keep)
+        return scan_line(read, size, text_field, keep, whole)
 
     monkeypatch.setattr(jsonl, "STREAM_LINE", 100_000)  # the 300 KB lines are streamed
     monkeypatch.setattr(jsonl, "scan_line", spy)
@@ -126,6 +140,31 @@ def test_a_streamed_line_gives_the_tokens_of_the_whole(
     assert len(seen) == 3 and min(seen) > 300_000
     assert streamed == whole and len(whole) == 40
     assert max(len(t) for _, t in whole) == 512
+
+
+@pytest.mark.parametrize("policy", ["split", "drop"])
+def test_a_line_streamed_whole_gives_the_same_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    path = corpus(tmp_path, [0, 17, 30])
+    raw = yaml.safe_load(path.read_text())
+    raw["batch"]["long_docs"] = policy
+    raw["loading"] = {"max_record_bytes": 1 << 20}
+    path.write_text(yaml.safe_dump(raw))
+    plan = overlord.load_plan(path)
+    whole = shard_items(plan)
+    seen: list[bool] = []
+    scan_line = long_lines.scan_line
+
+    def spy(read, size, text_field, keep, whole=False):  # type: ignore[no-untyped-def]
+        seen.append(whole)
+        return scan_line(read, size, text_field, keep, whole)
+
+    monkeypatch.setattr(jsonl, "STREAM_LINE", 100_000)
+    monkeypatch.setattr(jsonl, "scan_line", spy)
+    assert shard_items(plan) == whole and seen == [True] * 3
+    rows = {r for r, _ in whole}
+    assert len(whole) > 40 if policy == "split" else (rows.isdisjoint({0, 17, 30}) and rows)
 
 
 def test_without_truncate_or_with_a_transform_the_line_is_read_whole() -> None:

@@ -16,6 +16,9 @@ hold no record). Arrow's vectorized JSON reader parses a block; when a block has
 records, a slower per-line pass finds each one so that its error names the exact row. A
 line longer than ``loading.max_record_bytes`` is a bad record and is never held: a plain
 file's block reads only the lines before it, a compressed stream passes over it.
+A plain file's line longer than 4 MiB is read as a stream (:mod:`overlord.sources.long_lines`):
+its text is held once, not with the line's raw bytes, or only its prefix where that is all
+its tokens need.
 
 A compressed file that ends before its compressed stream does (a truncated ``.gz`` or
 ``.zst``, e.g. a copy cut short) is a bad record at the cut: under ``on_error: skip``
@@ -41,7 +44,14 @@ import pyarrow.json as pa_json
 
 from overlord.errors import SourceError
 from overlord.sources.files import Shard
-from overlord.sources.long_lines import STREAM_LINE, BadLine, raw_bytes_for, scan_line
+from overlord.sources.long_lines import (
+    STREAM_LINE,
+    WHOLE_KEEP,
+    BadLine,
+    raw_bytes_for,
+    scan_line,
+    text_array,
+)
 from overlord.sources.records import RecordBlock, ShardReader, empty_block
 from overlord.sources.remote import file_size
 
@@ -244,7 +254,7 @@ class PlainJsonl(ShardReader):
         M, long_at = self.max_bytes, None
         if M is not None and hi - lo > self.block_bytes + M:
             long_at, hi = hi, max(lo, min(hi, (k + 1) * self.block_bytes))
-        elif self.text_prefix is not None and hi - lo > self.block_bytes + STREAM_LINE:
+        elif hi - lo > self.block_bytes + STREAM_LINE:
             streamed = self._streamed(k, lo, hi, row0)
             if streamed is not None:
                 return streamed
@@ -262,13 +272,15 @@ class PlainJsonl(ShardReader):
         return block
 
     def _streamed(self, k: int, lo: int, hi: int, row0: int) -> RecordBlock | None:
-        """Block ``k`` whose last line is long, that line read as a stream for its text's prefix.
+        """Block ``k`` whose last line is long, that line read as a stream.
 
         Only the last line of a block can be long (the others start and end before
-        its nominal end). None where the line must be read whole
-        (:mod:`overlord.sources.long_lines`).
+        its nominal end). Its text is kept whole (in one copy, never the raw line's
+        bytes as well), or only its prefix if ``text_prefix``. None where the line
+        must be read whole (:mod:`overlord.sources.long_lines`).
         """
-        assert self.text_prefix is not None
+        whole = self.text_prefix is None
+        keep = WHOLE_KEEP if self.text_prefix is None else raw_bytes_for(self.text_prefix)
         data = self._read(lo, max(lo, min(hi, (k + 1) * self.block_bytes)))
         data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
         block = parse_lines(
@@ -278,8 +290,7 @@ class PlainJsonl(ShardReader):
         end = hi - (self._read(hi - 1, hi) == b"\n")
         self._f.seek(start)
         try:
-            got = scan_line(self._f.read, end - start, self.text_field,
-                            raw_bytes_for(self.text_prefix))  # fmt: skip
+            got = scan_line(self._f.read, end - start, self.text_field, keep, whole)
         except BadLine as e:
             err = SourceError(self.source, self.shard.name, row, str(e))
             if not self.skip:
@@ -289,7 +300,8 @@ class PlainJsonl(ShardReader):
         if got is None:
             return None
         block.rows = np.append(block.rows, np.int64(row))
-        block.texts = pa.concat_arrays([block.texts, pa.array([got.text], pa.large_string())])
+        text = text_array(got.text)
+        block.texts = pa.concat_arrays([block.texts, text]) if len(block.texts) else text
         return block
 
     def _read(self, lo: int, hi: int) -> bytes:

@@ -1,23 +1,24 @@
-"""A long JSONL line read as a stream, keeping only its text field's prefix.
+"""A long JSONL line read as a stream: its text held once, or only its prefix.
 
-Under ``long_docs: truncate`` with the bytes tokenizer a record's tokens are its
-text's first ``max_seq_len`` UTF-8 bytes, so a record longer than that need not
-be held whole: :func:`scan_line` reads a long line a piece at a time
-(:data:`READ` bytes) and keeps
+A plain JSONL line longer than :data:`STREAM_LINE` is not read whole (its raw bytes,
+then its decoded text, then Arrow's copy: three copies of a long record at once).
+:func:`scan_line` reads it a piece at a time (:data:`READ` bytes) and keeps
 
 - its *skeleton*: the line with every JSON string longer than ``keep`` raw
   bytes replaced by a short placeholder (everything else verbatim), which
   ``json.loads`` then checks as the record's structure and reads the text
   field from;
-- the first ``keep`` raw bytes of each such long string, from which the text
-  field's prefix is decoded by JSON's string rules.
+- of each such long string, its text decoded as it is read (``whole``: in UTF-8,
+  handed to Arrow without a copy), or under ``long_docs: truncate`` with the bytes
+  tokenizer, whose tokens are a text's first ``max_seq_len`` bytes, only its first
+  ``keep`` raw bytes, from which the text field's prefix is decoded.
 
 The rest of a long string is checked a piece at a time by ``json.loads`` (its
 escapes, its control characters, its UTF-8), so a malformed record is still a
-bad record, named by its row. Its memory is a few pieces and ``keep`` bytes
-per long string, whatever the line's size; where that would not hold (a
-skeleton over :data:`SKELETON_MAX`, a text whose kept prefix is blank) it
-gives ``None`` and the line is read whole as before.
+bad record, named by its row. Its memory is a few pieces (and ``keep`` bytes
+per long string, or its text), whatever the line's size; where that would not
+hold (a skeleton over :data:`SKELETON_MAX`, a text whose kept prefix is blank)
+it gives ``None`` and the line is read whole as before.
 
 Where a JSON string ends is found from its quotes: a quote ends a string
 unless a run of an odd number of backslashes is before it. A backslash
@@ -32,9 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 READ = 1 << 20  # bytes of the line read and scanned at once
-STREAM_LINE = 4 << 20  # a line longer than this is streamed when only its text's prefix counts
+STREAM_LINE = 4 << 20  # a line longer than this is streamed
+WHOLE_KEEP = 64 << 10  # raw bytes past which a string is decoded as it is read (``whole``)
 SKELETON_MAX = 16 << 20  # a line with more than this outside its long strings is read whole
 _CHECK = 1 << 20  # bytes of a long string handed to json.loads at once
 _BACK = 8  # a cut this close to a piece's end is inside an escape or a character, or nowhere
@@ -49,6 +52,14 @@ def raw_bytes_for(text_bytes: int) -> int:
     return 6 * text_bytes + 4 * _BACK
 
 
+def text_array(text: str | bytearray) -> pa.Array:
+    """A one-record large_string array of ``text``; a bytearray (UTF-8) is not copied."""
+    if isinstance(text, str):
+        return pa.array([text], pa.large_string())
+    offsets = pa.py_buffer(np.array([0, len(text)], np.int64))
+    return pa.Array.from_buffers(pa.large_string(), 1, [None, offsets, pa.py_buffer(text)])
+
+
 class BadLine(ValueError):
     """The line is not a well-formed JSON record; the message says why."""
 
@@ -60,6 +71,7 @@ class _String:
     head: bytearray = field(default_factory=bytearray)
     size: int = 0  # raw bytes of content so far
     pending: bytearray = field(default_factory=bytearray)  # long: not yet checked
+    body: bytearray = field(default_factory=bytearray)  # long, ``whole``: its text so far, UTF-8
 
 
 def _loads_piece(raw: bytes | bytearray) -> str:
@@ -69,22 +81,33 @@ def _loads_piece(raw: bytes | bytearray) -> str:
     return out
 
 
-def _check_prefix(raw: bytearray, final: bool) -> int:
-    """Check the longest prefix of ``raw`` that is whole escapes and characters.
+def _check_prefix(raw: bytearray, final: bool) -> tuple[int, str]:
+    """Check the longest prefix of ``raw`` that is whole escapes, characters and pairs.
 
-    Returns how many bytes were checked; a piece that fails at every cut
-    near its end is malformed.
+    Returns how many bytes were checked and their text; a piece that fails at every
+    cut near its end is malformed. A cut leaves no high surrogate last: its low half
+    would be decoded on its own, after it.
     """
-    ends = [len(raw)] if final else range(len(raw), max(-1, len(raw) - _BACK), -1)
+    ends = [len(raw)] if final else range(len(raw), max(-1, len(raw) - 2 * _BACK), -1)
     error: Exception | None = None
     for cut in ends:
         try:
-            _loads_piece(raw[:cut])
+            text = _loads_piece(raw[:cut])
         except (ValueError, UnicodeDecodeError) as e:
             error = error or e
             continue
-        return cut
+        if not final and text and "\ud800" <= text[-1] <= "\udbff":
+            continue
+        return cut, text
     raise BadLine(f"malformed JSON string ({error})")
+
+
+def _utf8(text: str) -> bytes:
+    """A string's text as UTF-8; a lone surrogate (an escape JSON lets through) is bad."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise BadLine(f"malformed JSON string (a lone surrogate: {e})") from None
 
 
 def decode_head(raw: bytes | bytearray) -> str:
@@ -108,22 +131,24 @@ def decode_head(raw: bytes | bytearray) -> str:
 class Scanned:
     """A long line's record: its text field's prefix (at least ``keep`` raw bytes' worth)."""
 
-    text: str
+    text: str | bytearray  # bytearray: a long text read ``whole``, in UTF-8
     cut: bool  # the text is a prefix: the record's text is longer
 
 
 def scan_line(
-    read: Callable[[int], bytes], size: int, text_field: str, keep: int
+    read: Callable[[int], bytes], size: int, text_field: str, keep: int, whole: bool = False
 ) -> Scanned | None:
     """Scan a JSONL line of ``size`` bytes (no newline) given a piece at a time by ``read``.
 
     Returns the text field, its prefix when the string is longer than ``keep``
     raw bytes; ``None`` where the line must be read whole (see the module);
-    raises :class:`BadLine` for a malformed record.
+    raises :class:`BadLine` for a malformed record. ``whole``: a string longer than
+    ``keep`` is decoded whole as it is checked, into UTF-8 (no copy of the raw line
+    is held, and its text is held once).
     """
     nonce = os.urandom(8).hex()  # a placeholder no string of the record can equal by chance
     skeleton = bytearray()
-    heads: list[bytearray] = []  # the first ``keep`` raw bytes of each long string
+    heads: list[bytearray] = []  # the first ``keep`` raw bytes of each long string (or all)
     cur: _String | None = None  # the string being scanned, if inside one
     carry = 0  # backslashes ending the previous piece
     done = 0
@@ -144,9 +169,11 @@ def scan_line(
             else:
                 _feed(cur, data[at:q], keep)
                 if cur.size > keep:
-                    _check_prefix(cur.pending, final=True)
+                    text = _check_prefix(cur.pending, final=True)[1]
                     skeleton += b'"\\u0000' + f"{nonce}:{len(heads)}".encode() + b'"'
-                    heads.append(cur.head)
+                    if whole:
+                        cur.body += _utf8(text)
+                    heads.append(cur.body if whole else cur.head)
                 else:
                     skeleton += b'"' + cur.head + b'"'
                 cur = None
@@ -158,12 +185,15 @@ def scan_line(
         else:
             _feed(cur, data[at:], keep)
             if len(cur.pending) >= _CHECK:
-                del cur.pending[: _check_prefix(cur.pending, final=False)]
-        if len(skeleton) > SKELETON_MAX or sum(map(len, heads)) > SKELETON_MAX:
+                cut, text = _check_prefix(cur.pending, final=False)
+                del cur.pending[:cut]
+                if whole:
+                    cur.body += _utf8(text)
+        if len(skeleton) > SKELETON_MAX or (not whole and sum(map(len, heads)) > SKELETON_MAX):
             return None
     if cur is not None:
         raise BadLine("malformed JSON (a string not terminated at the line's end)")
-    return _record(bytes(skeleton), heads, nonce, text_field)
+    return _record(bytes(skeleton), heads, nonce, text_field, whole)
 
 
 def _feed(cur: _String, raw: bytes, keep: int) -> None:
@@ -194,7 +224,9 @@ def _unescaped_quotes(buf: np.ndarray, carry: int) -> np.ndarray:
     return quotes[run % 2 == 0]
 
 
-def _record(skeleton: bytes, heads: list[bytearray], nonce: str, text_field: str) -> Scanned | None:
+def _record(
+    skeleton: bytes, heads: list[bytearray], nonce: str, text_field: str, whole: bool
+) -> Scanned | None:
     """The text field of the record whose skeleton is ``skeleton``."""
     try:
         record = json.loads(skeleton)
@@ -212,6 +244,8 @@ def _record(skeleton: bytes, heads: list[bytearray], nonce: str, text_field: str
     mark = f"\x00{nonce}:"
     if not value.startswith(mark):
         return Scanned(value, cut=False)
+    if whole:  # its text, as it is: a blank one is a blank record
+        return Scanned(heads[int(value[len(mark) :])], cut=False)
     text = decode_head(heads[int(value[len(mark) :])])
     # a blank prefix says nothing of the whole text's blankness: read it whole
     return Scanned(text, cut=True) if text.strip() else None

@@ -264,7 +264,7 @@ def _window(
     block = RecordBlock(
         number,
         np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
-        pa.concat_arrays([b.texts for b in blocks]) if blocks else EMPTY_TEXTS,
+        _join([b.texts for b in blocks]),
         [e for b in blocks for e in b.skipped],
         images=_concat([b.images for b in blocks], pa.large_binary()),
         keys=_concat([b.keys for b in blocks], pa.large_string()),
@@ -280,15 +280,15 @@ def _window(
         size = size + np.diff(_array_offsets(block.images))
     offsets = np.concatenate(([0], np.cumsum(size[order], dtype=np.int64)))
     cut = piece_bounds(offsets, PIECE_BYTES)
-    pieces: list[Piece | Packed | None] = [
-        Piece(
-            *(
-                None if a is None else a.take(pa.array(order[lo:hi]))
-                for a in (block.texts, block.images, block.keys)
-            )
-        )
-        for lo, hi in cut
-    ]
+    arrays = (block.texts, block.images, block.keys)
+    if len(cut) == 1 and np.array_equal(order, np.arange(len(block.rows))):
+        # one piece of every record, in order (one long record, say): its arrays as they are
+        pieces: list[Piece | Packed | None] = [Piece(*arrays)]
+    else:
+        pieces = [
+            Piece(*(None if a is None else a.take(pa.array(order[lo:hi])) for a in arrays))
+            for lo, hi in cut
+        ]
     return Window(
         epoch=epoch,
         shard_pos=shard_pos,
@@ -432,6 +432,12 @@ def load_shard_items(
     return items
 
 
+def _join(texts: list[pa.Array]) -> pa.Array:
+    """The blocks' texts in one array; one block's (the others empty) as it is, not copied."""
+    full = [t for t in texts if len(t)]
+    return full[0] if len(full) == 1 else pa.concat_arrays(texts) if texts else EMPTY_TEXTS
+
+
 def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
@@ -444,7 +450,9 @@ def _not_blank(texts: pa.Array) -> tuple[np.ndarray, int]:
     if pa.types.is_large_binary(texts.type):
         blank = pc.equal(pc.binary_length(texts), 0)
     else:
-        blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
+        # every character white space (Arrow's, as utf8_trim_whitespace sees it), without
+        # a trimmed copy of every text: a long record is not held twice
+        blank = pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts))
     kept = np.flatnonzero(~np.asarray(blank, dtype=bool))
     return kept, len(texts) - len(kept)
 
