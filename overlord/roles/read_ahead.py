@@ -39,6 +39,7 @@ from overlord.plan.spec import Plan, SourceSpec
 from overlord.roles.held import Position
 from overlord.runtime import Workers
 from overlord.sources.catalog import SourceFiles
+from overlord.sources.record_parts import Part, cut_part, part_tokens, record_parts
 from overlord.sources.shard import ShardIO, ShardItems, cut_items, shard_file, shard_windows
 from overlord.sources.tokenizers import Tokenizer
 from overlord.sources.window import Window
@@ -48,6 +49,13 @@ CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 LEAD_SHARE = 0.5  # a primary reads its next window once this share of the one being cut is left
 
 Tokenized = tuple[ShardItems, float]  # a tokenized piece's items, and the CPU seconds it took
+
+
+def _release(window: Window, lo: int, hi: int) -> None:
+    """Let go of a piece's text; once all of a window's is gone, Arrow hands its pages back."""
+    window.release(lo, hi)
+    if window.released:
+        pa.default_memory_pool().release_unused()
 
 
 # ---- the rule ------------------------------------------------------------------------------
@@ -168,6 +176,8 @@ class Task:
     piece: Future[Tokenized] | None = None
     estimate: int = 0  # tokens the piece is expected to hold while it is tokenized
     end: bool = False
+    chunks: tuple[int, int] | None = None  # a part of a long record: its chunks (record_parts)
+    whole: tuple[int, int] | None = None  # a piece's last part: the piece, let go once published
 
     def ready(self) -> bool:
         """Whether it can be published: a piece's tokenizing is done (or there is none)."""
@@ -180,6 +190,7 @@ class Cutting:
 
     window: Window
     left: list[tuple[int, int]]  # consumed as pieces start
+    parts: list[Part] | None = None  # left[0]'s parts not started (None: not looked at yet)
 
     def left_bytes(self) -> int:
         """Bytes of the records in the pieces not started yet."""
@@ -407,7 +418,8 @@ class Reader:
                 self.pending.append(got)
                 return got
             left = list(got.cut)
-            if left and not self._admit(got, *left[0]):
+            parts = record_parts(self.plan, self.tokenizer, got, *left[0]) if left else []
+            if left and not self._admit(got, *(parts[0] if parts else (*left[0], None))):
                 return None
             self.windows.popleft()
             self.lock.notify_all()
@@ -415,30 +427,46 @@ class Reader:
             task = Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
             self.pending.append(task)
             return task
-        window, left = self.cutting.window, self.cutting.left
+        cutting = self.cutting
+        window, left = cutting.window, cutting.left
         lo, hi = left[0]
-        estimate = self._admit(window, lo, hi)
+        if cutting.parts is None:  # a long record's chunks are made a part at a time
+            cutting.parts = record_parts(self.plan, self.tokenizer, window, lo, hi)
+        parted = bool(cutting.parts)
+        plo, phi, chunks = cutting.parts[0] if cutting.parts else (lo, hi, None)
+        estimate = self._admit(window, plo, phi, chunks)
         if not estimate:
             return None
-        left.pop(0)
+        if parted:
+            cutting.parts.pop(0)
+        if not cutting.parts:  # the piece's last part started
+            left.pop(0)
+            cutting.parts = None
         # the window thread may read the next window now (it waits on what is left of this one)
         self.lock.notify_all()
-        piece = self._workers.submit(self._tokenize, window, lo, hi)
+        piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
         piece.add_done_callback(self._wake)
-        task = Task((window.epoch, window.shard_pos), window.file_index, window, lo, hi, piece)
-        task.estimate = estimate
+        task = Task((window.epoch, window.shard_pos), window.file_index, window, plo, phi, piece)
+        task.estimate, task.chunks = estimate, chunks
+        if parted and cutting.parts is None:
+            task.whole = (lo, hi)
         self.in_flight += estimate
         self.pending.append(task)
         return task
 
-    def _admit(self, window: Window, lo: int, hi: int) -> int:
+    def _admit(
+        self, window: Window, lo: int, hi: int, chunks: tuple[int, int] | None = None
+    ) -> int:
         """The estimated tokens of records ``[lo, hi)`` if they may start now, else 0 (lock held).
 
         A piece's tokens are estimated from its bytes before it is tokenized
-        (the source's measured tokens per byte).
+        (the source's measured tokens per byte); a part of a long record's are its chunks'.
         """
         state = self.outlet.state()
-        estimate = max(1, int(window.text_bytes(lo, hi) * state.tokens_per_byte))
+        if chunks is not None:
+            estimate = part_tokens(self.plan, chunks)
+        else:
+            estimate = max(1, int(window.text_bytes(lo, hi) * state.tokens_per_byte))
         reason = self.policy.holds_back(
             held=state.held,
             in_flight=self.in_flight,
@@ -456,13 +484,16 @@ class Reader:
         with self.lock:
             self.lock.notify_all()
 
-    def _tokenize(self, window: Window, lo: int, hi: int) -> Tokenized:
-        """One piece's items, and the CPU seconds (this thread's) it took."""
+    def _tokenize(
+        self, window: Window, lo: int, hi: int, chunks: tuple[int, int] | None
+    ) -> Tokenized:
+        """One piece's items (or a part's), and the CPU seconds (this thread's) it took."""
         c0 = time.thread_time()
+        if chunks is not None:  # its text goes once its last part is published (in order)
+            items = cut_part(self.plan, self.tokenizer, window, lo, chunks)
+            return items, time.thread_time() - c0
         items = cut_items(self.plan, self.tokenizer, window, lo, hi)
-        window.release(lo, hi)  # a piece's text goes once cut: a window is held as it is left
-        if window.released:  # and once all of it is gone, Arrow hands its pages back
-            pa.default_memory_pool().release_unused()
+        _release(window, lo, hi)  # a piece's text goes once cut: a window is held as it is left
         return items, time.thread_time() - c0
 
     def _publish(self, task: Task) -> None:
@@ -478,6 +509,8 @@ class Reader:
             if got is not None:
                 self.in_flight -= task.estimate
             self.outlet.publish(task, got)
+            if task.whole is not None and task.window is not None:
+                _release(task.window, *task.whole)
             self.lock.notify_all()
 
     # ---- calls (each takes the lock) -------------------------------------------------------

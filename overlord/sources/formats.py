@@ -186,10 +186,14 @@ def open_shard(
     skip: bool,
     cache: dict[Any, Any] | None = None,
     max_record_bytes: int | None = None,
+    text_prefix: int | None = None,
 ) -> ShardReader:
     """Open one shard for reading by blocks; ``cache`` keeps plain JSONL line indexes.
 
     ``max_record_bytes`` bounds a JSONL line and a Parquet cell (``loading.max_record_bytes``).
+    ``text_prefix``, if given, is how many UTF-8 bytes of a text are all that is read of
+    it: a plain JSONL file's long line keeps only its text's prefix
+    (:mod:`overlord.sources.long_lines`).
 
     A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
@@ -209,6 +213,7 @@ def open_shard(
             skip,
             {} if cache is None else cache,
             max_record_bytes,
+            text_prefix,
         )
     except SourceError:
         raise

@@ -16,6 +16,9 @@ hold no record). Arrow's vectorized JSON reader parses a block; when a block has
 records, a slower per-line pass finds each one so that its error names the exact row. A
 line longer than ``loading.max_record_bytes`` is a bad record and is never held: a plain
 file's block reads only the lines before it, a compressed stream passes over it.
+A plain file's line longer than 4 MiB is read as a stream (:mod:`overlord.sources.long_lines`):
+its text is held once, not with the line's raw bytes, or only its prefix where that is all
+its tokens need.
 
 A compressed file that ends before its compressed stream does (a truncated ``.gz`` or
 ``.zst``, e.g. a copy cut short) is a bad record at the cut: under ``on_error: skip``
@@ -41,6 +44,14 @@ import pyarrow.json as pa_json
 
 from overlord.errors import SourceError
 from overlord.sources.files import Shard
+from overlord.sources.long_lines import (
+    STREAM_LINE,
+    WHOLE_KEEP,
+    BadLine,
+    raw_bytes_for,
+    scan_line,
+    text_array,
+)
 from overlord.sources.records import RecordBlock, ShardReader, empty_block
 from overlord.sources.remote import file_size
 
@@ -215,9 +226,11 @@ class PlainJsonl(ShardReader):
         skip: bool,
         cache: dict[Any, Any],
         max_bytes: int | None = None,
+        text_prefix: int | None = None,
     ):
         self.source, self.shard, self.text_field, self.skip = source, shard, text_field, skip
         self.block_bytes, self.max_bytes = block_bytes, max_bytes
+        self.text_prefix = text_prefix  # UTF-8 bytes of a text that are all it is read for
         self._f = shard.open(source)
         size = file_size(self._f, shard.url)
         key = (shard.url, int(size), block_bytes)
@@ -241,6 +254,10 @@ class PlainJsonl(ShardReader):
         M, long_at = self.max_bytes, None
         if M is not None and hi - lo > self.block_bytes + M:
             long_at, hi = hi, max(lo, min(hi, (k + 1) * self.block_bytes))
+        elif hi - lo > self.block_bytes + STREAM_LINE:
+            streamed = self._streamed(k, lo, hi, row0)
+            if streamed is not None:
+                return streamed
         data = self._read(lo, hi)
         if long_at is not None:
             data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
@@ -252,6 +269,39 @@ class PlainJsonl(ShardReader):
             size = long_at - lo - len(data)  # the line, and its newline if it has one
             size -= self._read(long_at - 1, long_at) == b"\n"
             block.skipped.append(_too_long(self.source, self.shard.name, row, size, M, self.skip))
+        return block
+
+    def _streamed(self, k: int, lo: int, hi: int, row0: int) -> RecordBlock | None:
+        """Block ``k`` whose last line is long, that line read as a stream.
+
+        Only the last line of a block can be long (the others start and end before
+        its nominal end). Its text is kept whole (in one copy, never the raw line's
+        bytes as well), or only its prefix if ``text_prefix``. None where the line
+        must be read whole (:mod:`overlord.sources.long_lines`).
+        """
+        whole = self.text_prefix is None
+        keep = WHOLE_KEEP if self.text_prefix is None else raw_bytes_for(self.text_prefix)
+        data = self._read(lo, max(lo, min(hi, (k + 1) * self.block_bytes)))
+        data = data[: data.rfind(b"\n") + 1]  # the complete lines before the long one
+        block = parse_lines(
+            self.source, self.shard.name, data, self.text_field, self.skip, row0, k, self.max_bytes
+        )
+        start, row = lo + len(data), row0 + data.count(b"\n")
+        end = hi - (self._read(hi - 1, hi) == b"\n")
+        self._f.seek(start)
+        try:
+            got = scan_line(self._f.read, end - start, self.text_field, keep, whole)
+        except BadLine as e:
+            err = SourceError(self.source, self.shard.name, row, str(e))
+            if not self.skip:
+                raise err from None
+            block.skipped.append(err)
+            return block
+        if got is None:
+            return None
+        block.rows = np.append(block.rows, np.int64(row))
+        text = text_array(got.text)
+        block.texts = pa.concat_arrays([block.texts, text]) if len(block.texts) else text
         return block
 
     def _read(self, lo: int, hi: int) -> bytes:

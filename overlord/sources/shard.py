@@ -43,14 +43,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from overlord.errors import SourceError
-from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec
+from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec, TokenizerKind
 from overlord.sources.catalog import File
 from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
 from overlord.sources.remote import Retries
 from overlord.sources.token_files import open_token_shard
-from overlord.sources.tokenizers import Tokenizer, encode_capped
+from overlord.sources.tokenizers import LONG_TEXT, Tokenizer, encode_capped
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
 from overlord.sources.window import EMPTY_TEXTS, PIECE_BYTES, Packed, Piece, Window, piece_bounds
@@ -206,6 +206,7 @@ def shard_windows(
             skip,
             cache.indexes,
             plan.loading.max_record_bytes,
+            _text_prefix(plan, spec),
         )
     try:
         if reader.n_blocks is not None:
@@ -219,6 +220,22 @@ def shard_windows(
             yield _window(plan, spec, shard.name, epoch, shard_pos, file_index, number, blocks)
     finally:
         reader.close()
+
+
+def _text_prefix(plan: Plan, spec: SourceSpec) -> int | None:
+    """UTF-8 bytes of a record's text that are all its tokens need, if they are known.
+
+    Under ``truncate`` with the bytes tokenizer (a token a byte) and no transform (it
+    would see the whole text): past :data:`LONG_TEXT` and ``max_seq_len`` bytes, so that
+    :func:`encode_capped` cuts the prefix as it would the whole text. A ``tokenizers``
+    tokenizer may need any length of text to settle its first tokens: its records are
+    read whole.
+    """
+    if plan.batch.long_docs is not LongDocs.TRUNCATE or spec.transform is not None:
+        return None
+    if plan.tokenizer.kind is not TokenizerKind.BYTES:
+        return None
+    return max(LONG_TEXT, plan.batch.max_seq_len) + 1
 
 
 def _batched(blocks: Iterator[RecordBlock], n: int) -> Iterator[list[RecordBlock]]:
@@ -247,7 +264,7 @@ def _window(
     block = RecordBlock(
         number,
         np.concatenate([b.rows for b in blocks]) if blocks else np.zeros(0, np.int64),
-        pa.concat_arrays([b.texts for b in blocks]) if blocks else EMPTY_TEXTS,
+        _join([b.texts for b in blocks]),
         [e for b in blocks for e in b.skipped],
         images=_concat([b.images for b in blocks], pa.large_binary()),
         keys=_concat([b.keys for b in blocks], pa.large_string()),
@@ -263,15 +280,15 @@ def _window(
         size = size + np.diff(_array_offsets(block.images))
     offsets = np.concatenate(([0], np.cumsum(size[order], dtype=np.int64)))
     cut = piece_bounds(offsets, PIECE_BYTES)
-    pieces: list[Piece | Packed | None] = [
-        Piece(
-            *(
-                None if a is None else a.take(pa.array(order[lo:hi]))
-                for a in (block.texts, block.images, block.keys)
-            )
-        )
-        for lo, hi in cut
-    ]
+    arrays = (block.texts, block.images, block.keys)
+    if len(cut) == 1 and np.array_equal(order, np.arange(len(block.rows))):
+        # one piece of every record, in order (one long record, say): its arrays as they are
+        pieces: list[Piece | Packed | None] = [Piece(*arrays)]
+    else:
+        pieces = [
+            Piece(*(None if a is None else a.take(pa.array(order[lo:hi])) for a in arrays))
+            for lo, hi in cut
+        ]
     return Window(
         epoch=epoch,
         shard_pos=shard_pos,
@@ -415,6 +432,12 @@ def load_shard_items(
     return items
 
 
+def _join(texts: list[pa.Array]) -> pa.Array:
+    """The blocks' texts in one array; one block's (the others empty) as it is, not copied."""
+    full = [t for t in texts if len(t)]
+    return full[0] if len(full) == 1 else pa.concat_arrays(texts) if texts else EMPTY_TEXTS
+
+
 def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
@@ -427,7 +450,9 @@ def _not_blank(texts: pa.Array) -> tuple[np.ndarray, int]:
     if pa.types.is_large_binary(texts.type):
         blank = pc.equal(pc.binary_length(texts), 0)
     else:
-        blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(texts)), 0)
+        # every character white space (Arrow's, as utf8_trim_whitespace sees it), without
+        # a trimmed copy of every text: a long record is not held twice
+        blank = pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts))
     kept = np.flatnonzero(~np.asarray(blank, dtype=bool))
     return kept, len(texts) - len(kept)
 
