@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import signal
@@ -34,7 +35,7 @@ def _lock_path(name: str) -> str:
 
 
 @contextlib.contextmanager
-def job_lock(name: str) -> Iterator[None]:
+def job_lock(name: str) -> Iterator[Callable[[str], None]]:
     """Hold job ``name`` on this machine while ``serve`` runs; refuse a second holder.
 
     Without ``--address`` each ``serve`` starts a Ray instance of its own, where
@@ -46,24 +47,65 @@ def job_lock(name: str) -> Iterator[None]:
     crashed serve never blocks the name (the file may stay; it is not the lock).
     The lock is per user (the file is in the temporary folder, named with the
     uid), as each user's serve runs a Ray of its own.
+
+    Yields a function that writes the job's Ray address into the file, where
+    :func:`job_address` finds it: trainers and ``overlord status`` on this
+    machine join the job's own instance without being told its address, never
+    one that Ray's address file names (another user's, or a stale one).
     """
     path = _lock_path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def record(address: str | None) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "address": address}).encode(), 0)
+
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = _read_record(fd).get("pid", "unknown")
             raise LoaderError(
                 f"a job named '{name}' is already served on this machine (by process {holder}; "
                 f"lock {path}): stop that 'overlord serve' first (Ctrl-C), or choose another "
                 "--name"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        record(None)
+        yield record
     finally:
         os.close(fd)  # releases the lock
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    """A job file's record (empty if unreadable: a serve of an older version wrote its pid)."""
+    data = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    try:
+        found = json.loads(data)
+    except ValueError:
+        return {"pid": data} if data.isdigit() else {}
+    return found if isinstance(found, dict) else {}
+
+
+def job_address(name: str) -> str | None:
+    """The Ray address of job ``name`` while this user serves it on this machine, else None."""
+    try:
+        fd = os.open(_lock_path(name), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: the job is served, and its record is current
+            address = _read_record(fd).get("address")
+            return address if isinstance(address, str) and address else None
+        return None  # nobody holds it: a serve that ended
+    finally:
+        os.close(fd)
+
+
+def _address_of(job: str, address: str | None) -> str:
+    """Where to join for job ``job``: the address given, ``RAY_ADDRESS``, the job's own, or auto."""
+    return address or os.environ.get("RAY_ADDRESS") or job_address(job) or "auto"
 
 
 class Stopped(KeyboardInterrupt):
@@ -113,12 +155,15 @@ def serve(
             previous[sig] = signal.signal(sig, on_signal)
     try:
         with (
-            job_lock(name),
+            job_lock(name) as record,
             Loader(
                 plan, runtime="ray", state=state, job=name, address=address,
                 connect_timeout=connect_timeout,
             ) as loader,
         ):  # fmt: skip
+            import ray
+
+            record(ray.get_runtime_context().gcs_address)
             if ready is not None:
                 ready(loader)
             serving.set()
@@ -144,8 +189,9 @@ def connect(
 
     ``rank`` (a DP rank) is a trainer process only where ``cp = tp = pp = 1``;
     in a mesh pass ``global_rank`` (see ``Loader.rank_client``). Reads
-    ``RAY_ADDRESS`` when ``address`` is None; a job started by ``overlord
-    serve`` on a local instance is found with ``address="auto"``.
+    ``RAY_ADDRESS`` when ``address`` is None, else the address of the job that
+    ``overlord serve`` serves on this machine (:func:`job_address`), else
+    ``auto``.
 
     ``state`` (a trainer's checkpoint, from ``Client.state_dict()``: any state
     the job handed out) rewinds the live job to it once every rank reconnected
@@ -157,7 +203,7 @@ def connect(
     """
     from overlord.runtime.ray_runtime import init_ray
 
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
+    init_ray(_address_of(job, address), connect_timeout)
     stream = open_stream(
         job=job, rank=rank, address=address, stop_step=stop_step, global_rank=global_rank,
         state=state,
@@ -179,7 +225,7 @@ def wait_for_job(
     """
     from overlord.runtime.ray_runtime import init_ray, lookup
 
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
+    init_ray(_address_of(job, address), connect_timeout)
     deadline = time.monotonic() + timeout
     while True:
         try:

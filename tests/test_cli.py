@@ -7,6 +7,7 @@ installed console script to prove the entry point works.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -486,3 +487,22 @@ def test_run_summary_shows_each_autoscaler_size_with_supply_demand_and_cores(
             assert m, line
             loaders, threads, cores = int(m[1]), int(m[2]), float(m[5])
             assert loaders >= 1 and 0 <= cores <= loaders * threads
+
+
+def test_a_served_job_records_its_ray_address_while_it_is_served(monkeypatch):
+    # trainers and `overlord status` on this machine find the job's own Ray instance by its
+    # name, never the one Ray's address file names; only while the job is served
+    from overlord.serve import _address_of, job_address, job_lock
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    name = f"record-{os.getpid()}"
+    assert job_address(name) is None and _address_of(name, None) == "auto"
+    with job_lock(name) as record:
+        assert job_address(name) is None  # Ray not joined yet: nothing recorded
+        record("127.0.0.1:6380")
+        assert job_address(name) == "127.0.0.1:6380"
+        assert _address_of(name, None) == "127.0.0.1:6380"
+        assert _address_of(name, "10.0.0.1:6379") == "10.0.0.1:6379"  # an address given wins
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+        assert _address_of(name, None) == "10.0.0.2:6379"
+    assert job_address(name) is None  # the serve ended: its record is stale, not used

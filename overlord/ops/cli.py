@@ -310,7 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="a live table of a job served on Ray")
     st.add_argument("job")
-    st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, or auto)")
+    st.add_argument(
+        "--address",
+        help="Ray cluster address (default: RAY_ADDRESS, else the address of the job that "
+        "this user serves here, else auto)",
+    )
     _connect_timeout(st)
     st.add_argument("--once", action="store_true", help="print the table once and exit")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")

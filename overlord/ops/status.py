@@ -97,8 +97,11 @@ def status(
     from overlord.roles.api import OpsRole
     from overlord.runtime.base import Handle
     from overlord.runtime.ray_runtime import init_ray, lookup
+    from overlord.serve import job_address
 
-    init_ray(address or os.environ.get("RAY_ADDRESS") or "auto", connect_timeout)
+    # the address given, else RAY_ADDRESS, else the job's own when this user serves it here
+    init_ray(address or os.environ.get("RAY_ADDRESS") or job_address(job) or "auto",
+             connect_timeout)  # fmt: skip
     planner: Handle[OpsRole] = lookup(job, "planner")
 
     def read() -> dict[str, Any]:
