@@ -181,3 +181,21 @@ def rank_slice(columns: dict[str, np.ndarray], rank: int) -> dict[str, Any]:
     for c in RANK_COLUMNS:  # slices: nothing built ahead
         out[c] = columns[c][lo:hi]
     return out
+
+
+def ranks_slice(columns: dict[str, np.ndarray], first: int, count: int) -> dict[str, Any]:
+    """:func:`rank_slice` of ranks ``first`` to ``first + count - 1`` at once.
+
+    Their items are one slice of every column (a rank's items follow the
+    previous rank's); ``bounds`` (``count + 1``) cuts it into each rank's, and
+    each sum is an array of every rank's.
+    """
+    bounds = columns["bounds"][first : first + count + 1]
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    out: dict[str, Any] = {"bounds": bounds - lo}
+    for c, by_rank in SUMS.items():
+        if by_rank in columns:
+            out[c] = columns[by_rank][first : first + count]
+    for c in RANK_COLUMNS:
+        out[c] = columns[c][lo:hi]
+    return out
