@@ -83,12 +83,18 @@ def take_columns(
     """
     cols = {c: np.empty(len(source), dtype=np.int64) for c in TAKEN if c != "key"}
     cols["key"] = np.empty((len(source), 3), dtype=np.int64)
-    for s, window in enumerate(windows):
-        mine = np.flatnonzero(source == s)
-        if len(mine):
-            taken = window.take(pending[mine])
+    # each window's chosen items, in selection order, by one sort: only the windows that
+    # gave items are visited (a step of many sources takes from a few of them)
+    order = np.argsort(source, kind="stable")
+    ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
+    start = 0
+    for s, end in enumerate(ends):
+        if end > start:
+            mine = order[start:end]
+            taken = windows[s].take(pending[mine])
             for c in TAKEN:
                 cols[c][mine] = taken[c]
+        start = end
     return cols
 
 
