@@ -152,7 +152,8 @@ class PlacementSpec(_Model):
         None,
         ge=1,
         description="DP ranks one DataConstructor serves (e.g. the GPUs of a node), which it "
-        "builds together, a step at a time; default: one on Ray, every rank embedded",
+        "builds a step at a time in one pass (plans without images); default: one on Ray, "
+        "every rank embedded",
     )
     loader_processes: int | None = Field(
         None,
