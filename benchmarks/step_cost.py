@@ -21,6 +21,7 @@ large step (a per-token cost that rises with the step is a super-linear term)::
     .venv/bin/python -m benchmarks.step_cost            # a few minutes on 2 cores
     .venv/bin/python -m benchmarks.step_cost --quick    # fewer steps, about a minute
     .venv/bin/python -m benchmarks.step_cost --profile 8,8,32768   # cProfile of one cell
+    .venv/bin/python -m benchmarks.step_cost --baseline ../before  # each cell there, then here
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -138,14 +140,18 @@ def fit(cells: list[dict[str, Any]]) -> dict[str, float]:
             "rel_residual": float(np.sqrt(np.mean((resid / y) ** 2)))}  # fmt: skip
 
 
-def measure(root: Path, cell: tuple[int, int, int], args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    root: Path, cell: tuple[int, int, int], args: argparse.Namespace, repo: Path = REPO
+) -> dict[str, Any]:
+    """One cell, in a fresh process of checkout ``repo`` (its ``overlord`` imported)."""
     sources, dp, tokens = cell
     steps = max(args.min_steps, args.tokens_timed // tokens)
     cmd = [*module_command("step_cost"), "--cell", f"{sources},{dp},{tokens}",
            "--corpus", str(root), "--warmup", str(args.warmup), "--steps", str(steps)]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
-        raise SystemExit(f"cell {cell} failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"cell {cell} failed in {repo}:\n{out.stderr[-4000:]}")
     got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return {"sources": sources, "dp": dp, "tokens": tokens, **got}
 
@@ -196,6 +202,13 @@ def main() -> None:
     p.add_argument("--profile", metavar="S,DP,T", help="cProfile one cell; print its top")
     p.add_argument("--pstats", type=Path, help="with --profile: keep the profile here")
     p.add_argument("--json", type=Path, help="write the cells and the fit here")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="another checkout (e.g. a git worktree of the commit before): each cell runs "
+        "there, then here, so that the machine's load hits both alike",
+    )
     args = p.parse_args()
     if args.cell:
         s, d, t = (int(v) for v in args.cell.split(","))
@@ -219,12 +232,23 @@ def main() -> None:
             return
         grid = itertools.product(*(map(int, v.split(",")) for v in
                                    (args.sources, args.dp, args.step_tokens)))  # fmt: skip
-        cells = [measure(root, cell, args) for cell in grid]
+        cells, base = [], []
+        for cell in grid:
+            if args.baseline:
+                base.append(measure(root, cell, args, args.baseline.resolve()))
+            cells.append(measure(root, cell, args))
     print(f"embedded runtime, pre-tokenized corpus; CPU by time.process_time, "
           f"{args.warmup} warm-up steps then >= {args.min_steps} timed per cell")  # fmt: skip
+    if base:
+        print(f"\nbaseline ({args.baseline}):")
+        report(base)
+        print(f"\nthis checkout ({REPO}):")
     report(cells)
     if args.json:
-        args.json.write_text(json.dumps({"cells": cells, "fit": fit(cells)}, indent=1))
+        out: dict[str, Any] = {"cells": cells, "fit": fit(cells)}
+        if base:
+            out["baseline"] = {"dir": str(args.baseline), "cells": base, "fit": fit(base)}
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,11 @@ class Loader:
             # constructors plan and build ahead on threads of their own, on every runtime:
             # the trainer's thread only takes a ready batch
             prefetch = self.plan.batch.prefetch_steps
-            groups = constructor_ranks(self.plan.world.dp, p.ranks_per_constructor)
+            # embedded, every constructor is an object of this process: one for every rank
+            # builds a step of them all in one pass, on one kept thread (not one per rank,
+            # each waking the next for the GIL); on Ray, one actor per rank by default
+            per = p.ranks_per_constructor or (1 if distributed else self.plan.world.dp)
+            groups = constructor_ranks(self.plan.world.dp, per)
             for i, ranks in enumerate(groups if build_batches and not in_trainer else []):
                 h: Handle[ConstructorRole] = self.runtime.spawn(
                     DataConstructor,

@@ -46,3 +46,43 @@ def test_a_rank_far_ahead_is_still_an_error_not_a_hang_when_building_ahead(job_p
         with pytest.raises(LoaderError, match="ranks may run at most"):
             for _ in range(plan.batch.prefetch_steps + 3):
                 next(ahead)
+
+
+def _batches(plan: Any, steps: int) -> tuple[list[Any], int]:
+    """Every rank's batches of ``steps`` steps, and how many packs built them."""
+    import overlord.roles.constructor as constructor_module
+
+    packs = []
+    real = constructor_module.pack
+
+    def counted(*args: Any) -> Any:
+        packs.append(1)
+        return real(*args)
+
+    constructor_module.pack = counted
+    try:
+        with Loader(plan) as loader:
+            clients = [loader.client(r) for r in range(plan.world.dp)]
+            got = [next(c) for _ in range(steps) for c in clients]
+    finally:
+        constructor_module.pack = real
+    return got, len(packs)
+
+
+def test_one_constructor_builds_its_ranks_together_as_each_would_alone(job_plan):
+    plan = load_plan(job_plan).with_dp(4)
+    steps = 5
+    apart = plan.model_copy(
+        update={"placement": plan.placement.model_copy(update={"ranks_per_constructor": 1})}
+    )
+    together, packs_together = _batches(plan, steps)  # embedded: one constructor, 4 ranks
+    alone, packs_alone = _batches(apart, steps)
+    assert packs_alone >= 4 * steps  # a pack per rank and step (and some ahead)
+    assert packs_together <= steps + plan.batch.prefetch_steps + 1  # one per step (and ahead)
+    assert [dump_line(b) for b in together] == [dump_line(b) for b in alone]
+    for a, b in zip(together, alone):
+        assert (a.step, a.rank) == (b.step, b.rank)
+        for name, x in a.arrays().items():
+            y = b.arrays()[name]
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert (x == y).all(), (a.step, a.rank, name)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from support.roundtrip import Part, check_save_restore
 
-from overlord import Loader, load_plan
+from overlord import Loader, LoaderError, load_plan
 from overlord.ops.run import dump_line
 from overlord.roles.api import OpsRole, PlannerRole
 
@@ -71,3 +71,24 @@ def test_the_planner_keeps_recent_steps_and_a_run_report_gathers_them_all(
     gathered = run_plan(plan, 20, progress=False)  # the run asks for them as it goes
     for key in ("steps", "mixture", "balance_mean", "balance_p95", "fill_mean"):
         assert gathered[key] == whole[key], key
+
+
+def test_the_plans_of_several_ranks_at_once_are_their_rank_plans_joined(job_plan):
+    import numpy as np
+
+    plan = load_plan(job_plan).with_dp(4)
+    with Loader(plan, build_batches=False) as loader:
+        planner = loader.planner
+        parts = [planner.call(PlannerRole.rank_plan, 0, r).result() for r in (1, 2)]
+        both = planner.call(PlannerRole.ranks_plan, 0, 2, 1, 2).result()
+        with pytest.raises(LoaderError, match="outside the plan's world"):
+            planner.call(PlannerRole.ranks_plan, 0, 2, 3, 2).result()
+    assert both["first"] == 1 and both["rows"] == plan.rows_per_rank
+    assert both["bounds"].tolist() == [
+        0,
+        len(parts[0]["tokens"]),
+        sum(len(p["tokens"]) for p in parts),
+    ]
+    assert both["cost"].tolist() == [p["cost"] for p in parts]
+    for c in ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row"):
+        assert np.array_equal(both[c], np.concatenate([p[c] for p in parts])), c

@@ -326,3 +326,19 @@ def test_allocators_are_made_lean_in_actors_only(ray_session):
     finally:
         runtime.shutdown()
     assert pa.default_memory_pool().backend_name == pool  # the driver: the user's process
+
+
+def test_actors_that_build_several_ranks_together_give_the_same_batches(ray_session, plan_path):
+    base = load_plan(plan_path).with_dp(4)
+
+    def batches(per: int, runtime: str) -> list[tuple[str, bytes, bytes, bytes]]:
+        placement = base.placement.model_copy(update={"ranks_per_constructor": per})
+        with Loader(base.model_copy(update={"placement": placement}), runtime=runtime) as loader:
+            clients = [loader.client(r) for r in range(4)]
+            got = [next(c) for _ in range(4) for c in clients]
+            return [
+                (dump_line(b), b.input_ids.tobytes(), b.labels.tobytes(), b.cu_seqlens.tobytes())
+                for b in got
+            ]
+
+    assert batches(2, "ray") == batches(1, "inline")  # two actors of two ranks; one rank each

@@ -94,3 +94,24 @@ def test_the_windows_and_the_mixture_move_past_the_step(plan):
     second = _step(plan, windows, mix)
     assert not set(_items(first.columns)) & set(_items(second.columns))  # taken once
     assert mix.placed.sum() == placed.sum() + second.columns["tokens"].sum()
+
+
+def test_taken_columns_follow_the_selection_order_whichever_windows_gave_items():
+    from overlord.plan.step import take_columns
+
+    windows = [ColumnWindow(np.arange(1, 40) + 100 * s, loaders=3) for s in range(12)]
+    for w in windows:
+        w.peek(30)
+    # items from a few of the windows only, interleaved, each window's in any order
+    source = np.array([7, 2, 7, 11, 2, 7, 0], dtype=np.int64)
+    pending = np.array([4, 0, 1, 9, 3, 20, 5], dtype=np.int64)
+    expected = [(int(s), windows[s].ids[int(i)]) for s, i in zip(source, pending)]
+    cols = take_columns(windows, source, pending)
+    # ColumnWindow's record row is the item's read order: each row is its own item's
+    assert [(int(s), int(r)) for s, r in zip(source, cols["row"])] == expected
+    assert cols["key"][:, 2].tolist() == [r for _, r in expected]
+    assert cols["loader"].tolist() == [r % 3 for _, r in expected]
+    untouched = [s for s in range(12) if s not in set(source.tolist())]
+    assert all(len(windows[s].pending) == 31 for s in untouched)
+    assert len(windows[7].pending) == 31 - 3 and len(windows[2].pending) == 31 - 2
+    assert take_columns(windows, source[:0], pending[:0])["key"].shape == (0, 3)

@@ -148,8 +148,12 @@ class PlacementSpec(_Model):
     loader_nodes: dict[str, str] = Field(
         default_factory=dict, description="source name -> Ray node id its loaders must run on"
     )
-    ranks_per_constructor: int = Field(
-        1, ge=1, description="DP ranks one DataConstructor serves (e.g. the GPUs of a node)"
+    ranks_per_constructor: int | None = Field(
+        None,
+        ge=1,
+        description="DP ranks one DataConstructor serves (e.g. the GPUs of a node), which it "
+        "builds a step at a time in one pass (plans without images); default: one on Ray, "
+        "every rank embedded",
     )
     loader_processes: int | None = Field(
         None,

@@ -83,12 +83,18 @@ def take_columns(
     """
     cols = {c: np.empty(len(source), dtype=np.int64) for c in TAKEN if c != "key"}
     cols["key"] = np.empty((len(source), 3), dtype=np.int64)
-    for s, window in enumerate(windows):
-        mine = np.flatnonzero(source == s)
-        if len(mine):
-            taken = window.take(pending[mine])
+    # each window's chosen items, in selection order, by one sort: only the windows that
+    # gave items are visited (a step of many sources takes from a few of them)
+    order = np.argsort(source, kind="stable")
+    ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
+    start = 0
+    for s, end in enumerate(ends):
+        if end > start:
+            mine = order[start:end]
+            taken = windows[s].take(pending[mine])
             for c in TAKEN:
                 cols[c][mine] = taken[c]
+        start = end
     return cols
 
 
@@ -179,5 +185,23 @@ def rank_slice(columns: dict[str, np.ndarray], rank: int) -> dict[str, Any]:
         if by_rank in columns:
             out[c] = float(columns[by_rank][rank])
     for c in RANK_COLUMNS:  # slices: nothing built ahead
+        out[c] = columns[c][lo:hi]
+    return out
+
+
+def ranks_slice(columns: dict[str, np.ndarray], first: int, count: int) -> dict[str, Any]:
+    """:func:`rank_slice` of ranks ``first`` to ``first + count - 1`` at once.
+
+    Their items are one slice of every column (a rank's items follow the
+    previous rank's); ``bounds`` (``count + 1``) cuts it into each rank's, and
+    each sum is an array of every rank's.
+    """
+    bounds = columns["bounds"][first : first + count + 1]
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    out: dict[str, Any] = {"bounds": bounds - lo}
+    for c, by_rank in SUMS.items():
+        if by_rank in columns:
+            out[c] = columns[by_rank][first : first + count]
+    for c in RANK_COLUMNS:
         out[c] = columns[c][lo:hi]
     return out

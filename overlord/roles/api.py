@@ -87,6 +87,10 @@ class PlannerRole(Protocol):
         """One rank's plan of one step (None: ask again later)."""
         ...
 
+    def ranks_plan(self, step: int, rank: int, first: int, count: int) -> dict[str, Any] | None:
+        """The plans of ``count`` ranks from ``first``, asked by ``rank`` (None: later)."""
+        ...
+
     def mark_consumed(
         self,
         rank: int,

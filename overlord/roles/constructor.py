@@ -1,14 +1,16 @@
 """DataConstructor: pulls its ranks' payloads from the loaders and packs their batches.
 
-One constructor serves one DP rank, or several (the ranks of a node). With
-``prefetch`` it plans (through the planner) and builds each rank's batches on
-a thread of its own, ahead of the trainer, so that the trainer's request is
-answered from memory; a step's batch, cut for the rank's CP ranks once, is
-kept until every peer of the rank that asks has asked for a later step, so
-that its CP/TP/PP peers (overlord.roles.consumption) share one fetch and TP
-peers receive the very same batch. A build ahead that the planner refuses because
-other ranks lag (in one process that consumes every rank) is not an error:
-the step is built when the trainer asks for it.
+One constructor serves one DP rank, or several (the ranks of a node, or,
+embedded, every rank), which it builds a step at a time in one pass: one plan,
+one take per loader and one pack for all of them. With ``prefetch`` it plans
+(through the planner) and builds its ranks' batches on a thread of its own,
+ahead of the trainer, so that the trainer's request is answered from memory;
+a step's batch, cut for the rank's CP ranks once, is kept until every peer of
+the rank that asks has asked for a later step, so that its CP/TP/PP peers
+(overlord.roles.consumption) share one fetch and TP peers receive the very
+same batch. A build ahead that the planner refuses because other ranks lag
+(in one process that consumes every rank) is not an error: the step is built
+when the trainer asks for it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ class DataConstructor:
         self._lock = threading.Lock()
         # rank -> step -> its build: a rank's calls look at its own builds only
         self._built: dict[int, dict[int, Future[list[Batch] | None]]] = {r: {} for r in ranks}
+        # consecutive ranks (prefetching, no images) are built together, a step at a time:
+        # step -> (the generation built in, the batches of the ranks that did not take theirs)
+        self._together_on = (
+            prefetch > 0
+            and len(self.ranks) > 1
+            and self.ranks == list(range(self.ranks[0], self.ranks[0] + len(self.ranks)))
+            and plan.vision is None
+        )
+        self._together: dict[int, tuple[int, dict[int, Batch]]] = {}
         self._views: dict[tuple[int, int, int, str], Batch] = {}  # (step, dp, cp, stage)
         # the same views put in the object store, once each: see rank_batch_ref
         self._stored: dict[tuple[int, int, int, str], Any] = {}
@@ -148,6 +159,7 @@ class DataConstructor:
             if step < self._asked.get(asker, step):  # rewound: what was built ahead is stale
                 self._gen += 1
                 self._asked[asker] = step
+                self._together.clear()
                 self._built[rank].clear()
                 self._drop_views(rank, None)
             built = self._built[rank]
@@ -200,15 +212,23 @@ class DataConstructor:
             return dynamic_slices(batch, world.cp, world.tokens_per_cp_rank, model, self.pad_id)
         return cp_slices(batch, world.cp, self.layout, self.pad_id)
 
-    def _rank_plan(self, step: int, rank: int, gen: int | None = None) -> dict[str, Any]:
+    def _rank_plan(
+        self, step: int, rank: int, gen: int | None = None, together: bool = False
+    ) -> dict[str, Any]:
         """The planner answers None while other ranks are too far behind: wait for them.
 
         A build ahead of generation ``gen`` stops waiting once the job rewound.
+        ``together``: the plans of every rank of this constructor, asked by ``rank``.
         """
         deadline = time.monotonic() + self.plan.loading.timeout_s
         pause = 0.001
         while True:
-            rp = self.planner.call(PlannerRole.rank_plan, step, rank).result()
+            if together:
+                first, count = self.ranks[0], len(self.ranks)
+                ask = self.planner.call(PlannerRole.ranks_plan, step, rank, first, count)
+            else:
+                ask = self.planner.call(PlannerRole.rank_plan, step, rank)
+            rp = ask.result()
             if rp is not None:
                 return dict(rp)
             if gen is not None and gen != self._gen:
@@ -222,15 +242,86 @@ class DataConstructor:
             pause = min(pause * 2, 0.05)
 
     def _build(self, step: int, rank: int, gen: int | None = None) -> Batch:
+        if self._together_on:
+            return self._build_together(step, rank, gen)
         rp = self._rank_plan(step, rank, gen)
+        lengths = np.asarray(rp["tokens"], dtype=np.int64)
+        images = BatchImages(len(lengths)) if self.plan.vision is not None else None
+        tokens = self._gather(rp, lengths, images)
+        arrays = pack(
+            tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id
+        )
+        samples = self._samples(rp, lengths, images.keys if images is not None else None)
+        a = arrays
+        batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
+                      a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
+        if images is not None:
+            assert self.plan.vision is not None
+            images.finish(batch, self.plan.vision, rp, self.image_id)
+        return batch
+
+    def _build_together(self, step: int, rank: int, gen: int | None) -> Batch:
+        """Rank ``rank``'s batch of ``step``, built in one pass with every rank of this constructor.
+
+        One plan, one take from each loader and one pack over every rank's
+        rows, instead of one each per rank. The other ranks' batches are kept
+        until their builds ask for them; a step more than ``prefetch + 2``
+        steps before the newest built is forgotten (ranks are never that far
+        apart, so only a rank that never asks had one kept), and a rewind
+        forgets them all.
+        """
+        with self._lock:
+            kept = self._together.get(step)
+            if kept is not None and kept[0] == self._gen and rank in kept[1]:
+                return kept[1].pop(rank)
+            at = self._gen
+        batches = self._pack_ranks(step, self._rank_plan(step, rank, gen, together=True))
+        mine = batches.pop(rank)
+        with self._lock:
+            if at == self._gen:
+                self._together[step] = (at, batches)
+                for old in [s for s in self._together if s < step - self.prefetch - 2]:
+                    del self._together[old]
+        return mine
+
+    def _pack_ranks(self, step: int, rp: dict[str, Any]) -> dict[int, Batch]:
+        """Every rank's batch from their plans together (:meth:`PlannerRole.ranks_plan`).
+
+        The ranks' rows are packed as the rows of one batch, then each rank's
+        batch is its rows (views) and its part of ``cu_seqlens``: a rank's rows
+        start and end at segment boundaries.
+        """
+        lengths = np.asarray(rp["tokens"], dtype=np.int64)
+        tokens = self._gather(rp, lengths, None)
+        bounds = np.asarray(rp["bounds"], dtype=np.int64)
+        count, rows, seq_len = len(bounds) - 1, rp["rows"], self.plan.batch.max_seq_len
+        row_of = np.repeat(np.arange(count, dtype=np.int64) * rows, np.diff(bounds)) + rp["row"]
+        a = pack(tokens, lengths, row_of, rows * count, seq_len, self.pad_id)
+        samples = self._samples(rp, lengths, None)
+        span = rows * seq_len
+        cu = a["cu_seqlens"]
+        cuts = np.searchsorted(cu, np.arange(count + 1, dtype=np.int64) * span).tolist()
+        cost = np.asarray(rp["cost"], dtype=np.float64).tolist()
+        out = {}
+        for k, (b0, b1) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+            r = slice(k * rows, (k + 1) * rows)
+            out[rp["first"] + k] = Batch(
+                step, rp["first"] + k, a["input_ids"][r], a["labels"][r], a["position_ids"][r],
+                a["segment_ids"][r], cu[cuts[k] : cuts[k + 1] + 1] - k * span,
+                samples[b0:b1], cost[k],
+            )  # fmt: skip
+        return out
+
+    def _gather(
+        self, rp: dict[str, Any], lengths: np.ndarray, images: BatchImages | None
+    ) -> np.ndarray:
+        """The planned items' tokens back to back, in the plan's order, taken from the loaders."""
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
         n = len(src)
-        lengths = np.asarray(rp["tokens"], dtype=np.int64)
         starts = np.zeros(n, dtype=np.int64)
         if n:
             np.cumsum(lengths[:-1], out=starts[1:])
         tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        images = BatchImages(n) if self.plan.vision is not None else None
         for mine, got in self.loaders.take(by_slot(src, ldr), keys):
             # a run of items next to each other in the rank's order is one slice of both
             got_starts = np.zeros(len(mine) + 1, dtype=np.int64)
@@ -243,10 +334,15 @@ class DataConstructor:
                 tokens[starts[j] : starts[j] + g1 - g0] = got["tokens"][g0:g1]
             if images is not None:
                 images.add(mine, got)
-        arrays = pack(
-            tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id
-        )
-        names = images.keys if images is not None else [None] * n
+        return tokens
+
+    def _samples(
+        self, rp: dict[str, Any], lengths: np.ndarray, names: list[str | None] | None
+    ) -> list[Sample]:
+        """Each planned item's record: its source, where it was read, its tokens and row."""
+        src, keys = rp["source"], rp["key"]
+        if names is None:
+            names = [None] * len(src)
         files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
         samples = []
         for s, e, f, r, c, t, row, name in zip(
@@ -263,13 +359,7 @@ class DataConstructor:
             if file is None:
                 file = files[(s, e, f)] = self.files[self.names[s]].at(e)[f].name
             samples.append(Sample(self.names[s], _sample_id(file, r, c, name), t, row))
-        a = arrays
-        batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
-                      a["segment_ids"], a["cu_seqlens"], samples, rp["cost"])  # fmt: skip
-        if images is not None:
-            assert self.plan.vision is not None
-            images.finish(batch, self.plan.vision, rp, self.image_id)
-        return batch
+        return samples
 
     def stats(self) -> dict[str, int]:
         """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.

@@ -39,7 +39,7 @@ from overlord.plan.partition import partitions
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
-from overlord.plan.step import plan_step, rank_slice
+from overlord.plan.step import plan_step, rank_slice, ranks_slice
 from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.assigner import Assigners
 from overlord.roles.consumption import Consumption
@@ -279,6 +279,23 @@ class Planner:
         out.update(rank_slice(self.plans[step], rank))  # slices of the step's columns
         return out
 
+    def ranks_plan(self, step: int, rank: int, first: int, count: int) -> dict[str, Any] | None:
+        """The plans of ranks ``first`` to ``first + count - 1`` for ``step``, asked by ``rank``.
+
+        One answer for a constructor that builds its ranks' batches together
+        (:func:`overlord.plan.step.ranks_slice`); ``rank`` is checked as
+        :meth:`rank_plan` checks it. None means "ask again later".
+        """
+        if first < 0 or count < 1 or first + count > self._dp:
+            raise LoaderError(
+                f"ranks {first}..{first + count - 1} are outside the plan's world (dp={self._dp})"
+            )
+        if self.rank_plan(step, rank) is None:
+            return None
+        out: dict[str, Any] = {"step": step, "first": first, "rows": self._rows_per_rank}
+        out.update(ranks_slice(self.plans[step], first, count))
+        return out
+
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps without building batches; returns their statistics."""
         out = []
@@ -416,7 +433,8 @@ class Planner:
             "files": dict(self._files),
             "loaders": {n: self.pool.primaries(n) for n in self.names},
             "dp": self.plan.world.dp,
-            "ranks_per_constructor": self.plan.placement.ranks_per_constructor,
+            # a trainer that connects is on Ray, where the default is one rank per constructor
+            "ranks_per_constructor": self.plan.placement.ranks_per_constructor or 1,
             "constructors": self.plan.placement.constructors.value,
             "pad_id": self.pad_id,
         }
