@@ -51,6 +51,9 @@ with open(out, "a") as f:
         if (batch.step + 1) % int(os.environ["EVERY"]) == 0:
             checkpoint.save(mine, client.state_dict())
         if batch.step == die_at:
+            # synchronous training: a collective keeps a rank from dying before its peers
+            # took the step (they would wait on it forever); its consumption notices landed
+            client.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 client.close()
 """
