@@ -16,24 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-_PEAK = """
-import sys
-import overlord
-plan = overlord.load_plan(sys.argv[1])
-with overlord.Loader(plan) as loader:
-    client = loader.client(0)
-    for _ in range(int(sys.argv[2])):
-        next(client)
-# VmHWM: this process's own peak (ru_maxrss would start at the forking parent's size)
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
-"""
+from benchmarks._lib.peak import peak_kib
 
 
 def write_source(root: Path, size: int, policy: str) -> Path:
@@ -59,18 +47,6 @@ def write_source(root: Path, size: int, policy: str) -> Path:
     return root / "plan.yaml"
 
 
-def peak_kib(plan: Path, steps: int) -> int:
-    """The peak resident memory (KiB) of a process that takes ``steps`` batches of rank 0."""
-    out = subprocess.run(
-        [sys.executable, "-c", _PEAK, str(plan), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return int(out.stdout.split()[-1])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", type=int, default=20, help="MB of the baseline record")
@@ -84,7 +60,7 @@ def main() -> int:
             peaks = {}
             for mb in (a.small, a.large):
                 plan = write_source(Path(tmp) / f"{policy}-{mb}", mb * 1_000_000, policy)
-                peaks[mb] = peak_kib(plan, a.steps) / 1024**2
+                peaks[mb] = peak_kib(plan, a.steps, timeout=1800) / 1024**2
                 (plan.parent / "a.jsonl").unlink()
             report[policy] = {
                 f"peak_gib_{a.small}mb": round(peaks[a.small], 3),

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-import yaml
 from support.memory import peak_kib
 
 import overlord
+from benchmarks.long_records import write_source as corpus
 from overlord.sources import tokenizers as toks
 from overlord.sources.tokenizers import BytesTokenizer, HFTokenizer, encode_capped
 
@@ -123,24 +123,6 @@ def test_a_long_text_is_tokenized_only_as_far_as_needed(folder: Path) -> None:
                                       "get_vocab": tokenizer._tok.get_vocab})()  # fmt: skip
     first = tokenizer.first_tokens(memoryview(("word " * 2_000_000).encode()), 64)
     assert len(first) == 64 and seen and max(seen) < 100_000, seen  # of 10 MB
-
-
-def corpus(root: Path, size: int, policy: str) -> Path:
-    """One JSONL record of ``size`` bytes of words: a source of one long document."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(5)
-    words = [rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(size // 6)]
-    with open(root / "a.jsonl", "w") as f:
-        f.write(json.dumps({"text": " ".join(words)}) + "\n")
-    plan = {
-        "seed": 1,
-        "sources": [{"name": "one", "path": "a.jsonl", "format": "jsonl"}],
-        "batch": {"tokens_per_step": 8192, "max_seq_len": 1024, "long_docs": policy},
-        "world": {"dp": 1},
-        "loading": {"max_record_bytes": 1 << 30, "timeout_s": 120},
-    }
-    (root / "plan.yaml").write_text(yaml.safe_dump(plan))
-    return root / "plan.yaml"
 
 
 def test_truncate_serves_the_first_max_seq_len_tokens(tmp_path: Path) -> None:
