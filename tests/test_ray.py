@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._lib.procfs import alive, below
 from conftest import two_sources
 from overlord import Loader, LoaderError, SourceError, connect, load_plan
 from overlord.ops.run import dump_line, run_plan
@@ -107,35 +108,6 @@ def test_an_unreachable_cluster_fails_fast():
     assert time.monotonic() - t0 < 30
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (Ray's own processes started by it included)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    out = set()
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(p)
-    return out
-
-
 def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
     """`overlord serve` in its own process, two trainer processes, then Ctrl-C stops it all."""
     bin_dir = Path(sys.executable).parent
@@ -172,16 +144,16 @@ def test_serve_connect_and_ctrl_c(plan_path, tmp_path):
         local = sorted(_dump(load_plan(plan_path).with_dp(2), 5, "inline").splitlines())
         assert served == local
     finally:
-        started = _descendants(serve.pid)
+        started = below(serve.pid)
         serve.send_signal(signal.SIGINT)
         rest = serve.communicate(timeout=60)[0]
     assert serve.returncode == 130, rest  # Ctrl-C: 128 + SIGINT
     assert "stopped by SIGINT" in rest
     assert started, "serve started no process of its own (no local Ray instance?)"
     deadline = time.monotonic() + 30
-    while _alive(started) and time.monotonic() < deadline:
+    while alive(started) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _alive(started), "processes started by `overlord serve` outlived it"
+    assert not alive(started), "processes started by `overlord serve` outlived it"
 
 
 def test_a_second_serve_of_the_same_name_is_refused_without_address(plan_path, tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._lib.procfs import alive, below, cmdline, parents
 from conftest import two_sources
 from overlord.runtime.ray_connect import HEAD_GONE_EXIT
 
@@ -43,15 +44,7 @@ ray.shutdown()
 
 def _processes_of(folder: Path) -> list[int]:
     """The processes whose command line names ``folder`` (a Ray cluster's, by its temp dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(folder) in (entry / "cmdline").read_bytes().decode(errors="ignore"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    return [pid for pid in parents() if str(folder) in cmdline(pid)]
 
 
 def test_a_local_instance_is_never_a_cluster_ray_start_recorded():
@@ -220,7 +213,7 @@ def test_sigterm_stops_a_serving_job_with_status_143(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _ready(proc)
-        started = _processes_under(proc.pid)
+        started = below(proc.pid)
         assert started, "serve started no process of its own (no local Ray instance?)"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=10)
@@ -231,10 +224,10 @@ def test_sigterm_stops_a_serving_job_with_status_143(tmp_path: Path) -> None:
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in out and "Traceback" not in err, out + err
     for _ in range(300):
-        if not _alive(started):
+        if not alive(started):
             break
         time.sleep(0.1)
-    assert not _alive(started), "processes started by `overlord serve` outlived it"
+    assert not alive(started), "processes started by `overlord serve` outlived it"
 
 
 def test_ctrl_c_stops_a_run_on_ray_while_it_runs(tmp_path: Path) -> None:
@@ -243,8 +236,8 @@ def test_ctrl_c_stops_a_run_on_ray_while_it_runs(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(1200):  # running once the planner's actor is up
-            started = _processes_under(proc.pid)
-            if any(b"ray::Planner" in _cmdline(p) for p in started) or proc.poll() is not None:
+            started = below(proc.pid)
+            if any("ray::Planner" in cmdline(p) for p in started) or proc.poll() is not None:
                 break
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()
@@ -258,10 +251,10 @@ def test_ctrl_c_stops_a_run_on_ray_while_it_runs(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "overlord: stopped by SIGINT" in err and "Traceback" not in err, err
     for _ in range(300):
-        if not _alive(started):
+        if not alive(started):
             break
         time.sleep(0.1)
-    assert not _alive(started), "processes started by `overlord run` outlived it"
+    assert not alive(started), "processes started by `overlord run` outlived it"
 
 
 # ---- Ray's address file: a stale one is not followed ----------------------------------------
@@ -325,7 +318,7 @@ def test_a_process_whose_ray_head_died_ends_with_an_overlord_error() -> None:
         assert proc.stdout is not None
         address = proc.stdout.readline().strip()
         assert address, proc.communicate()
-        gcs = [p for p in _processes_under(proc.pid) if b"gcs_server" in _cmdline(p)]
+        gcs = [p for p in below(proc.pid) if "gcs_server" in cmdline(p)]
         assert len(gcs) == 1, "no GCS process under the instance's driver"
         os.kill(gcs[0], signal.SIGKILL)
         # Ray alone would abort it from C++ after 60 s, with no word from overlord
@@ -336,42 +329,6 @@ def test_a_process_whose_ray_head_died_ends_with_an_overlord_error() -> None:
             proc.communicate()
     assert proc.returncode == HEAD_GONE_EXIT, err[-3000:]
     assert f"overlord: the Ray head at {address} is gone" in err, err[-3000:]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _processes_under(pid: int) -> set[int]:
-    """Every living descendant of process ``pid``."""
-    parent = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    out = set()
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(p)
-    return out
 
 
 # ---- loopback: what Ray is told while a local instance starts --------------------------------

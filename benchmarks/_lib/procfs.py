@@ -90,6 +90,25 @@ def descendants(roots: set[int], ppid: dict[int, int]) -> set[int]:
     return out
 
 
+def below(pid: int) -> set[int]:
+    """Every live process under ``pid`` (not ``pid`` itself)."""
+    return descendants({pid}, parents()) - {pid}
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (gone and zombie ones left out)."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if raw[raw.rindex(b")") + 2 :].split()[0] != b"Z":
+            out.add(pid)
+    return out
+
+
 def tree_cpu(root: int) -> float:
     """User+system CPU seconds of ``root`` and all its live descendants."""
     now = stats()
