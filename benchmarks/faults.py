@@ -7,8 +7,7 @@ Four parts, each with its verdicts (``benchmarks/chaos.py`` kills roles instead)
     ``overlord serve``); its trainers (every DP rank) checkpoint every
     ``--every`` steps and are killed at a random step; new trainers restart
     from a checkpoint chosen at random among those the job wrote so far, with
-    the state API of a live job (``Loader.client(rank, state=)`` where the
-    Loader has it, else the planner's ``reconnect``, the call
+    the state API of a live job (the planner's ``reconnect``, the call
     ``overlord.connect(job, rank, state=)`` makes). Each trial's batches are
     checked, line for line, against the uninterrupted run's dump. A restart
     the job refuses (a checkpoint older than ``recovery.rewind_steps`` allows)
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import logging
 import random
@@ -90,8 +88,6 @@ def restarted(loader: Loader, rank: int, state: dict[str, Any]) -> Any:
     # a new process reconnects (seconds later, on Ray), not after
     loader._notices.flush()  # noqa: SLF001
     state = copy.deepcopy(state)  # as a checkpoint read from a file: the job's own
-    if "state" in inspect.signature(loader.client).parameters:
-        return loader.client(rank, state=state)  # type: ignore[call-arg]
     # the embedded runtime's equivalent of overlord.connect(job, rank, state=): the same call
     start = loader.planner.call(PlannerRole.reconnect, rank, state).result()
     return Client(rank, loader._constructor_of[rank], loader.planner, start, None, None,

@@ -22,6 +22,8 @@ def test_the_fault_table_computes_its_verdicts(tmp_path: Path, capsys) -> None:
     assert a["trials"] == 3 and len(a["rows"]) == 3 and a["first_exact"] is True
     assert all(isinstance(r["exact"], bool) for r in a["rows"])
     assert a["exact"] == sum(r["exact"] for r in a["rows"])
+    # the job rewinds to any checkpoint it wrote: every restart exact, from the one drawn
+    assert a["exact"] == a["as_chosen"] == 3 and a["refused"] == a["failed"] == 0
     assert f"{a['exact']}/3 exact" in printed
     # every damaged checkpoint and journal refused, the intact ones and a torn tail resumed
     damage = got["damage"]
