@@ -41,12 +41,12 @@ def line(batch: Any) -> str:
     return json.dumps({"line": json.loads(dump_line(batch)), "ids": ids})
 
 
-def reference(plan: Plan) -> dict[tuple[int, int], str]:
+def reference(plan: Plan, steps: int = STEPS) -> dict[tuple[int, int], str]:
     """Every (step, rank) of the uninterrupted stream."""
     out = {}
     with Loader(plan) as loader:
         clients = [loader.client(r) for r in range(DP)]
-        for _ in range(STEPS):
+        for _ in range(steps):
             for c in clients:
                 b = next(c)
                 out[(b.step, b.rank)] = line(b)
@@ -150,13 +150,7 @@ def test_a_rewind_before_a_repartition_starts_the_retired_loaders_again(tmp_path
         world={"dp": DP},
     )
     plan, steps = load_plan(path), 30
-    want: dict[tuple[int, int], str] = {}
-    with Loader(plan) as loader:
-        clients = [loader.client(r) for r in range(DP)]
-        for _ in range(steps):
-            for c in clients:
-                b = next(c)
-                want[(b.step, b.rank)] = line(b)
+    want = reference(plan, steps)
     with Loader(plan) as loader:
         planner = stamped(loader)
         clients = [loader.client(r) for r in range(DP)]
