@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from overlord.batch import Batch, Sample
+from overlord.runtime.ray_connect import is_loopback
 
 BATCH, END, ERROR, START = 0, 1, 2, 3
 _ARRAYS = ("input_ids", "labels", "position_ids", "segment_ids", "cu_seqlens", "global_positions")
@@ -155,7 +156,7 @@ def _loopback_gloo(master: str | None) -> Iterator[None]:
     is left alone.
     """
     names = {name for _, name in socket.if_nameindex()}
-    if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in names or not _is_loopback(master):
+    if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in names or not is_loopback(master):
         yield
         return
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -163,15 +164,6 @@ def _loopback_gloo(master: str | None) -> Iterator[None]:
         yield
     finally:
         del os.environ["GLOO_SOCKET_IFNAME"]
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def node_group(timeout_s: float) -> Any:

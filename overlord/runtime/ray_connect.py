@@ -18,6 +18,7 @@ with no word of what happened. Here:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -94,8 +95,18 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (an address, or a name it resolves to) is this machine's loopback."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _probe(address: str, timeout: float = 5.0) -> None:
@@ -194,7 +205,7 @@ def _join(ray: Any, address: str, timeout: float, common: dict[str, Any]) -> Non
     where = _host_port(address)
     # a cluster on this machine's loopback (a local `overlord serve`'s) listens there alone:
     # Ray would otherwise look for it at the machine's interface address
-    on_loopback = where is not None and _is_loopback(where[0])
+    on_loopback = where is not None and is_loopback(where[0])
     try:
         with _loopback_node() if on_loopback else contextlib.nullcontext():
             joining.thread.start()
