@@ -61,16 +61,6 @@ def _image_exts(image_field: str | None) -> tuple[str, ...]:
     return tuple(e.strip().lower().lstrip(".") for e in image_field.split(";") if e.strip())
 
 
-def _empty(number: int) -> RecordBlock:
-    return RecordBlock(
-        number,
-        np.zeros(0, np.int64),
-        pa.array([], pa.large_string()),
-        images=pa.array([], pa.large_binary()),
-        keys=pa.array([], pa.large_string()),
-    )
-
-
 class _Collect:
     """The records of one block as they are found."""
 
