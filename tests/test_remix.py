@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_corpus
 
+from conftest import make_corpus
 from overlord import Loader, checkpoint, load_plan
 from overlord.errors import CheckpointError
 from overlord.ops.cli import main
@@ -96,8 +96,8 @@ def _before(plan: Plan) -> tuple[list[Any], dict[str, Any], dict[str, list[str]]
 
 
 def _two_points(steps: int) -> dict[str, Any]:
-    return {"schedule": [{"step": 0, "weights": {"web": 2, "code": 1, "books": 1}},
-                         {"step": steps, "weights": {"web": 1, "code": 3, "books": 1}}]}  # fmt: skip
+    first, then = {"web": 2, "code": 1, "books": 1}, {"web": 1, "code": 3, "books": 1}
+    return {"schedule": [{"step": 0, "weights": first}, {"step": steps, "weights": then}]}
 
 
 ALLOWED = {
@@ -155,8 +155,8 @@ def test_an_added_source_starts_at_its_epoch_0(plan: Plan, before: Any) -> None:
     _, state, _ = before
     after, later = run(ALLOWED["a source added"](plan), MORE, state)
     news = per_source(after)["news"]
-    fresh, _ = run(_edit(plan, mixture=None, sources=lambda ss: [s for s in ss
-                                                                 if s["name"] == "news"]), 8)  # fmt: skip
+    alone = _edit(plan, mixture=None, sources=lambda ss: [s for s in ss if s["name"] == "news"])
+    fresh, _ = run(alone, 8)
     same_stream(news, per_source(fresh)["news"])
     assert later["sources"]["news"]["cursor"]["epoch"] == 0
     line = next(c.line() for c in classify(state, ALLOWED["a source added"](plan)))
@@ -175,7 +175,8 @@ def test_a_removed_source_is_dropped_and_recorded(plan: Plan, before: Any, tmp_p
     _, again = run(new, 1, checkpoint.load(tmp_path))
     assert again[DROPPED] == [{"source": "books", "step": STEPS}]
     # and a journal's deltas: apply carries it from step to step
-    moved = statefmt.apply(later, {"c": {}, "p": {}}, lambda s: dict.fromkeys(later["sources"], 0.5))
+    half = dict.fromkeys(later["sources"], 0.5)
+    moved = statefmt.apply(later, {"c": {}, "p": {}}, lambda s: half)
     assert moved[DROPPED] == later[DROPPED]
     # back again: it starts over, and its removal stays in the record
     back = _edit(new, sources=lambda ss: ss + [s for s in plan.model_dump(mode="json")["sources"]
@@ -319,7 +320,8 @@ def test_overlord_diff_prints_each_change_and_fails_when_one_is_refused(
     assert "allowed  sources.books: in the checkpoint -> (none): removed" in out
     assert "refused  seed: 1234 -> 5: it decides the items of 'web', 'code'" in out
     assert "1 refused" in out and "the plan cannot resume this checkpoint" in out
-    code, out = _diff(str(root / "ckpt" / f"step-{STEPS:08d}.json"), str(_write(old, root / "o.yaml")))
+    same = _write(old, root / "o.yaml")
+    code, out = _diff(str(root / "ckpt" / f"step-{STEPS:08d}.json"), str(same))
     assert code == 0 and "no change" in out
 
 
