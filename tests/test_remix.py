@@ -18,7 +18,7 @@ import pytest
 
 from conftest import make_corpus
 from overlord import Loader, checkpoint, load_plan
-from overlord.errors import CheckpointError
+from overlord.errors import CheckpointError, LoaderError
 from overlord.ops.cli import main
 from overlord.plan.spec import Plan, validate_plan
 from overlord.state import format as statefmt
@@ -335,3 +335,40 @@ def test_overlord_diff_names_a_recorded_file_that_changed(plan: Plan, tmp_path: 
     code, out = _diff(str(tmp_path / "ckpt"), str(root))
     assert code == 1
     assert "refused  files: as recorded -> changed: source 'web': file data/web/b.jsonl" in out
+
+
+def test_a_trainer_reconnects_to_a_resumed_job_with_the_checkpoint_of_before_the_change(
+    job_plan: Path,
+) -> None:
+    """A job served from a checkpoint with a source removed takes that checkpoint back."""
+    from overlord.monitor.figures import Figures
+    from overlord.roles.consumption import Consumption
+    from overlord.roles.ledger import Ledger
+    from overlord.roles.rewind import Stamps
+
+    plan = _edit(load_plan(job_plan), sources=lambda ss: [s for s in ss if s["name"] == "web"])
+    web = {
+        "fingerprint": plan.source_fingerprint("web"),
+        "cursor": {"epoch": 0, "shard_pos": 0, "index": 3, "skip": []},
+        "placed": 192.0,
+        "target": 192.0,
+    }
+    ledger = Ledger(plan, {})
+    dropped = [{"source": "code", "step": 3}]
+    ledger.restart(3, {"step": 3, "sources": {"web": web}, DROPPED: dropped})
+    rewound: list[int] = []
+    consumption = Consumption(
+        plan, Figures(plan.source_names, 1), ledger, planned=lambda: 3,
+        settle=lambda before, done: None, rewind=lambda s: rewound.append(int(s["step"])),
+        stamps=Stamps(None),
+    )  # fmt: skip
+    consumption.restart(3)
+    consumption.origin = ledger.at(3)
+    code = {**web, "fingerprint": "0" * 16}  # the removed source, as the old plan read it
+    old = {"version": statefmt.STATE_VERSION, "fingerprint": "1" * 16, "step": 3,
+           "sources": {"web": web, "code": code}}  # fmt: skip
+    assert consumption.reconnect(0, old) == 3 and rewound == [3]
+    ahead = {**web, "cursor": {**web["cursor"], "index": 4}}  # not where the job started
+    moved = {**old, "sources": {**old["sources"], "web": ahead}}
+    with pytest.raises(LoaderError, match="carries no stamp of this job"):
+        consumption.reconnect(0, moved)

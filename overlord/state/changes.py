@@ -268,12 +268,16 @@ def _field_changes(
                                   _SETTINGS_WHY))  # fmt: skip
     a_all, b_all = before.model_dump(mode="json"), plan.model_dump(mode="json")
     for top in sorted((set(a_all) | set(b_all)) - {"sources"}):
-        whole = top == "mixture"  # a schedule is one value: its points move together
-        pairs = (
-            [(top, a_all.get(top), b_all.get(top))]
-            if whole
-            else list(_leaves(a_all.get(top), b_all.get(top), top))
-        )
+        a, b = a_all.get(top), b_all.get(top)
+        if top == "mixture":  # a schedule is one value: its points move together
+            if isinstance(a, dict) and isinstance(b, dict) and a["interpolation"] == b[
+                "interpolation"
+            ]:
+                pairs = [("mixture.schedule", a["schedule"], b["schedule"])]
+            else:
+                pairs = [(top, a, b)]
+        else:
+            pairs = list(_leaves(a, b, top))
         for path, a, b in pairs:
             if a == b:
                 continue
