@@ -372,3 +372,17 @@ def test_a_trainer_reconnects_to_a_resumed_job_with_the_checkpoint_of_before_the
     moved = {**old, "sources": {**old["sources"], "web": ahead}}
     with pytest.raises(LoaderError, match="carries no stamp of this job"):
         consumption.reconnect(0, moved)
+
+
+def test_a_client_of_a_resumed_loader_accepts_the_checkpoint_it_started_from(
+    plan: Plan, before: Any
+) -> None:
+    _, state, _ = before
+    new = ALLOWED["a source removed"](_without_news(plan))
+    with Loader(new, state=state) as loader:
+        client = loader.client(0)
+        client.load_state_dict(state)  # the position it started from: nothing to do
+        next(client)
+        with pytest.raises(CheckpointError, match=r"expected 4 \(checkpoint\), found 5"):
+            client.load_state_dict(state)
+        client.close()
