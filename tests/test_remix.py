@@ -386,3 +386,19 @@ def test_a_client_of_a_resumed_loader_accepts_the_checkpoint_it_started_from(
         with pytest.raises(CheckpointError, match=r"expected 4 \(checkpoint\), found 5"):
             client.load_state_dict(state)
         client.close()
+
+
+def test_a_planner_restarted_from_its_journal_keeps_the_record_of_a_removed_source(
+    plan: Plan, before: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from support.jobs import restart_planner, run_job
+
+    _, state, _ = before
+    new = ALLOWED["a source removed"](_without_news(plan))
+    journal = {**new.recovery.model_dump(mode="json"), "journal_dir": str(tmp_path)}
+    new = _edit(new, recovery=journal)
+    plain = run_job(new, steps=STEPS + 4, state=state)
+    restarted = run_job(new, {(STEPS + 2, 0): restart_planner}, steps=STEPS + 4, state=state)
+    assert any("restarted from its journal" in r.getMessage() for r in caplog.records)
+    assert restarted.lines == plain.lines
+    assert restarted.state[DROPPED] == plain.state[DROPPED] == [{"source": "books", "step": STEPS}]
