@@ -402,3 +402,27 @@ def test_a_planner_restarted_from_its_journal_keeps_the_record_of_a_removed_sour
     assert any("restarted from its journal" in r.getMessage() for r in caplog.records)
     assert restarted.lines == plain.lines
     assert restarted.state[DROPPED] == plain.state[DROPPED] == [{"source": "books", "step": STEPS}]
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_a_job_on_ray_resumed_with_a_changed_plan_takes_trainers_with_the_old_checkpoint(
+    ray_session: Any, plan: Plan, before: Any
+) -> None:
+    from overlord import connect
+    from overlord.ops.run import dump_line
+
+    _, state, _ = before
+    new = _edit(ALLOWED["a source removed"](_without_news(plan)), world={"dp": 2})
+    want = []
+    with Loader(new, state=state) as loader:
+        local = [loader.client(r) for r in range(2)]
+        want = [dump_line(next(c)) for _ in range(3) for c in local]
+    with Loader(new, runtime="ray", job="t-remix", state=state):
+        clients = [connect("t-remix", rank=r, state=state, stop_step=STEPS + 3) for r in range(2)]
+        got = [dump_line(next(c)) for _ in range(3) for c in clients]
+        after = clients[0].state_dict()
+        for c in clients:
+            c.close()
+    assert got == want
+    assert after[DROPPED] == [{"source": "books", "step": STEPS}]
