@@ -24,6 +24,7 @@ may have changed. :func:`classify` is pure: ``overlord diff`` prints it, and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +87,6 @@ def _show(value: Any) -> str:
 
 
 def _compact(value: Any) -> str:
-    import json
-
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return text if len(text) <= 120 else text[:117] + "..."
 
