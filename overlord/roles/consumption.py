@@ -352,8 +352,9 @@ class Consumption:
             if kept is None or int(kept["step"]) != step:
                 continue
             # the sources both hold: a checkpoint of before a resume that added or removed
-            # sources (overlord.state.changes) is the state the job started from
+            # sources (overlord.state.changes) is the state the job started from (one that
+            # shares none is refused before, by check_state)
             ours = {n: s["cursor"] for n, s in kept["sources"].items() if n in mine}
-            if ours and ours == {n: c for n, c in mine.items() if n in ours}:
+            if ours == {n: c for n, c in mine.items() if n in ours}:
                 return True
         return False
