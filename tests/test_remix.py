@@ -315,6 +315,9 @@ def test_overlord_diff_prints_each_change_and_fails_when_one_is_refused(
     assert "allowed  sources.news: (none) -> in the plan: added" in out
     assert out.rstrip().endswith("1 allowed, 0 refused")
     reseeded = _write(_edit(ALLOWED["a source removed"](old), seed=5), root / "reseeded.yaml")
+    gone = _write(_edit(old, sources=_source("books", path="data/gone/*")), root / "gone.yaml")
+    code, out = _diff(str(root / "ckpt"), str(reseeded), "--was", str(gone))  # its files gone
+    assert "refused  seed: 1234 -> 5" in out
     code, out = _diff(str(root / "ckpt"), str(reseeded), "--was", str(was))
     assert code == 1
     assert "allowed  sources.books: in the checkpoint -> (none): removed" in out

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from overlord.errors import CheckpointError
 from overlord.plan.spec import Plan
+from overlord.plan.spec import load_plan as plan_document
 from overlord.plans import load_plan
 from overlord.sources.catalog import job_files
 from overlord.state import checkpoint
@@ -47,7 +48,8 @@ def run_diff(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise CheckpointError(f"no checkpoint (step-*.json) in {path}")
     state = checkpoint.load(where)
     plan = load_plan(args.plan)
-    before = load_plan(args.was) if args.was else None
+    # the old plan as a document alone: the files of a source it had may be gone
+    before = plan_document(args.was) if args.was else None
     checkpoint.check_document(state, plan)
     changes = classify(state, plan, before)
     if not any(c.field == "sources" and not c.allowed for c in changes):
