@@ -267,7 +267,7 @@ def test_resume_into_a_plan_that_reads_sources_differently(
     capsys.readouterr()
     assert main(["run", str(other), "--steps", "4", "--resume", str(ck)]) == 1
     err = capsys.readouterr().err
-    assert "source 'web': expected fingerprint" in err and "source 'code'" in err
+    assert "refused  sources.web: fingerprint" in err and "refused  sources.code" in err
 
 
 def test_checkpoint_every_needs_a_checkpoint_dir(

@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, serve, status."""
+"""``overlord``: demo, validate, run, plan, serve, status, diff."""
 
 from __future__ import annotations
 
@@ -325,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=positive_int, required=True)
     q.add_argument("--dp", type=int, help="override world.dp")
     q.set_defaults(func=_cmd_plan)
+
+    from overlord.ops import diff
+
+    diff.register(sub)
     return p
 
 

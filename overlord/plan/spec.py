@@ -329,11 +329,24 @@ class Plan(_Model):
     def source_fingerprint(self, name: str) -> str:
         """Hash of what decides one source's items and their order (checked on resume).
 
-        The source's files are not in it: the state records them, and a resume
-        checks them file by file (:mod:`overlord.sources.catalog`).
+        The hash of :meth:`source_recipe`. The source's files are not in it: the
+        state records them, and a resume checks them file by file
+        (:mod:`overlord.sources.catalog`).
         """
         if name in self._fingerprints:
             return self._fingerprints[name]
+        self._fingerprints[name] = fingerprint_of(self.source_recipe(name))
+        return self._fingerprints[name]
+
+    def source_recipe(self, name: str) -> dict[str, Any]:
+        """What decides one source's items and their order, as plain data.
+
+        Keys: ``seed``, ``source`` (its fields, ``loaders``, ``shadows`` and
+        ``storage_options`` left out), ``tokenizer`` (text sources),
+        ``max_seq_len``, ``long_docs``, ``on_error``, ``shuffle``, and ``vision``
+        for image sources. A resume with another plan compares it field by field
+        (:mod:`overlord.state.changes`).
+        """
         spec = next(s for s in self.sources if s.name == name)
         # a field that is not set leaves the hash as it was before the field existed
         unset = {f for f in ("image_field", "dtype", "eos_id") if getattr(spec, f) is None}
@@ -351,9 +364,13 @@ class Plan(_Model):
             data["vision"] = self.vision.model_dump(mode="json")
         if spec.format.pretokenized:
             del data["tokenizer"]  # the plan's tokenizer reads text sources only
-        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        self._fingerprints[name] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        return self._fingerprints[name]
+        return data
+
+
+def fingerprint_of(data: Any) -> str:
+    """The 16 hex digits of the sha256 of ``data``'s canonical JSON (a recipe's fingerprint)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -18,6 +18,7 @@ from overlord.plan.select import MixState
 from overlord.plan.spec import Plan
 from overlord.roles.cursor import SourceCursor
 from overlord.state import format as statefmt
+from overlord.state.changes import DROPPED
 
 
 class Ledger:
@@ -30,10 +31,13 @@ class Ledger:
     def __init__(self, plan: Plan, files: dict[str, Any]):
         self.plan, self.names, self.files = plan, plan.source_names, files
         self._states: dict[int, dict[str, Any]] = {}
+        # sources a resume removed, and at which step: part of every state from then on
+        # (absent while none was, so that a run that removes none writes what it always did)
+        self.dropped: list[dict[str, Any]] = []
 
     def snapshot(self, step: int, cursors: Sequence[SourceCursor], mix: MixState) -> dict[str, Any]:
         """The state before ``step`` of cursors and a mixture that stand there (not kept)."""
-        return {
+        state: dict[str, Any] = {
             "step": step,
             "sources": {
                 n: {
@@ -46,6 +50,9 @@ class Ledger:
                 for i, (n, c) in enumerate(zip(self.names, cursors))
             },
         }
+        if self.dropped:
+            state[DROPPED] = [dict(d) for d in self.dropped]
+        return state
 
     def keep(self, step: int, state: dict[str, Any]) -> None:
         """Keep ``state``, the state before ``step``."""

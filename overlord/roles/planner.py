@@ -49,6 +49,7 @@ from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.rewind import Stamps
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
+from overlord.state.changes import dropped_sources
 from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.planner")
@@ -170,6 +171,8 @@ class Planner:
             np.array([float(sources.get(n, {}).get("placed", 0.0)) for n in self.names]),
         )
         self.start_step = int((state or {}).get("step", 0))
+        # a resume that removed sources drops their state and records it (overlord.state.changes)
+        self.ledger.dropped = dropped_sources(state, self.plan) if state else []
         self.next_step = self.start_step
         self.consumption.restart(self.start_step)
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
