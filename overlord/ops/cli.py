@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, serve, status."""
+"""``overlord``: demo, validate, run, plan, serve, status, replay."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops import replay as replay_command
 from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
@@ -325,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=positive_int, required=True)
     q.add_argument("--dp", type=int, help="override world.dp")
     q.set_defaults(func=_cmd_plan)
+    replay_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.replay
     return p
 
 

@@ -302,10 +302,16 @@ def resume(directory: str | Path, weights: statefmt.Weights) -> Resume | None:
 
 
 class Journal:
-    """Appends the planner's records; starts a segment at every snapshot."""
+    """Appends the planner's records; starts a segment at every snapshot.
 
-    def __init__(self, directory: str | Path, fsync: bool = False):
+    ``keep``: keep every segment, not only those a restarted planner may need, so
+    that any step planned can be rebuilt later (``overlord replay``); a trainers'
+    rewind still starts the journal over from the state rewound to.
+    """
+
+    def __init__(self, directory: str | Path, fsync: bool = False, keep: bool = False):
         self.directory = Path(directory)
+        self.keep = keep
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -423,6 +429,8 @@ class Journal:
     def consumed(self, step: int) -> None:
         """Every rank consumed up to ``step``; drop segments no recovery can start from."""
         self._write({"t": "cons", "s": step})
+        if self.keep:  # a journal kept for replays: every segment stays
+            return
         # a recovery starts from the state before step+1: keep the newest segment
         # that starts at or before it, and those after
         usable = [s for s in self._starts if s <= step + 1]
