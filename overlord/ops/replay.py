@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from overlord.batch import Batch
 from overlord.errors import OutputError
 from overlord.plan.spec import Plan
-from overlord.replay import ReplayError, build, find_point
+from overlord.replays import ReplayError, build, find_point
 from overlord.sources.tokenizers import Tokenizer, make_tokenizer
 
 from .run import close_dump, dump_line, open_dump

@@ -128,9 +128,11 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
             continue
         pairs = [(r.snapshot, r.deltas) for r in segments]
         states, deltas = statefmt.replay(pairs, Schedule(run_plan).named)
-        if deltas:
-            held.append(f"{run.name}: steps {min(deltas)}..{max(deltas)}")
-        if step in deltas:  # planned in this run: the state before it is the journal's
+        # the steps every rank consumed: those planned ahead and never trained are not the run's
+        last = min(max(deltas, default=-1), max(r.consumed for r in segments))
+        if last >= min(deltas, default=0):
+            held.append(f"{run.name}: steps {min(deltas)}..{last}")
+        if step in deltas and step <= last:  # this run's step: the state before it is the journal's
             return Point(run_plan, whole(states[step], run_plan), step, f"journal {run}")
     points = _checkpoints(folder)
     if points:
