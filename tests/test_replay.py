@@ -235,3 +235,27 @@ def test_the_command_writes_the_lines_to_a_file(resumed, tmp_path):
     done = overlord_cli("replay", str(folder), "--step", "99")
     assert done.returncode == 1
     assert "overlord: step 99 is not in" in done.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_a_live_job_replays_by_name(ray_session, tmp_path):
+    """A job on Ray, replayed by its name: a step its planner still keeps, one only its journal
+    holds, and one not planned yet."""
+    plan = _plan(
+        tmp_path,
+        batch={"tokens_per_step": 256, "max_seq_len": 64, "prefetch_steps": 1},
+        recovery={"snapshot_every": 100},  # the live job's journal holds every step from 0
+    )
+    address = ray_session.get_runtime_context().gcs_address
+    with overlord.Loader(plan, runtime="ray", job="t-replay") as loader:
+        clients = [loader.client(r) for r in range(2)]
+        steps = [[next(c) for c in clients] for _ in range(12)]
+        for step in (11, 2):  # kept by the planner (not every rank consumed it); journal only
+            got = overlord.replay("t-replay", step, address=address)
+            for g, w in zip(got, steps[step]):
+                assert (g.step, g.rank, g.samples) == (w.step, w.rank, w.samples)
+                for f in FIELDS:
+                    assert np.array_equal(getattr(g, f), getattr(w, f)), f
+        with pytest.raises(ReplayError, match="step 40 of job 't-replay' is not planned yet"):
+            overlord.replay("t-replay", 40, address=address)
