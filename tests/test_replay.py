@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import make_corpus, overlord_cli
 
 import overlord
+from conftest import make_corpus, overlord_cli
 from overlord.errors import OverlordError
 from overlord.ops.replay import run_replay
 from overlord.ops.run import run_plan

@@ -30,8 +30,8 @@ def placement(batch: Batch) -> list[dict[str, int]]:
     >>> from overlord.batch import Sample
     >>> import numpy as np
     >>> z = np.zeros(0)
-    >>> b = Batch(0, 0, None, None, z, z, z,
-    ...           [Sample("a", "x:0", 3, 0), Sample("a", "x:1", 2, 0), Sample("b", "y:0", 4, 1)], 1.0)
+    >>> samples = [Sample("a", "x:0", 3, 0), Sample("a", "x:1", 2, 0), Sample("b", "y:0", 4, 1)]
+    >>> b = Batch(0, 0, None, None, z, z, z, samples, 1.0)
     >>> placement(b)
     [{'row': 0, 'offset': 0}, {'row': 0, 'offset': 3}, {'row': 1, 'offset': 0}]
     """
