@@ -123,17 +123,9 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
         doc = runs.read_plan(run)
         run_plan = validate_plan(doc["plan"], base_dir=doc["base_dir"])
         run_plans.append(run_plan)
-        segments = journal.recover(run)  # names a damaged record's file and byte
-        if not segments:
-            continue
-        pairs = [(r.snapshot, r.deltas) for r in segments]
-        states, deltas = statefmt.replay(pairs, Schedule(run_plan).named)
-        # the steps every rank consumed: those planned ahead and never trained are not the run's
-        last = min(max(deltas, default=-1), max(r.consumed for r in segments))
-        if last >= min(deltas, default=0):
-            held.append(f"{run.name}: steps {min(deltas)}..{last}")
-        if step in deltas and step <= last:  # this run's step: the state before it is the journal's
-            return Point(run_plan, whole(states[step], run_plan), step, f"journal {run}")
+        found = _journal_point(run, run_plan, step, held)
+        if found is not None:
+            return found
     points = _checkpoints(folder)
     if points:
         held.append("checkpoints at steps " + ", ".join(str(s) for s, _ in points))
@@ -157,6 +149,35 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
             "its run: give the plan it ran (--plan)"
         )
     return Point(found, _planned_forward(found, state, step), step, f"checkpoint {path}")
+
+
+def _journal_point(run: Path, plan: Plan, step: int, held: list[str]) -> Point | None:
+    """The state before ``step`` from one run's kept journal, or None (said in ``held``).
+
+    Reads two segments at most: the newest that starts at or before ``step``,
+    and the last (where the run's last consumed step is recorded).
+    """
+    segs = journal.segments(run)
+    if not segs:
+        return None
+    at = [p for p in segs if journal.start_of(p) <= step][-1:]
+    read = journal.recover(run, at + [segs[-1]] if at and at[0] != segs[-1] else [segs[-1]])
+    # the steps every rank consumed: those planned ahead and never trained are not the run's
+    tail = read[-1]
+    last = min(tail.snapshot["step"] + len(tail.deltas) - 1, max(r.consumed for r in read))
+    if last >= journal.start_of(segs[0]):
+        held.append(f"{run.name}: steps {journal.start_of(segs[0])}..{last}")
+    if not at or step > last:
+        return None
+    first = read[0]
+    states, deltas = statefmt.replay([(first.snapshot, first.deltas)], Schedule(plan).named)
+    if step not in deltas:  # a segment torn before the step: every segment of the run
+        states, deltas = statefmt.replay(
+            [(r.snapshot, r.deltas) for r in journal.recover(run)], Schedule(plan).named
+        )
+    if step not in deltas:
+        return None
+    return Point(plan, whole(states[step], plan), step, f"journal {run}")
 
 
 def _checkpoints(folder: Path) -> list[tuple[int, Path]]:
