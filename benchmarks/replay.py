@@ -163,6 +163,10 @@ def main() -> int:
         got[mode] = r
         print(f"| {mode} | {r['seconds']:.2f} | {r['bytes']:,} | {r['files']} | {r['lived']} |")
     rep, base = got["replay"], got["from the start"]
+    segs = sorted((folder / "journal" / "run-0000").glob("seg-*.log"))
+    at = [p for p in segs if int(p.name[4:-4]) <= step][-1]
+    seg_bytes = at.stat().st_size + (segs[-1].stat().st_size if segs[-1] != at else 0)
+    print(f"\nof the replay's bytes, the two journal segments it reads: {seg_bytes:,}")
     print(
         f"\nreplay: {base['seconds'] / rep['seconds']:.0f}x faster, "
         f"{base['bytes'] / max(rep['bytes'], 1):.0f}x fewer bytes read"
