@@ -123,9 +123,9 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
         doc = runs.read_plan(run)
         run_plan = validate_plan(doc["plan"], base_dir=doc["base_dir"])
         run_plans.append(run_plan)
-        found = _journal_point(run, run_plan, step, held)
-        if found is not None:
-            return found
+        point = _journal_point(run, run_plan, step, held)
+        if point is not None:
+            return point
     points = _checkpoints(folder)
     if points:
         held.append("checkpoints at steps " + ", ".join(str(s) for s, _ in points))
@@ -140,15 +140,15 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
         raise ReplayError(f"step {step} is not in {folder}'s range: " + "; ".join(held))
     start, path = earlier[-1]
     state = checkpoint.load(path)
-    found = plan or next(
+    chosen = plan or next(
         (p for p in run_plans if p.stream_fingerprint() == state.get("fingerprint")), None
     )
-    if found is None:
+    if chosen is None:
         raise ReplayError(
             f"step {step} replays from the checkpoint {path}, and {folder} keeps no plan of "
             "its run: give the plan it ran (--plan)"
         )
-    return Point(found, _planned_forward(found, state, step), step, f"checkpoint {path}")
+    return Point(chosen, _planned_forward(chosen, state, step), step, f"checkpoint {path}")
 
 
 def _journal_point(run: Path, plan: Plan, step: int, held: list[str]) -> Point | None:

@@ -92,7 +92,8 @@ def test_a_run_with_a_checkpoint_folder_keeps_its_journal_one_folder_per_run(res
     assert runs == ["run-0000", "run-0001"]
     for run in runs:  # every segment kept (snapshots every 5 steps), and the plan it ran
         segs = sorted(p.name for p in (folder / "journal" / run).glob("seg-*.log"))
-        assert len(segs) >= 2, segs
+        firsts = (0, 5, 10) if run == "run-0000" else (8, 10, 15)
+        assert segs[:3] == [f"seg-{s:010d}.log" for s in firsts], segs
         assert json.loads((folder / "journal" / run / "plan.json").read_text())["plan"]["seed"]
     assert sorted(p.name for p in folder.glob("step-*.json"))[0] == "step-00000004.json"
 
@@ -153,6 +154,12 @@ def test_from_checkpoints_alone_a_step_is_planned_forward(resumed, tmp_path):
     for step in (10, 15):  # from the checkpoints at 8 and 12, planned two and three steps
         got = _replayed(bare, step, plan=plan)
         assert [g.split(',"placement"')[0] + "}" for g in got] == lines[step]
+    # a kept run's plan.json (its segments gone) is found by the checkpoint's fingerprint
+    shutil.copytree(folder / "journal", bare / "journal")
+    for seg in (bare / "journal").rglob("seg-*.log"):
+        seg.unlink()
+    got = _replayed(bare, 10)
+    assert [g.split(',"placement"')[0] + "}" for g in got] == lines[10]
 
 
 def test_a_mesh_replays_every_global_rank(tmp_path):
