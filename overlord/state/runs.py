@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +51,8 @@ def new_run(root: str | Path, plan: dict[str, Any], base_dir: str, start: int) -
             except FileExistsError:
                 n += 1
         doc = {"plan": plan, "base_dir": base_dir, "start": start}
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
+        tmp = folder / f".{PLAN_FILE}.tmp"  # the folder is this run's alone: a fixed name
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, folder / PLAN_FILE)
     except OSError as e:
         raise CheckpointError(
