@@ -266,3 +266,17 @@ def test_a_live_job_replays_by_name(ray_session, tmp_path):
                     assert np.array_equal(getattr(g, f), getattr(w, f)), f
         with pytest.raises(ReplayError, match="step 40 of job 't-replay' is not planned yet"):
             overlord.replay("t-replay", 40, address=address)
+
+
+def test_a_resume_on_another_dp_size_replays_with_its_own_ranks(tmp_path):
+    """Each run's journal keeps its own plan: the steps of a run resumed on 4 ranks have 4."""
+    plan = _plan(tmp_path)
+    folder = tmp_path / "ckpt"
+    first = _by_step(_run(plan, 6, folder))
+    second = _by_step(
+        _run(plan.with_dp(4), 10, folder, checkpoint.load(folder / "step-00000004.json"))
+    )
+    for step, lines in ((3, first[3]), (4, second[4]), (9, second[9])):
+        got = _replayed(folder, step)
+        assert len(got) == len(lines) == (2 if step < 4 else 4)
+        assert [g.split(',"placement"')[0] + "}" for g in got] == lines
