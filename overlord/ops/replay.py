@@ -125,7 +125,11 @@ def add_parser(sub: Any, connect_timeout: Any) -> None:
     r.add_argument(
         "--plan", help="the run's plan: only for a folder of checkpoints without a kept journal"
     )
-    r.add_argument("--address", help="the Ray cluster of a live job (default: as connect finds)")
+    r.add_argument(
+        "--address",
+        help="the Ray cluster of a live job (default: RAY_ADDRESS, else the address of the job "
+        "that `overlord serve` serves on this machine)",
+    )
     connect_timeout(r)
     r.set_defaults(func=command)
 
