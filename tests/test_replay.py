@@ -280,3 +280,31 @@ def test_a_resume_on_another_dp_size_replays_with_its_own_ranks(tmp_path):
         got = _replayed(folder, step)
         assert len(got) == len(lines) == (2 if step < 4 else 4)
         assert [g.split(',"placement"')[0] + "}" for g in got] == lines
+
+
+def test_the_text_of_an_hf_tokenizer_is_its_records_text(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3, "data": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    rng = np.random.default_rng(1)
+    words = ["hello", "world", "data"]
+    texts = [" ".join(rng.choice(words, rng.integers(3, 20))) for _ in range(300)]
+    path = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": [{"text": t} for t in texts]}}},
+        tokenizer={"kind": "hf", "path": "tok.json", "eos": "</s>"},
+        batch={"tokens_per_step": 256, "max_seq_len": 64},
+        world={"dp": 2},
+    )
+    folder = tmp_path / "ckpt"
+    _run(overlord.load_plan(path), 6, folder)
+    lines = [json.loads(line) for line in _replayed(folder, 4, text=True)]
+    seen = 0
+    for line in lines:
+        for s, text in zip(line["samples"], line["text"]):
+            row = int(s["id"].split(":")[1])  # whole documents: no '#k' chunk
+            assert text == texts[row] + " </s>"
+            seen += 1
+    assert seen > 4
