@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, serve, status, diff."""
+"""``overlord``: demo, validate, run, plan, serve, status, diff, replay."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops import replay as replay_command
 from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
@@ -329,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     from overlord.ops import diff
 
     diff.register(sub)
+    replay_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.replay
     return p
 
 

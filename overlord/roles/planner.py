@@ -69,7 +69,8 @@ class Planner:
     out (:mod:`overlord.roles.rewind`), its key kept beside its journal.
 
     ``assigners``: how many assigner roles balance a step's groups (0: here;
-    the wiring's ``assigner_count``).
+    the wiring's ``assigner_count``). ``keep_journal``: the journal keeps every
+    segment (a run's journal kept for replays), not only the newest usable.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Planner:
         wait_for_ranks: bool = False,
         pad_id: int = 0,
         assigners: int = 0,
+        keep_journal: bool = False,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self.wait_for_ranks = wait_for_ranks
@@ -100,7 +102,9 @@ class Planner:
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self.figures = Figures(self.names, plan.world.dp)  # what monitoring shows
         self._metrics: MetricsServer | None = None
-        self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
+        self.journal = (
+            Journal(journal, plan.recovery.fsync, keep_journal) if journal is not None else None
+        )
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
         self.ledger = Ledger(plan, self._files)
         self.stamps = Stamps(journal) if wait_for_ranks else None  # states trainers rewind to
@@ -510,6 +514,23 @@ class Planner:
     def metrics_url(self) -> str | None:
         """Where the Prometheus endpoint is (None: ``monitoring.port`` is not set)."""
         return None if self._metrics is None else self._metrics.url
+
+    def replay_point(self, step: int) -> dict[str, Any]:
+        """What ``overlord replay`` of a live job needs to rebuild ``step`` where it runs.
+
+        The plan, the state before ``step`` if the ledger still keeps it (None
+        otherwise), the journal's folder (None: no journal) and the steps planned
+        so far (``next_step``: the first not yet planned). Read only: nothing changes.
+        """
+        kept = step < self.next_step and self.ledger.kept(step) is not None
+        return {
+            "plan": self.plan.model_dump(mode="json"),
+            "base_dir": str(self.plan.base_dir),
+            "state": self.ledger.state_dict(step) if kept else None,
+            "journal": None if self.journal is None else str(self.journal.directory),
+            "first": self.start_step,
+            "next_step": self.next_step,
+        }
 
     def pid(self) -> int:
         """The process the planner runs in (chaos tests kill it)."""

@@ -65,6 +65,15 @@ class BytesTokenizer:
         tokens[is_byte] = data
         return tokens, out_offs
 
+    def decode(self, ids: np.ndarray) -> str:
+        """The text of ``ids`` (what ``overlord replay --text`` shows): ids past 255 left out.
+
+        >>> BytesTokenizer().decode(np.array([104, 105, 256]))
+        'hi'
+        """
+        data = np.asarray(ids)
+        return data[data < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
     def prefix_bytes(self, n: int) -> int:
         """Bytes of text that ``n`` tokens can cover at most: one each."""
         return n
@@ -102,6 +111,10 @@ class HFTokenizer:
             self.eos_id = eos_id
         self.pad_id = self.eos_id if self.eos_id is not None else 0
         self._longest: int | None = None  # bytes of the vocabulary's longest token
+
+    def decode(self, ids: np.ndarray) -> str:
+        """The text of ``ids``, special tokens included (what ``overlord replay --text`` shows)."""
+        return str(self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False))
 
     def prefix_bytes(self, n: int) -> int:
         """Bytes of text that ``n`` tokens can cover, by the vocabulary's longest token.
