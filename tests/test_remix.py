@@ -429,3 +429,27 @@ def test_a_job_on_ray_resumed_with_a_changed_plan_takes_trainers_with_the_old_ch
             c.close()
     assert got == want
     assert after[DROPPED] == [{"source": "books", "step": STEPS}]
+
+
+def test_a_run_with_a_checkpoint_folder_names_a_refused_field_without_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the run keeps its plan beside its journal: diff and run --resume name the field
+    root = make_corpus(
+        tmp_path,
+        {"web": {"files": {"data/web/a.jsonl": _docs("w", 16)}}},
+        batch={"tokens_per_step": 128, "max_seq_len": 64},
+        world={"dp": 1},
+    )
+    ckpt = tmp_path / "ckpt"
+    assert main(["run", str(root), "--steps", "2", "--checkpoint-dir", str(ckpt)]) == 0
+    data = load_plan(root).model_dump(mode="json")
+    data["sources"][0]["text_field"] = "body"
+    changed = _write(validate_plan(data, base_dir=tmp_path), tmp_path / "changed.yaml")
+    code, out = _diff(str(ckpt), str(changed))
+    assert code == 1
+    assert "refused  sources.web.text_field: text -> body" in out
+    capsys.readouterr()
+    assert main(["run", str(changed), "--steps", "4", "--resume", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "sources.web.text_field: text -> body" in err

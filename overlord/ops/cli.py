@@ -21,7 +21,8 @@ from overlord.ops.run import summarize as summarize  # re-exported: its home was
 from overlord.plan.spec import Plan
 from overlord.plans import load_plan
 from overlord.runtime import RUNTIMES
-from overlord.state import checkpoint
+from overlord.state import checkpoint, runs
+from overlord.state.checkpoint import check_state
 
 
 def positive_int(text: str) -> int:
@@ -135,9 +136,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _folder(resume: str) -> Path:
+    """The checkpoint folder of ``--resume`` (a folder, or one of its files)."""
+    return Path(resume) if Path(resume).is_dir() else Path(resume).parent
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     plan = _with_metrics_port(_with_dp(load_plan(args.plan), args.dp), args.metrics_port)
     state = checkpoint.load(args.resume) if args.resume else None
+    if state is not None:  # a changed plan: refused fields named with their old values
+        check_state(state, plan, runs.kept_plan(_folder(args.resume), state.get("fingerprint")))
     if state is not None and int(state["step"]) >= args.steps:
         print(
             f"the checkpoint is at step {state['step']}, nothing to do up to --steps {args.steps}"

@@ -18,7 +18,7 @@ from overlord.plan.spec import Plan
 from overlord.plan.spec import load_plan as plan_document
 from overlord.plans import load_plan
 from overlord.sources.catalog import job_files
-from overlord.state import checkpoint
+from overlord.state import checkpoint, runs
 from overlord.state.changes import Change, classify
 
 
@@ -34,7 +34,8 @@ def register(sub: Any) -> None:
         "--was",
         metavar="OLD_PLAN",
         help="the plan the checkpoint was written with: names every changed field with its "
-        "old and new value (the checkpoint records only fingerprints of them)",
+        "old and new value (the checkpoint records only fingerprints of them; default: the "
+        "plan its run kept in the folder's journal, where there is one)",
     )
     d.set_defaults(func=run_diff)
 
@@ -49,7 +50,12 @@ def run_diff(args: argparse.Namespace, out: TextIO | None = None) -> int:
     state = checkpoint.load(where)
     plan = load_plan(args.plan)
     # the old plan as a document alone: the files of a source it had may be gone
-    before = plan_document(args.was) if args.was else None
+    # (else the plan its run kept beside it, when the folder keeps one)
+    before = (
+        plan_document(args.was)
+        if args.was
+        else runs.kept_plan(where.parent, state.get("fingerprint"))
+    )
     checkpoint.check_document(state, plan)
     changes = classify(state, plan, before)
     if not any(c.field == "sources" and not c.allowed for c in changes):

@@ -47,15 +47,17 @@ _OLD_VERSIONS = {
 }
 
 
-def check_state(state: dict[str, Any], plan: Plan) -> None:
+def check_state(state: dict[str, Any], plan: Plan, before: Plan | None = None) -> None:
     """Raise :class:`CheckpointError` if ``state`` cannot resume ``plan``.
 
     ``plan`` may differ from the checkpoint's: a change that decides a kept
     source's items is refused, naming it; any other is allowed
-    (:func:`overlord.state.changes.classify`).
+    (:func:`overlord.state.changes.classify`). ``before``, the plan the
+    checkpoint was written with where it is known, names each refused field
+    with its old and new value.
     """
     check_document(state, plan)
-    problems = refused(classify(state, plan))
+    problems = refused(classify(state, plan, before))
     if problems:
         raise CheckpointError(
             "the checkpoint cannot resume this plan: these changes would make its positions "

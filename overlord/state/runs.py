@@ -6,7 +6,9 @@ folder per run (a resumed run starts the next one), beside a ``plan.json``:
 the plan that run planned with, as JSON, and its base folder. A run of its
 own folder: a resumed run's planner must not take the journal of the run
 before for its own (that is how a restarted planner resumes), and a resume
-may change the plan. ``overlord replay`` reads these back; nothing else does.
+may change the plan. ``overlord replay`` reads these back, and a resume with a
+changed plan (``overlord diff``, ``run`` and ``serve --resume``) takes from them
+the plan a checkpoint was written with, to name each changed field.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from overlord.errors import CheckpointError
+from overlord.plan.spec import Plan, validate_plan
 
 _RUN = re.compile(r"^run-(\d{4,})$")
 PLAN_FILE = "plan.json"
@@ -73,3 +76,22 @@ def read_plan(run: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
         raise CheckpointError(f"{path}: field 'plan': missing, not a run's plan document")
     return doc
+
+
+def kept_plan(folder: str | Path, fingerprint: object) -> Plan | None:
+    """The plan of the newest run kept under ``folder/journal`` that wrote ``fingerprint``.
+
+    ``fingerprint``: a checkpoint's ``"fingerprint"`` (its plan's stream
+    fingerprint). None when the folder keeps no run of that plan, or its
+    ``plan.json`` no longer validates (a source's files gone): a checkpoint
+    without its plan is resumed by the fingerprints alone.
+    """
+    for run in reversed(runs(Path(folder) / "journal")):
+        try:
+            doc = read_plan(run)
+            plan = validate_plan(doc["plan"], base_dir=doc.get("base_dir"))
+        except (CheckpointError, ValueError):
+            continue
+        if plan.stream_fingerprint() == fingerprint:
+            return plan
+    return None
