@@ -65,6 +65,23 @@ class BytesTokenizer:
         tokens[is_byte] = data
         return tokens, out_offs
 
+    def encode_spans(self, texts: list[str]) -> tuple[np.ndarray, ...]:
+        """:meth:`encode`, with each token's characters ``[start, end)`` in its text.
+
+        The end-of-document id has none (-1, -1).
+
+        >>> [a.tolist() for a in BytesTokenizer().encode_spans(["é!"])]
+        [[195, 169, 33, 256], [0, 4], [0, 0, 1, -1], [1, 1, 2, -1]]
+        """
+        tokens, offsets = self.encode(pa.array(texts, pa.large_string()))
+        starts = np.full(len(tokens), -1, np.int64)
+        for text, a in zip(texts, offsets[:-1].tolist()):
+            data = np.frombuffer(text.encode(), np.uint8)
+            # a byte's character: the characters that start at or before it, less one
+            starts[a : a + len(data)] = np.cumsum((data & 0xC0) != 0x80) - 1
+        ends = np.where(starts >= 0, starts + 1, -1)
+        return tokens, offsets, starts, ends
+
     def prefix_bytes(self, n: int) -> int:
         """Bytes of text that ``n`` tokens can cover at most: one each."""
         return n
@@ -140,6 +157,25 @@ class HFTokenizer:
             size *= 2
         tokens, _ = self.encode(pa.array([bytes(data).decode()], pa.large_string()))
         return tokens[:n]
+
+    def encode_spans(self, texts: list[str]) -> tuple[np.ndarray, ...]:
+        """:meth:`encode`, with each token's characters ``[start, end)`` in its text.
+
+        ``encode_batch`` (not its ``_fast`` variant, which leaves offsets out); an end of
+        document appended (``eos``) has none: ``(-1, -1)``.
+        """
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        extra = 0 if self.eos_id is None else 1
+        lengths = np.fromiter((len(e) + extra for e in encodings), np.int64, len(encodings))
+        offs = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        tokens = np.full(offs[-1], -1 if self.eos_id is None else self.eos_id, np.int32)
+        spans = np.full((offs[-1], 2), -1, np.int64)
+        for e, a in zip(encodings, offs[:-1].tolist()):
+            n = len(e)
+            if n:
+                tokens[a : a + n] = e.ids
+                spans[a : a + n] = e.offsets
+        return tokens, offs, spans[:, 0].copy(), spans[:, 1].copy()
 
     def token_id(self, token: str) -> int | None:
         """The id of ``token`` in the vocabulary, None if it has none."""
