@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import make_corpus
 from overlord import Loader, load_plan
@@ -181,6 +183,44 @@ def test_the_mask_equals_the_contents_found_on_a_template_without_marks(tmp_path
         )
         ends = [m for t, m in zip(got_tokens, got_mask) if t == im_end]
         assert ends.count(1) == sum(c["role"] == "assistant" for c in conversation)
+
+
+TEXT = st.lists(st.sampled_from([*"ab hé日\n\t,!", "<|im_end|>", "the "]), max_size=12).map("".join)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[dict[str, str]]:
+    """A system turn or not, then turns of any role order, with at least one assistant."""
+    turns = []
+    if draw(st.booleans()):
+        turns.append({"role": "system", "content": draw(TEXT)})
+    roles = draw(st.lists(st.sampled_from(["user", "assistant"]), min_size=1, max_size=5))
+    for role in [*roles, "assistant"] if "assistant" not in roles else roles:
+        turns.append({"role": role, "content": draw(TEXT)})
+    return turns
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(conversations(), min_size=1, max_size=4))
+@pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
+def test_any_conversation_masks_as_the_reference_does(
+    tmp_path: Path, template: Path, convs: list[Any]
+) -> None:
+    folder = tmp_path / "any"
+    if not (folder / "plan.yaml").exists():
+        chat_plan(folder, [{"messages": CONVERSATIONS[0]}], template=template)
+    reference = hf_reference if template == MARKED else search_reference
+    piece, tokens, masks = overlord_piece(folder / "plan.yaml", convs)
+    # a conversation whose assistant turns render to nothing has no assistant token: bad
+    empty = [i for i, _ in piece.bad]
+    for i, conversation in enumerate(convs):
+        ids, mask = reference(folder / "tok", conversation)
+        if i in empty:
+            assert sum(mask) == 0
+            continue
+        assert (tokens[i], masks[i]) == (ids, mask)
 
 
 def test_the_template_file_of_the_plan_wins_over_the_config(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ class ChatTemplate:
         eot = self.tokens.get("eos_token")
         spans, at = [], 0
         for k, m in enumerate(messages):
-            if m["role"] != "assistant" or not m["content"]:
+            if m["role"] != "assistant":
                 continue
             content = m["content"]
             start = text.find(content, at)
@@ -133,7 +133,8 @@ class ChatTemplate:
                 rest = len(text) - len(text[end:].lstrip())
                 if text.startswith(eot, rest):
                     end = rest + len(eot)
-            spans.append((start, end))
+            if end > start:  # an empty content followed by no end of turn: nothing to learn
+                spans.append((start, end))
             at = end
         return spans
 
