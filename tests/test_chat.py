@@ -223,6 +223,18 @@ def test_any_conversation_masks_as_the_reference_does(
         assert (tokens[i], masks[i]) == (ids, mask)
 
 
+def test_the_appended_end_of_document_is_never_learned(tmp_path: Path) -> None:
+    tok = {"kind": "hf", "path": "tok/tokenizer.json", "eos": "<|endoftext|>"}
+    plan = chat_plan(tmp_path, [{"messages": CONVERSATIONS[0]}], tokenizer=tok)
+    _, tokens, masks = overlord_piece(plan, CONVERSATIONS)
+    eos = tokenizers.Tokenizer.from_file(str(tmp_path / "tok/tokenizer.json")).token_to_id(
+        "<|endoftext|>"
+    )
+    for conversation, got_tokens, got_mask in zip(CONVERSATIONS, tokens, masks):
+        ids, mask = hf_reference(tmp_path / "tok", conversation)
+        assert (got_tokens, got_mask) == (ids + [eos], mask + [0])
+
+
 def test_the_template_file_of_the_plan_wins_over_the_config(tmp_path: Path) -> None:
     tok = {"kind": "hf", "path": "tok/tokenizer.json", "chat_template": str(PLAIN)}
     plan = chat_plan(tmp_path, [{"messages": CONVERSATIONS[0]}], tokenizer=tok)
@@ -482,3 +494,28 @@ def test_the_bytes_tokenizer_with_a_template_file(tmp_path: Path) -> None:
     assert piece.mask is not None
     text = bytes(piece.tokens[piece.mask == 1].tolist()).decode()
     assert text == "\nhello to you<|im_end|>\n"  # the generation block's output, byte for byte
+
+
+def test_pipeline_stages_get_the_masked_labels_on_the_last(tmp_path: Path) -> None:
+    plan = chat_plan(tmp_path, records(20), world={"dp": 1, "pp": 2})
+    by_id = {f"data/chat/a.jsonl:{i}": r["messages"] for i, r in enumerate(records(20))}
+    with Loader(plan) as loader:
+        clients = [loader.rank_client(r) for r in range(2)]  # both before either takes a step
+        first, last = (next(c) for c in clients)
+    assert (first.step, last.step) == (0, 0)
+    assert first.labels is None and last.input_ids is None
+    whole = SimpleNamespace(input_ids=first.input_ids, labels=last.labels, samples=last.samples)
+    assert check_batch(whole, tmp_path / "tok", by_id) > 0
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_the_mask_travels_through_rays_object_store(ray_session: Any, tmp_path: Path) -> None:
+    plan = chat_plan(tmp_path, records(30), world={"dp": 2})
+    with Loader(load_plan(plan), runtime="ray") as loader:
+        clients = [loader.client(r) for r in range(2)]
+        on_ray = [next(c) for c in clients]
+    for got, want in zip(on_ray, batches(plan, 1)):
+        assert [s.id for s in got.samples] == [s.id for s in want.samples]
+        assert (got.labels == want.labels).all() and (got.input_ids == want.input_ids).all()
+        assert (got.labels == IGNORE_INDEX).sum() > (want.segment_ids == 0).sum()

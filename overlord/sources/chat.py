@@ -280,9 +280,12 @@ def encode_chat(
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     mask = None
     if assistant:
-        mask = np.zeros(len(tokens), np.uint8)
-        for r, a, b in zip(rendered, offs[:-1].tolist(), offs[1:].tolist()):
-            mask[a:b] = assistant_mask(starts[a:b], ends[a:b], r.spans)
+        # one call for the piece: every text's characters placed after the previous text's
+        base = np.cumsum([0] + [len(r.text) + 1 for r in rendered])
+        shift = np.repeat(base[:-1], np.diff(offs))
+        spans = [(a + at, b + at) for r, at in zip(rendered, base.tolist()) for a, b in r.spans]
+        real = starts >= 0  # the appended end of document stays outside every span
+        mask = assistant_mask(np.where(real, starts + shift, -1), ends + shift, spans)
     return ChatPiece(tokens, offsets, mask, bad)
 
 

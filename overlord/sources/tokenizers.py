@@ -165,17 +165,21 @@ class HFTokenizer:
         document appended (``eos``) has none: ``(-1, -1)``.
         """
         encodings = self._tok.encode_batch(texts, add_special_tokens=False)
-        extra = 0 if self.eos_id is None else 1
-        lengths = np.fromiter((len(e) + extra for e in encodings), np.int64, len(encodings))
-        offs = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-        tokens = np.full(offs[-1], -1 if self.eos_id is None else self.eos_id, np.int32)
-        spans = np.full((offs[-1], 2), -1, np.int64)
-        for e, a in zip(encodings, offs[:-1].tolist()):
-            n = len(e)
-            if n:
-                tokens[a : a + n] = e.ids
-                spans[a : a + n] = e.offsets
-        return tokens, offs, spans[:, 0].copy(), spans[:, 1].copy()
+        chain = itertools.chain.from_iterable
+        count = sum(len(e) for e in encodings)
+        ids = np.fromiter(chain(e.ids for e in encodings), np.int32, count)
+        pairs = np.fromiter(chain(chain(e.offsets) for e in encodings), np.int64, 2 * count)
+        lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
+        if self.eos_id is None:
+            offs = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+            return ids, offs, pairs[0::2].copy(), pairs[1::2].copy()
+        offs = np.concatenate(([0], np.cumsum(lengths + 1))).astype(np.int64)
+        is_id = np.ones(offs[-1], dtype=bool)
+        is_id[offs[1:] - 1] = False
+        tokens = np.full(offs[-1], self.eos_id, np.int32)
+        starts, ends = np.full(offs[-1], -1, np.int64), np.full(offs[-1], -1, np.int64)
+        tokens[is_id], starts[is_id], ends[is_id] = ids, pairs[0::2], pairs[1::2]
+        return tokens, offs, starts, ends
 
     def token_id(self, token: str) -> int | None:
         """The id of ``token`` in the vocabulary, None if it has none."""
