@@ -471,6 +471,28 @@ def test_a_template_cannot_run_code(tmp_path: Path) -> None:
     assert len(found) == 1 and "refused it" in found[0]
 
 
+def test_templates_get_what_transformers_gives_them_and_nothing_more() -> None:
+    from overlord.sources.chat import ChatTemplate
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    used = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+        "{{ ns.n }} {{ dict(a=1) | tojson }} {{ tools is none }} {{ strftime_now is defined }}"
+        "{% generation %}{{ messages[-1].content }}{{ eos_token }}{% endgeneration %}"
+    )
+    got = ChatTemplate(used, "t", {"eos_token": "</s>"}).render(messages)
+    assert got.text == '2 {"a": 1} True Falseok</s>'
+    assert got.spans == [(len(got.text) - 6, len(got.text))]
+    for evil in (
+        "{% set ns = namespace(__class__=1) %}",
+        "{{ messages.__class__.__mro__ }}",
+        "{{ messages.append(1) }}",  # the immutable sandbox: no change to the data
+        "{{ raise_exception('no') }}",
+    ):
+        with pytest.raises(ChatRecordError, match="refused it"):
+            ChatTemplate(evil, "t").render(messages)
+
+
 def test_the_plan_names_what_a_chat_source_cannot_have() -> None:
     data = {
         "sources": [{"name": "c", "path": "x/*", "format": "chat", "transform": "m:f"}],
@@ -519,3 +541,28 @@ def test_the_mask_travels_through_rays_object_store(ray_session: Any, tmp_path: 
         assert [s.id for s in got.samples] == [s.id for s in want.samples]
         assert (got.labels == want.labels).all() and (got.input_ids == want.input_ids).all()
         assert (got.labels == IGNORE_INDEX).sum() > (want.segment_ids == 0).sum()
+
+
+@pytest.mark.parametrize("policy", ["split", "truncate"])
+def test_long_conversations_cut_their_mask_with_their_tokens(tmp_path: Path, policy: str) -> None:
+    plan = chat_plan(
+        tmp_path,
+        records(12),
+        batch={"max_seq_len": 48, "tokens_per_step": 480, "long_docs": policy},
+    )
+    by_id = {f"data/chat/a.jsonl:{i}": r["messages"] for i, r in enumerate(records(12))}
+    chunks = 0
+    for batch in batches(plan, 3):
+        ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
+        used: dict[int, int] = {}
+        for s in batch.samples:
+            at = s.row * 48 + used.get(s.row, 0)
+            used[s.row] = used.get(s.row, 0) + s.tokens
+            base, _, k = s.id.partition("#")
+            first = 48 * int(k) if k else 0
+            chunks += bool(k)
+            tokens, mask = hf_reference(tmp_path / "tok", by_id[base])
+            tokens, mask = tokens[first : first + s.tokens], mask[first : first + s.tokens]
+            assert ids[at : at + s.tokens].tolist() == tokens
+            assert labels[at : at + s.tokens].tolist() == expected_labels(tokens, mask)
+    assert (chunks > 0) == (policy == "split")

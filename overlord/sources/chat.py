@@ -81,6 +81,10 @@ class ChatTemplate:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
+        # as transformers hardens them: no dunder names on a namespace, a dict() of its own.
+        # No strftime_now: a template that reads the date would make the stream depend on it
+        env.globals["dict"] = _TemplateDict()
+        env.globals["namespace"] = _namespace_class()
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as e:
@@ -96,12 +100,16 @@ class ChatTemplate:
         token = _TRACKING.set((blocks, spans))
         try:
             for block in self._template.generate(
-                messages=messages, add_generation_prompt=False, **self.tokens
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=False,
+                **self.tokens,
             ):
                 blocks.append(block)
         except jinja2.TemplateError as e:  # raise_exception, or the sandbox refusing
             raise ChatRecordError(f"the chat template {self.where} refused it: {e}") from None
-        except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
+        except Exception as e:  # a template is code of the data's: its failure is the record's
             raise ChatRecordError(f"the chat template {self.where} failed on it: {e!r}") from None
         finally:
             _TRACKING.reset(token)
@@ -185,6 +193,42 @@ def _tojson(
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+class _TemplateDict:
+    """``dict`` for a template: a call and ``fromkeys``, nothing else of the type to reach."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+@functools.cache
+def _namespace_class() -> type:
+    """Jinja's ``namespace``, refusing names that start with an underscore."""
+    import jinja2
+    import jinja2.utils
+
+    def check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template cannot set {name!r} on a namespace (a name starting with _)"
+            )
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature: self in args
+            self, rest = args[0], args[1:]
+            for name in dict(*rest, **kwargs):
+                check(name)
+            jinja2.utils.Namespace.__init__(self, *rest, **kwargs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
 
 
 def _raise_exception(message: str) -> None:
