@@ -566,3 +566,21 @@ def test_long_conversations_cut_their_mask_with_their_tokens(tmp_path: Path, pol
             assert ids[at : at + s.tokens].tolist() == tokens
             assert labels[at : at + s.tokens].tolist() == expected_labels(tokens, mask)
     assert (chunks > 0) == (policy == "split")
+
+
+def test_a_resumed_chat_job_continues_with_the_same_masked_labels(tmp_path: Path) -> None:
+    plan = chat_plan(tmp_path, records(30), world={"dp": 1})
+    with Loader(plan) as loader:
+        client = loader.client(0)
+        whole = [next(client) for _ in range(4)]
+    with Loader(plan) as loader:
+        client = loader.client(0)
+        for _ in range(2):
+            next(client)
+        state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint holds it
+    with Loader(plan, state=state) as loader:
+        client = loader.client(0)
+        resumed = [next(client) for _ in range(2)]
+    for got, want in zip(resumed, whole[2:]):
+        assert (got.step, [s.id for s in got.samples]) == (want.step, [s.id for s in want.samples])
+        assert (got.labels == want.labels).all() and (got.input_ids == want.input_ids).all()
