@@ -382,9 +382,15 @@ def test_hf_inputs_labels_are_the_assistant_tokens_themselves(tmp_path: Path) ->
     assert hf["labels"].dtype == torch.int64 and seq == 256
 
 
-def test_a_parquet_source_of_message_lists(tmp_path: Path) -> None:
-    plan = chat_plan(tmp_path, records(16), file="a.parquet")
-    by_id = {f"data/chat/a.parquet:{i}": r["messages"] for i, r in enumerate(records(16))}
+@pytest.mark.parametrize(
+    "name, as_text",
+    [("a.parquet", False), ("a.parquet", True), ("a.jsonl.gz", False), ("a.jsonl.zst", False)],
+    ids=["parquet-structs", "parquet-json-text", "gz", "zst"],
+)
+def test_parquet_and_compressed_sources(tmp_path: Path, name: str, as_text: bool) -> None:
+    rows = [{"messages": json.dumps(r["messages"])} for r in records(16)] if as_text else None
+    plan = chat_plan(tmp_path, rows or records(16), file=name)
+    by_id = {f"data/chat/{name}:{i}": r["messages"] for i, r in enumerate(records(16))}
     for batch in batches(plan, 2):
         check_batch(batch, tmp_path / "tok", by_id)
 
