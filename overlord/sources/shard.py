@@ -320,9 +320,9 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     texts = piece.texts
     cap = plan.batch.max_seq_len
     policy = plan.batch.long_docs
-    spec = next(s for s in plan.sources if s.name == window.source)
+    spec = next((s for s in plan.sources if s.name == window.source), None)
     chat = None
-    if spec.format is Format.CHAT:  # rendered by the chat template; a bad record has no token
+    if spec is not None and spec.format is Format.CHAT:  # rendered by the chat template; a bad record has no token
         chat = encode_chat(plan_template(plan), tokenizer, spec, texts)
         tokens, offsets = chat.tokens, chat.offsets
     elif policy is LongDocs.TRUNCATE and piece.images is None:
