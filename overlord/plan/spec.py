@@ -27,6 +27,7 @@ from overlord.plan.kinds import (
     Format,
     Interpolation,
     LongDocs,
+    LossOn,
     OnError,
     TokenDtype,
     TokenizerKind,
@@ -53,12 +54,20 @@ class SourceSpec(_Model):
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
     format: Format = Field(
         description="jsonl (also .jsonl.gz / .jsonl.zst) | parquet | webdataset (image-text) | "
-        "tokens (flat token arrays: .npy, or raw .bin with dtype) | megatron (.idx + .bin)"
+        "tokens (flat token arrays: .npy, or raw .bin with dtype) | megatron (.idx + .bin) | "
+        "chat (conversations: JSONL, or Parquet for .parquet files, rendered by the "
+        "tokenizer's chat template; docs: guides/chat)"
     )
     text_field: str = Field(
         "text",
         description="the record's text: a JSON field, a Parquet column, or a webdataset "
-        "member's extension (else that field of the sample's .json)",
+        "member's extension (else that field of the sample's .json); chat: the field of "
+        "the messages, 'messages' unless given",
+    )
+    loss_on: LossOn = Field(
+        LossOn.ASSISTANT,
+        description="chat: the tokens whose labels are kept: assistant (the assistant "
+        "turns', as the chat template marks them; every other label is -100) | all",
     )
     image_field: str | None = Field(
         None,
@@ -105,6 +114,11 @@ class TokenizerSpec(_Model):
     )
     path: str | None = Field(None, description="tokenizer.json, for kind hf")
     eos: str | None = Field(None, description="hf: token appended to every document")
+    chat_template: str | None = Field(
+        None,
+        description="chat sources: a Jinja chat template file, relative to the plan's folder "
+        "(default: the chat_template of the tokenizer_config.json beside path)",
+    )
 
 
 class SchedulePoint(_Model):
@@ -317,11 +331,14 @@ class Plan(_Model):
             s.pop("loaders")
             s.pop("shadows")
             s.pop("storage_options")
+            s.pop("loss_on")  # which labels are kept: not which samples form a step
             for key in ("image_field", "dtype", "eos_id"):
                 if s[key] is None:  # unset: a text plan's fingerprint stays as it was
                     s.pop(key)
         if data["vision"] is None:
             data.pop("vision")
+        if data["tokenizer"]["chat_template"] is None:  # unset: the fingerprint stays as it was
+            data["tokenizer"].pop("chat_template")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -351,10 +368,14 @@ class Plan(_Model):
         # a field that is not set leaves the hash as it was before the field existed
         unset = {f for f in ("image_field", "dtype", "eos_id") if getattr(spec, f) is None}
         unset |= {"loaders", "shadows", "storage_options"}  # who reads, and how: not the items
+        unset.add("loss_on")  # which labels are kept: not the items nor their order
         data: dict[str, Any] = {
             "seed": self.seed,
             "source": spec.model_dump(mode="json", exclude=unset),
-            "tokenizer": self.tokenizer.model_dump(mode="json"),
+            "tokenizer": self.tokenizer.model_dump(
+                mode="json",
+                exclude={"chat_template"} if self.tokenizer.chat_template is None else set(),
+            ),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
             "on_error": self.on_error.value,
