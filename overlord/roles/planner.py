@@ -301,7 +301,7 @@ class Planner:
         out = []
         for _ in range(steps):
             self._plan_next()
-            self.plans.pop(self.next_step - 1)
+            self._release(self.plans.pop(self.next_step - 1))  # the loaders read on
             self.ledger.forget(self.next_step - 1)
             out.append(self.history[-1])
         return out
