@@ -26,6 +26,7 @@ from overlord.ops.simulate import simulate
 from overlord.plan.budget import token_budget
 from overlord.plan.cost import CostModel
 from overlord.plans import load_plan
+from overlord.sources.window import PIECE_BYTES
 
 STEPS = 24
 DP = 4
@@ -166,6 +167,25 @@ def test_memory_follows_the_read_ahead_budget(tmp_path: Path) -> None:
         assert b["held"] >= 4 * token_budget(plan, 1, name)  # 4 bytes a token, and more
         assert b["total"] == b["loaders"] * (b["per_loader"] + b["shadows"] * b["per_shadow"])
     assert ahead["memory_bytes"] == sum(s["memory"]["total"] for s in ahead["sources"].values())
+
+
+def test_a_simulation_reads_ahead_within_the_budget(tmp_path: Path) -> None:
+    # a source far larger than the steps need: its loader reads what the steps take, its
+    # read-ahead budget and a few pieces past it (lifted while the planner waits), as a
+    # run's loader does, not the source to its end
+    big = {f"data/big/part-{k}.jsonl": _docs("g", 4000, 100, 200, k) for k in range(8)}
+    path = make_corpus(
+        tmp_path,
+        {"big": {"files": big}},
+        batch={"tokens_per_step": 2048, "max_seq_len": 256, "long_docs": "split"},
+        world={"dp": DP},
+    )
+    plan = load_plan(path)
+    sim = simulate(plan, 6)
+    s = sim["sources"]["big"]
+    source_tokens = sum(len(d["text"].encode()) + 1 for docs in big.values() for d in docs)
+    bound = s["tokens"] + token_budget(plan, 1, "big") + 4 * PIECE_BYTES
+    assert s["read_tokens"] <= bound < source_tokens / 2
 
 
 def test_cli_prints_tables_and_writes_json(

@@ -31,6 +31,7 @@ Keys of the result (and of ``--json``), a JSON object:
 - ``steps``, ``dp``, ``seconds`` (the simulation's wall time);
 - ``cost_model``: ``alpha``, ``beta`` (those of the plan, not refitted);
 - ``sources``: per source name, ``tokens``, ``samples``, ``share``, ``target``,
+  ``read_tokens`` (what its loaders tokenized, read-ahead included),
   ``epochs`` (whole epochs read plus the bytes of the current epoch's shards
   passed, to half a shard), ``cpu_s_per_token``, ``tokens_per_step`` (mean,
   and ``peak_tokens_per_step`` of the segment that needs most),
@@ -132,6 +133,7 @@ def summarize_simulation(
         cpu = mean_tokens * per_token
         sources[n] = {
             "tokens": int(tokens[:, i].sum()),
+            "read_tokens": read_tokens,
             "samples": int(samples[:, i].sum()),
             "share": float(share[i]),
             "target": float(target[i]),
