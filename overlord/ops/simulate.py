@@ -33,10 +33,11 @@ Keys of the result (and of ``--json``), a JSON object:
 - ``sources``: per source name, ``tokens``, ``samples``, ``share``, ``target``,
   ``read_tokens`` (what its loaders tokenized, read-ahead included),
   ``epochs`` (whole epochs read plus the bytes of the current epoch's shards
-  passed, to half a shard), ``cpu_s_per_token``, ``tokens_per_step`` (mean,
-  and ``peak_tokens_per_step`` of the segment that needs most),
-  ``cpu_s_per_step`` (mean), ``cores`` (at the peak segment's tokens per
-  step; None without ``step_seconds``) and
+  passed, to half a shard), ``cpu_s_per_token``, ``tokens_per_step`` (mean),
+  ``peak_tokens_per_step``,
+  ``cpu_s_per_step`` (mean), ``cores`` (at ``peak_tokens_per_step``, the
+  schedule's target at the source's highest share in the run; None without
+  ``step_seconds``) and
   ``memory`` (bytes: ``held``, ``text``, ``per_loader``, ``per_shadow``,
   ``loaders``, ``shadows``, ``total``);
 - ``segments``: between schedule points, ``steps`` ``[first, end)``, and
@@ -127,7 +128,9 @@ def summarize_simulation(
         read_tokens = sum(int(s["tokens"]) for s in mine)
         per_token = sum(float(s["read_s"]) for s in mine) / read_tokens if read_tokens else 0.0
         mean_tokens = float(tokens[:, i].mean()) if len(hist) else 0.0
-        peak = max((sum(seg["tokens"][n]) / seg["count"] for seg in segments), default=0.0)
+        # the schedule's target at the source's highest share in the run: what tokenizing
+        # must keep up with at the busiest step, not the tokens one step happened to draw
+        peak = float((weights[:, i] * tokens.sum(axis=1)).max()) if len(hist) else 0.0
         tokens_per_item = float(tokens[:, i].sum()) / max(1, int(samples[:, i].sum()))
         last = next((h["last"][i] for h in reversed(hist) if h["last"][i] is not None), None)
         cpu = mean_tokens * per_token
@@ -150,10 +153,7 @@ def summarize_simulation(
         "dp": plan.world.dp,
         "cost_model": {"alpha": cost.alpha, "beta": cost.beta},
         "sources": sources,
-        "segments": [
-            {"steps": seg["steps"], "share": seg["share"], "target": seg["target"]}
-            for seg in segments
-        ],
+        "segments": segments,
         "balance": _balance(plan, hist),
         "planner": _quantiles(times),
         "memory_bytes": sum(s["memory"]["total"] for s in sources.values()),
@@ -175,7 +175,7 @@ def _shares(tokens: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.nda
 def _segments(
     plan: Plan, steps: int, tokens: np.ndarray, weights: np.ndarray
 ) -> list[dict[str, Any]]:
-    """The run cut at the schedule's points: each part's steps, tokens, shares and targets."""
+    """The run cut at the schedule's points: each part's steps, shares and targets."""
     points = [p.step for p in plan.mixture.schedule] if plan.mixture is not None else []
     cuts = sorted({0, steps, *(p for p in points if 0 < p < steps)})
     names = plan.source_names
@@ -185,8 +185,6 @@ def _segments(
         out.append(
             {
                 "steps": [a, b],
-                "count": b - a,
-                "tokens": {n: tokens[a:b, i].tolist() for i, n in enumerate(names)},
                 "share": dict(zip(names, share.tolist())),
                 "target": dict(zip(names, target.tolist())),
             }
