@@ -211,3 +211,8 @@ def test_cli_names_a_json_it_cannot_write(
     bad = tmp_path / "missing" / "sim.json"
     assert main(["simulate", str(path), "--steps", "1", "--json", str(bad)]) == 1
     assert str(bad) in capsys.readouterr().err
+
+
+def test_a_simulation_of_no_step_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one step"):
+        simulate(load_plan(three_sources(tmp_path)), 0)

@@ -86,6 +86,8 @@ def simulate(
     """Plan ``steps`` steps of ``plan`` from its start, without batches; the figures above."""
     from overlord.ops.run import _progress
 
+    if steps < 1:
+        raise ValueError(f"a simulation plans at least one step, asked for {steps}")
     t0 = time.perf_counter()
     hist: list[dict[str, Any]] = []
     times = np.zeros(steps)
