@@ -271,7 +271,8 @@ def test_resume_into_a_plan_that_reads_sources_differently(
     capsys.readouterr()
     assert main(["run", str(other), "--steps", "4", "--resume", str(ck)]) == 1
     err = capsys.readouterr().err
-    assert "refused  sources.web: fingerprint" in err and "refused  sources.code" in err
+    # the run kept its plan beside its checkpoints: the field is named with both values
+    assert "refused  seed: 1234 -> 99: it decides the items of 'web', 'code'" in err
 
 
 def test_checkpoint_every_needs_a_checkpoint_dir(

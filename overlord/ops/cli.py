@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, serve, status, diff, replay."""
+"""``overlord``: demo, validate, run, plan, simulate, serve, status, diff, replay."""
 
 from __future__ import annotations
 
@@ -208,6 +208,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from overlord.ops.simulate import print_simulation, simulate, write_json
+
+    result = simulate(load_plan(args.plan), args.steps, args.step_seconds, progress=True)
+    if args.json:
+        write_json(args.json, result)
+    print_simulation(result)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from overlord.serve import serve
 
@@ -339,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     diff.register(sub)
     replay_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.replay
+    m = sub.add_parser(
+        "simulate", help="plan a run on the plan's data without batches: mixture, balance, cost"
+    )
+    m.add_argument("plan")
+    m.add_argument("--steps", type=positive_int, default=100, help="steps to plan (0..N-1)")
+    m.add_argument("--step-seconds", type=seconds, help="the trainer's step time: cores needed")
+    m.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+    m.set_defaults(func=_cmd_simulate)
     return p
 
 

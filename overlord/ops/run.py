@@ -172,6 +172,7 @@ def summarize(
     names = stats["sources"]
     ratio = [h["max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
     base = [h["baseline_max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
+    docs = [h["equal_docs_max_cost"] / h["lower_bound"] for h in hist if h["lower_bound"] > 0]
     tok = np.array([h["tokens"] for h in hist]) if hist else np.zeros((0, len(names)))
     want = np.array([h["weights"] for h in hist]) if hist else np.zeros((0, len(names)))
     steps_tokens = tok.sum(axis=1, keepdims=True)
@@ -187,6 +188,8 @@ def summarize(
         "balance_mean": float(np.mean(ratio)) if ratio else 1.0,
         "balance_p95": float(np.percentile(ratio, 95)) if ratio else 1.0,
         "baseline_balance_mean": float(np.mean(base)) if base else 1.0,
+        # a loader that gives every rank the same number of the step's items, unpacked
+        "equal_docs_balance_mean": float(np.mean(docs)) if docs else 1.0,
         "fill_mean": float(np.mean([h["fill"] for h in hist])) if hist else 0.0,
         "mixture": {
             n: {"realized": float(realized[i]), "target": float(target[i])}

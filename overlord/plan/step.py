@@ -161,10 +161,13 @@ def plan_step(
     baseline = rank_costs(item_cost, ref_row, dp, rows_per_rank)
     stats = {
         "tokens": np.bincount(src, weights=tokens, minlength=len(windows)).tolist(),
+        "samples": np.bincount(src, minlength=len(windows)).tolist(),
         "weights": weights.tolist(),
         "max_cost": float(per_rank.max()),
         "mean_cost": float(per_rank.mean()),
         "baseline_max_cost": float(baseline.max()),
+        "equal_docs_max_cost": equal_docs_max_cost(item_cost, dp),
+        "last": last_keys(src, taken["key"], len(windows)),
         "lower_bound": lower_bound(item_cost, dp),
         "fill": float(tokens.sum()) / p.batch.tokens_per_step,
         **(
@@ -174,6 +177,38 @@ def plan_step(
         ),
     }
     return StepColumns(cols, per_rank, stats)
+
+
+def equal_docs_max_cost(cost: np.ndarray, dp: int) -> float:
+    """The most loaded rank's cost under a loader that gives every rank the same number of items.
+
+    The step's items in the order the mixture drew them, item ``i`` to rank
+    ``i % dp`` (as a ``DistributedSampler`` strides), unpacked: each rank's
+    count is within one of every other's, its tokens are whatever they add up
+    to. The baseline "equal documents per rank" of ``benchmarks/balance_e2e.py``,
+    on the step's own items.
+
+    >>> equal_docs_max_cost(np.array([5.0, 1.0, 1.0, 1.0]), 2)
+    6.0
+    """
+    if len(cost) == 0:
+        return 0.0
+    return float(np.bincount(np.arange(len(cost)) % dp, weights=cost, minlength=dp).max())
+
+
+def last_keys(source: np.ndarray, key: np.ndarray, sources: int) -> list[list[int] | None]:
+    """Per source, the furthest key ``[epoch, shard_pos, index]`` of its items; None: none taken.
+
+    >>> last_keys(np.array([0, 0, 1]), np.array([[0, 2, 5], [1, 0, 3], [0, 0, 9]]), 3)
+    [[1, 0, 3], [0, 0, 9], None]
+    """
+    out: list[list[int] | None] = [None] * sources
+    if len(source):
+        order = np.lexsort((key[:, 2], key[:, 1], key[:, 0], source))  # by source, then key
+        ends = np.flatnonzero(np.diff(source[order], append=-1))  # each source's last
+        for i in order[ends].tolist():
+            out[int(source[i])] = [int(k) for k in key[i]]
+    return out
 
 
 def rank_slice(columns: dict[str, np.ndarray], rank: int) -> dict[str, Any]:

@@ -304,11 +304,15 @@ class Planner:
         return out
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
-        """Plan ``steps`` steps without building batches; returns their statistics."""
+        """Plan ``steps`` more steps without building batches; returns their statistics.
+
+        Each step's items are released once planned, as if every rank had
+        consumed it, so that the loaders read on within their budget.
+        """
         out = []
         for _ in range(steps):
             self._plan_next()
-            self.plans.pop(self.next_step - 1)
+            self._release(self.plans.pop(self.next_step - 1))  # the loaders read on
             self.ledger.forget(self.next_step - 1)
             out.append(self.history[-1])
         return out

@@ -51,6 +51,7 @@ decode them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -76,6 +77,12 @@ from overlord.sources.shard import ShardItems, shard_file
 from overlord.sources.tokenizers import source_tokenizer
 
 MAX_QUEUED_BLOCKS = 4096  # metadata blocks waiting for the planner
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+def _metadata_only(items: ShardItems) -> ShardItems:
+    """``items`` without their payloads (tokens, pixels): what a loader of a dry run holds."""
+    return dataclasses.replace(items, tokens=_NO_TOKENS, pixels=None)
 
 
 @dataclass
@@ -200,8 +207,9 @@ class SourceLoader:
         n = len(items)
         progress.next_index[at] = base + n
         keep = self._held.keep_mask(at, base, n)
-        if self.keep_payloads:
-            self._held.add(at, base, items, keep)
+        # without payloads (a dry run) the items' metadata is held all the same: the
+        # read-ahead budget counts it, and the planner's releases let it go
+        self._held.add(at, base, items if self.keep_payloads else _metadata_only(items), keep)
         progress.last = (*at, base + n)
         if self._serving and (*at, base) >= progress.send_from:
             self._queue.append(metadata_block(at, task.file_index, base, items, keep))
