@@ -123,7 +123,7 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
         doc = runs.read_plan(run)
         run_plan = validate_plan(doc["plan"], base_dir=doc["base_dir"])
         run_plans.append(run_plan)
-        point = _journal_point(run, run_plan, step, held)
+        point = journal_point(run, run_plan, step, held)
         if point is not None:
             return point
     points = _checkpoints(folder)
@@ -151,7 +151,7 @@ def _from_folder(folder: Path, step: int, plan: Plan | None) -> Point:
     return Point(chosen, _planned_forward(chosen, state, step), step, f"checkpoint {path}")
 
 
-def _journal_point(run: Path, plan: Plan, step: int, held: list[str]) -> Point | None:
+def journal_point(run: Path, plan: Plan, step: int, held: list[str]) -> Point | None:
     """The state before ``step`` from one run's kept journal, or None (said in ``held``).
 
     Reads two segments at most: the newest that starts at or before ``step``,
@@ -239,4 +239,4 @@ def _from_job(job: str, step: int, address: str | None, timeout: float | None) -
     )
 
 
-__all__ = ["Point", "ReplayError", "build", "find_point", "replay"]
+__all__ = ["Point", "ReplayError", "build", "find_point", "journal_point", "replay"]
