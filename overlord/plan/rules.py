@@ -77,6 +77,39 @@ def _token_source_problems(i: int, src: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _adapt_problems(data: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
+    """An adaptive mixture's bounds: of sources that exist, with room for every weight."""
+    adapt = _get(data, "mixture", "adapt")
+    bounds = _get(adapt, "bounds")
+    if not isinstance(adapt, dict) or not names:
+        return []
+    out: list[tuple[str, str]] = []
+    bounds = bounds if isinstance(bounds, dict) else {}
+    for name in bounds:
+        if name not in names:
+            out.append(
+                (f"mixture.adapt.bounds.{name}", f"no source is named '{name}': {names}")
+            )
+    pairs = [bounds.get(n, (0.0, 1.0)) for n in names]
+    floor = _get(adapt, "floor")
+    floor = floor if isinstance(floor, (int, float)) else 0.0
+    try:
+        low = sum(max(float(lo), floor) for lo, _ in pairs)
+        high = sum(float(hi) for _, hi in pairs)
+    except (TypeError, ValueError):
+        return out  # the schema names a bound that is not [min, max]
+    if low > 1 or high < 1:
+        out.append(
+            (
+                "mixture.adapt.bounds",
+                f"the weights must sum to 1 within the bounds and floor: the minimums sum to "
+                f"{low:g}, the maximums to {high:g}; lower the minimums or the floor, or raise "
+                "the maximums",
+            )
+        )
+    return out
+
+
 def semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
     """Problems that involve several fields, all of them.
 
@@ -94,6 +127,7 @@ def semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
                 problems.append((f"sources[{i}].name", f"'{name}' is used by more than one source"))
             seen.add(name)
         problems += _token_source_problems(i, src)
+    problems += _adapt_problems(data, sorted(seen))
 
     tokens, seq = (
         _int(_get(data, "batch", "tokens_per_step")),

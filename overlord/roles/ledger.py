@@ -31,9 +31,19 @@ class Ledger:
         self.plan, self.names, self.files = plan, plan.source_names, files
         self._states: dict[int, dict[str, Any]] = {}
 
-    def snapshot(self, step: int, cursors: Sequence[SourceCursor], mix: MixState) -> dict[str, Any]:
-        """The state before ``step`` of cursors and a mixture that stand there (not kept)."""
-        return {
+    def snapshot(
+        self,
+        step: int,
+        cursors: Sequence[SourceCursor],
+        mix: MixState,
+        feedback: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The state before ``step`` of cursors and a mixture that stand there (not kept).
+
+        ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
+        None leaves the key out, as a state without reports always had it.
+        """
+        state: dict[str, Any] = {
             "step": step,
             "sources": {
                 n: {
@@ -46,6 +56,9 @@ class Ledger:
                 for i, (n, c) in enumerate(zip(self.names, cursors))
             },
         }
+        if feedback is not None:
+            state["feedback"] = feedback
+        return state
 
     def keep(self, step: int, state: dict[str, Any]) -> None:
         """Keep ``state``, the state before ``step``."""

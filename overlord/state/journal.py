@@ -384,8 +384,9 @@ class Journal:
         if self._chain is not None:
             self._chain = line[:_DIGEST_HEX].decode()
         self.write_s += time.perf_counter() - t0
-        self.bytes[record["t"]] += len(line)
-        self.records[record["t"]] += 1
+        t = record["t"]  # a kind of record added later counts from its first
+        self.bytes[t] = self.bytes.get(t, 0) + len(line)
+        self.records[t] = self.records.get(t, 0) + 1
 
     def snapshot(self, state: dict[str, Any], consumed: int, loaders: dict[str, Any]) -> None:
         """Start a segment with the full state before step ``state["step"]``."""
