@@ -79,9 +79,10 @@ def run(
             loader.planner.obj.loop.follow(follow)  # type: ignore[attr-defined]
         clients = [loader.client(r) for r in range(DP)]
         for step in range(loader.start_step, steps):
-            if actions and step in actions:
+            batches = [next(clients[0])]
+            if actions and step in actions:  # step planned, not consumed by every rank yet
                 actions[step](loader)
-            batches = [next(c) for c in clients]
+            batches += [next(c) for c in clients[1:]]
             lines += [dump_line(b) for b in batches]
             if report:
                 for c, b in zip(clients, batches):

@@ -339,10 +339,19 @@ class Journal:
         """
         change = statefmt.delta(before, after)
         if step in self._replan:
-            if change != self._replan.pop(step):
+            held = self._replan.pop(step)
+            if change != held:
+                same_data = {k: v for k, v in change.items() if k != "f"} == {
+                    k: v for k, v in held.items() if k != "f"
+                }  # only the feedback differs (overlord.roles.feedback): not the data
                 raise LoaderError(
                     f"re-planning step {step} after a planner restart gave another plan than "
-                    "the journal holds: a source's data changed while the job ran"
+                    "the journal holds: "
+                    + (
+                        "the refit or mixture adaptation recorded for it was not applied"
+                        if same_data
+                        else "a source's data changed while the job ran"
+                    )
                 )
             return False
         self.delta(step, change)
