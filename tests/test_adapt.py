@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.jobs import restart_planner
 
 from conftest import make_corpus
 from overlord import Loader, PlanError, load_plan
@@ -21,7 +22,6 @@ from overlord.ops.run import dump_line
 from overlord.plan.refit import adapt_log, adapted, bounded
 from overlord.plan.spec import Plan, validate_plan
 from overlord.roles.feedback import decisions
-from support.jobs import restart_planner
 
 DP, STEPS, ROW = 2, 32, 64
 LOSS = {"web": 1.0, "code": 2.5}  # code's loss stays high
