@@ -24,6 +24,7 @@ from overlord.ops.run import dump_line
 from overlord.plan.cost import CostModel
 from overlord.plan.refit import REFIT_FACTOR, ratio_bounds, refit_cost
 from overlord.plan.spec import Plan, validate_plan
+from overlord.roles.api import OpsRole
 from overlord.roles.client import Client
 from overlord.roles.feedback import check_report, decisions, reports
 
@@ -260,3 +261,29 @@ def test_ranks_that_cannot_tell_alpha_from_beta_give_no_refit():
     s1 = np.array([100.0, 200.0, 300.0])
     r = refit_cost(s1, 10 * s1, 2 * s1, CostModel(1.0, 0.01), 64)
     assert r is None
+
+
+def test_reports_fill_the_rank_figures_the_model_error_and_the_refit_count(corpus):
+    plan = plan_of(corpus, every=4, window=8, min_samples=4)
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(DP)]
+        m = loader.monitor()
+        assert m["refits"] == 0 and np.isnan(m["cost_model_error"])
+        for _ in range(10):
+            batches = [next(c) for c in clients]
+            for c, b in zip(clients, batches):
+                c.report(b.step, seconds_of(b))
+            clients[0].flush()
+        m = loader.monitor()
+        assert m["refits"] >= 1
+        assert m["cost_model_error"] < 0.01  # refit on the exact synthetic trainer
+        for b in batches:  # the last reported step's prediction and measure, per rank
+            assert m["rank_step_s"][b.rank] == pytest.approx(seconds_of(b))
+            assert m["rank_cost"][b.rank] == pytest.approx(b.cost)
+        seen = loader.planner.call(OpsRole.feedback, batches[0].step).result()
+        k = seen[0]["predicted_seconds"] / seen[0]["predicted"]  # the refit's seconds per cost
+        for b in batches:
+            assert seen[b.rank]["seconds"] == pytest.approx(seconds_of(b))
+            assert seen[b.rank]["predicted"] == pytest.approx(b.cost)
+            assert seen[b.rank]["predicted_seconds"] == pytest.approx(seconds_of(b), rel=0.01)
+        assert k == pytest.approx(A, rel=0.01)

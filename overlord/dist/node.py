@@ -124,6 +124,7 @@ class NodeClient(Iterator[Batch]):
         self.loader: Any = None  # rank 0's: the node's Loader, from its first use to close()
         self._clients: list[Any] = []  # rank 0's: its Loader's client of every rank
         self._reports: ReportSender | None = None  # another rank's: its reports to rank 0
+        self._in_order = False  # another rank's: rank 0 ended the stream in order (its END)
 
     def _start(self) -> None:
         if not dist.is_initialized():
@@ -251,6 +252,7 @@ class NodeClient(Iterator[Batch]):
                 self._begin(json.loads(got))
                 continue
             self._put((kind, got))
+            self._in_order = kind == END
             if kind != BATCH or self._failure is not None:
                 # the stream's end; or this process fails: it posts no more receives, so rank
                 # 0's next send to it fails when its process ends (at once) or after the timeout
@@ -393,8 +395,6 @@ class NodeClient(Iterator[Batch]):
         self._closed.set()
         if self._thread is None:
             return  # never started: nothing runs
-        if self._reports is not None:
-            self._reports.end()  # rank 0 stops waiting for this rank's reports
         if self.rank != 0:
             # let the receiver take the end of the stream: it may wait on a full queue
             while self._thread.is_alive() and not self._ready.empty():
@@ -402,6 +402,8 @@ class NodeClient(Iterator[Batch]):
         # rank 0's thread ends after its sends, each waiting at most the group's timeout
         sends = self.plan.world.size + 1 if self.rank == 0 else 1
         self._thread.join(self._timeout * sends)
+        if self._reports is not None and self._in_order and not self._thread.is_alive():
+            self._reports.end()  # rank 0, alive and past the end, stops waiting for reports
         if release and self.loader is not None and not self._thread.is_alive():
             self.loader.close()
 

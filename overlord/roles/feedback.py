@@ -126,8 +126,9 @@ class Feedback:
         self.adapt_spec = plan.mixture.adapt if plan.mixture is not None else None
         self.plan_cost, self.journal, self.figures = plan_cost, journal, figures
         self._lock = threading.Lock()  # monitoring reads on its own thread
-        # step -> (S1, S2, predicted cost) per rank; step -> measured seconds per rank (NaN)
-        self._features: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = (
+        # step -> (S1, S2, predicted cost) per rank, and the seconds per cost of the model it
+        # was planned with (NaN: the plan's, not refit); step -> measured seconds per rank (NaN)
+        self._features: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray, float]] = (
             OrderedDict()
         )
         self._seconds: dict[int, np.ndarray] = {}
@@ -237,12 +238,13 @@ class Feedback:
         s1 = rank_sums(tokens, columns["bounds"])
         s2 = rank_sums(tokens * tokens, columns["bounds"])
         with self._lock:
-            self._features[step] = (s1, s2, np.asarray(rank_cost, dtype=np.float64))
+            scale = math.nan if self.scale is None else self.scale
+            self._features[step] = (s1, s2, np.asarray(rank_cost, dtype=np.float64), scale)
             while len(self._features) > KEEP_STEPS:
-                old, (_, _, predicted) = self._features.popitem(last=False)
+                old, (_, _, predicted, k) = self._features.popitem(last=False)
                 seconds = self._seconds.pop(old, None)
                 if seconds is not None and np.isnan(seconds).any():
-                    self._journal_step(old, seconds, predicted)  # some ranks never reported
+                    self._journal_step(old, seconds, predicted, k)  # some ranks never reported
 
     # ---- reports --------------------------------------------------------------------------
 
@@ -267,38 +269,44 @@ class Feedback:
                 self._loss_sum[i] += loss
                 self._loss_n[i] += 1
             predicted = kept[2][rank]
-            self._slope[0] += predicted * seconds
-            self._slope[1] += predicted * predicted
+            if math.isnan(kept[3]):  # the plan's model: its seconds per cost, fitted as it goes
+                self._slope[0] += predicted * seconds
+                self._slope[1] += predicted * predicted
             complete = not np.isnan(row).any()
         self.figures.reported(rank, float(predicted), float(seconds))
         if complete:
-            self._complete(step, row, kept[2])
+            self._complete(step, row, kept[2], self._scale_of(kept[3]))
 
-    def _complete(self, step: int, seconds: np.ndarray, predicted: np.ndarray) -> None:
+    def _complete(self, step: int, seconds: np.ndarray, predicted: np.ndarray, k: float) -> None:
         """Every rank reported ``step``: the model's error on its most loaded rank; journal it."""
         top = int(np.argmax(predicted))
-        scale = self.seconds_per_cost()
-        if not math.isnan(scale):
-            self.error = abs(predicted[top] * scale - seconds[top]) / seconds[top]
+        if not math.isnan(k):
+            self.error = abs(predicted[top] * k - seconds[top]) / seconds[top]
         self.figures.model_error(self.error, self.refits_total)
-        self._journal_step(step, seconds, predicted)
+        self._journal_step(step, seconds, predicted, k)
 
-    def _journal_step(self, step: int, seconds: np.ndarray, predicted: np.ndarray) -> None:
-        """A reported step, compactly: each rank's seconds (None: no report) and prediction."""
+    def _journal_step(
+        self, step: int, seconds: np.ndarray, predicted: np.ndarray, k: float
+    ) -> None:
+        """A reported step, compactly: each rank's seconds (None: no report), its prediction."""
         if self.journal is None:
             return
         sec = [None if math.isnan(s) else float(s) for s in seconds]
         rec: dict[str, Any] = {"t": "rep", "s": step, "sec": sec, "p": predicted.tolist()}
-        k = self.seconds_per_cost()
+        k = self._scale_of(k)
         if not math.isnan(k):
             rec["k"] = k
         self.journal._write(rec)
 
+    def _scale_of(self, planned: float) -> float:
+        """Seconds per cost of a step planned with a refit of ``planned`` (NaN: not refit)."""
+        if not math.isnan(planned):
+            return planned
+        return self._slope[0] / self._slope[1] if self._slope[1] > 0 else math.nan
+
     def seconds_per_cost(self) -> float:
         """Seconds per unit of the cost in force: the last refit's, else fitted from reports."""
-        if self.scale is not None:
-            return self.scale
-        return self._slope[0] / self._slope[1] if self._slope[1] > 0 else math.nan
+        return self._scale_of(math.nan if self.scale is None else self.scale)
 
     # ---- decisions ------------------------------------------------------------------------
 
@@ -378,18 +386,21 @@ class Feedback:
     def step_reports(self, step: int) -> dict[int, dict[str, float | None]] | None:
         """Each rank's predicted cost and reported seconds for ``step`` (None: not kept).
 
-        ``{rank: {"seconds": s or None, "predicted": cost}}``, the shape of
-        :func:`reports`.
+        ``{rank: {"seconds": s or None, "predicted": cost, "predicted_seconds": p}}``,
+        the shape of :func:`reports`; ``predicted_seconds`` (the cost times the
+        seconds per cost of the model the step was planned with) once known.
         """
         with self._lock:
             kept = self._features.get(step)
             if kept is None:
                 return None
             seconds = self._seconds.get(step, np.full(self.dp, np.nan))
+            k = self._scale_of(kept[3])
             return {
                 r: {
                     "seconds": None if math.isnan(seconds[r]) else float(seconds[r]),
                     "predicted": float(kept[2][r]),
+                    **({} if math.isnan(k) else {"predicted_seconds": float(kept[2][r] * k)}),
                 }
                 for r in range(self.dp)
             }
