@@ -287,3 +287,20 @@ def test_reports_fill_the_rank_figures_the_model_error_and_the_refit_count(corpu
             assert seen[b.rank]["predicted"] == pytest.approx(b.cost)
             assert seen[b.rank]["predicted_seconds"] == pytest.approx(seconds_of(b), rel=0.01)
         assert k == pytest.approx(A, rel=0.01)
+
+
+def test_the_pytorch_dataset_reports_through_its_stream(corpus):
+    pytest.importorskip("torch")
+    from overlord.torch import OverlordIterableDataset
+
+    plan = plan_of(corpus, every=4, window=8, min_samples=2).with_dp(1)
+    with OverlordIterableDataset.from_plan(plan, stop_step=9) as ds:
+        for step, batch in enumerate(ds):
+            t = batch["input_ids"].shape[-1]
+            ds.report(step, seconds=1e-3 * t, loss_by_source={"web": 2.0})
+        with pytest.raises(ValueError, match="'nope'"):
+            ds.report(8, seconds=1.0, loss_by_source={"nope": 1.0})
+        stream = ds._stream
+        stream._open().flush()  # type: ignore[attr-defined]
+        fb = stream._loader.stats()["feedback"]  # type: ignore[attr-defined]
+    assert (fb["received"], fb["dropped"]) == (9, 0)
