@@ -304,3 +304,24 @@ def test_the_pytorch_dataset_reports_through_its_stream(corpus):
         stream._open().flush()  # type: ignore[attr-defined]
         fb = stream._loader.stats()["feedback"]  # type: ignore[attr-defined]
     assert (fb["received"], fb["dropped"]) == (9, 0)
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_connected_trainers_report_to_a_job_on_ray_which_refits(ray_session, corpus):
+    from overlord import connect
+
+    plan = plan_of(corpus, every=4, window=8, min_samples=4)
+    with Loader(plan, runtime="ray", job="t-feedback") as loader:
+        clients = [connect("t-feedback", rank=r, stop_step=10) for r in range(DP)]
+        for _ in range(10):
+            batches = [next(c) for c in clients]
+            for c, b in zip(clients, batches):
+                c.report(b.step, seconds_of(b))
+            for c in clients:
+                c.flush()
+        with pytest.raises(ValueError, match="'nope'"):
+            clients[0].report(9, 1.0, {"nope": 1.0})  # the job's source names, at the call
+        fb = loader.stats()["feedback"]
+    assert fb["received"] == DP * 10 and fb["refits"] >= 1
+    assert fb["beta"] == pytest.approx(B, rel=1e-6)
