@@ -325,3 +325,13 @@ def test_connected_trainers_report_to_a_job_on_ray_which_refits(ray_session, cor
         fb = loader.stats()["feedback"]
     assert fb["received"] == DP * 10 and fb["refits"] >= 1
     assert fb["beta"] == pytest.approx(B, rel=1e-6)
+
+
+def test_resumed_without_refit_the_plans_model_balances_again(corpus):
+    _, _, state, _ = run(plan_of(corpus, every=4, window=8, min_samples=4), steps=10)
+    assert state["feedback"]["cost"]["refits"]
+    plain = plan_of(corpus)
+    resumed = run(plain, steps=16, report=False, state=state)
+    stripped = {k: v for k, v in state.items() if k != "feedback"}
+    assert resumed[0] == run(plain, steps=16, report=False, state=stripped)[0]
+    assert "feedback" not in resumed[2]

@@ -147,9 +147,18 @@ class Feedback:
     # ---- the state ------------------------------------------------------------------------
 
     def restore(self, section: Mapping[str, Any] | None) -> None:
-        """Start from a state's ``feedback`` key (None: the plan's model and weights)."""
-        cost = (section or {}).get("cost") or {}
-        mix = (section or {}).get("mix") or {}
+        """Start from a state's ``feedback`` key (None: the plan's model and weights).
+
+        What the plan no longer asks for is dropped: resumed without
+        ``balance.refit``, the plan's model balances again; without
+        ``mixture.adapt``, the schedule's weights hold.
+        """
+        section = dict(section or {})
+        if self.refit_spec is None:
+            section.pop("cost", None)
+        if self.adapt_spec is None:
+            section.pop("mix", None)
+        cost, mix = section.get("cost") or {}, section.get("mix") or {}
         self.cost = self.plan_cost
         self.scale: float | None = None
         if cost:
@@ -161,7 +170,7 @@ class Feedback:
         self.adapts: list[list[Any]] = [list(a) for a in mix.get("adapts", [])]
         used = mix.get("weights")
         self.used = None if used is None else [float(used[n]) for n in self.names]
-        self._section: dict[str, Any] | None = dict(section) if section else None
+        self._section: dict[str, Any] | None = section or None
 
     def recorded(self, deltas: Mapping[int, Mapping[str, Any]]) -> None:
         """Decisions a journal recorded for steps planned again (a planner restarted on it)."""
