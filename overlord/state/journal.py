@@ -5,7 +5,9 @@ a step changes little of it. The journal holds a full *snapshot* every
 ``snapshot_every`` steps and, between snapshots, one *delta* per planned step
 (the cursors that moved and the tokens each source placed), written before
 the step's plan is handed out; and a record each time the step that every
-rank consumed advances, written before the loaders release its items.
+rank consumed advances, written before the loaders release its items. The
+trainers' reports add records of their own (``fit``, ``mix``, ``rep``:
+:mod:`overlord.roles.feedback`); a reader skips the kinds it does not know.
 
 Each snapshot starts a new segment file ``seg-<step>.log``. A record is one
 line: its digest, a space, its JSON text. The first line of a segment is a
