@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from overlord.loader import Loader
     from overlord.plan.spec import Plan
     from overlord.plans import load_plan, validate_plan
+    from overlord.replays import replay
     from overlord.serve import connect
     from overlord.streams import RankStream
     from overlord.world import World
@@ -43,6 +44,7 @@ __all__ = [
     "World",
     "connect",
     "load_plan",
+    "replay",
     "validate_plan",
 ]
 
@@ -59,6 +61,7 @@ _HOMES = {
     "Plan": "overlord.plan.spec",
     "load_plan": "overlord.plans",
     "validate_plan": "overlord.plans",
+    "replay": "overlord.replays",
     "connect": "overlord.serve",
     "RankStream": "overlord.streams",
     "World": "overlord.world",

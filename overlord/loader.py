@@ -30,6 +30,7 @@ from overlord.runtime.inline import InlineHandle, InlineRuntime
 from overlord.sources.catalog import job_files
 from overlord.sources.tokenizers import make_tokenizer
 from overlord.state.checkpoint import check_state
+from overlord.state.runs import new_run
 from overlord.streams import RankStream, StreamKind, local_constructor, open_stream, stream_kind
 
 
@@ -103,6 +104,11 @@ class Loader:
     is then this rank's stream's, :meth:`stats` rank 0's, and what steers the
     node's loaders (re-partitioning, threads, slots) is rank 0's alone and not
     offered.
+
+    ``journal_dir`` keeps the planner's journal, whole, in a folder of this run's
+    under it (:mod:`overlord.state.runs`), after :meth:`close` too, so that any
+    step of the run can be replayed (``overlord replay``); without it a journal
+    (on Ray, or ``recovery.journal_dir``) is the job's own and removed at close.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class Loader:
         address: str | None = None,
         node: bool | None = None,
         connect_timeout: float | None = None,
+        journal_dir: str | Path | None = None,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
@@ -144,8 +151,12 @@ class Loader:
         distributed = runtime != "inline"
         # the planner's journal, for a planner that Ray restarts; a fresh folder per run
         self.journal: str | None = None
+        self._keep_journal = journal_dir is not None
         recovery = self.plan.recovery
-        if distributed or recovery.journal_dir is not None:
+        if journal_dir is not None:
+            plan_doc = self.plan.model_dump(mode="json")
+            self.journal = str(new_run(journal_dir, plan_doc, base, self.start_step))
+        elif distributed or recovery.journal_dir is not None:
             root = recovery.journal_dir or tempfile.gettempdir()
             self.journal = str(
                 Path(root) / "overlord-journal" / f"{self.job}-{uuid.uuid4().hex[:8]}"
@@ -171,6 +182,7 @@ class Loader:
                 Planner,
                 *(self.plan, self.files, self.runtime, config, state, self.journal),
                 *(distributed, pad_id, assigner_count(self.plan, distributed)),
+                self._keep_journal,
                 name="planner",
                 options=RoleOptions(p.planner_cpus, 1, restartable=True),
             )
@@ -345,7 +357,7 @@ class Loader:
         self._pool.call(PoolRole.set_threads, source, threads).result()
 
     def close(self) -> None:
-        """Stop every role, free what they hold, and remove the planner's journal.
+        """Stop every role, free what they hold, and remove the planner's journal (not a kept one).
 
         In node mode: stop this rank's stream (call it on every rank, as training
         ends together).
@@ -361,7 +373,7 @@ class Loader:
                 self._notices.close(raise_errors=False)
             self.runtime.shutdown()
         finally:
-            if self.journal is not None:
+            if self.journal is not None and not self._keep_journal:
                 shutil.rmtree(self.journal, ignore_errors=True)
 
     def __enter__(self) -> Loader:

@@ -17,13 +17,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from overlord.errors import LoaderError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
 from overlord.roles.client import Client
-from overlord.state import checkpoint
+from overlord.state import checkpoint, runs
+from overlord.state.checkpoint import check_state
 from overlord.streams import open_stream
 
 
@@ -139,6 +141,9 @@ def serve(
     this machine is refused (see :func:`job_lock`).
     """
     state = checkpoint.load(resume) if resume else None
+    if state is not None and resume is not None:  # a changed plan: refused fields named
+        folder = Path(resume) if Path(resume).is_dir() else Path(resume).parent
+        check_state(state, plan, runs.kept_plan(folder, state.get("fingerprint")))
     stop = stop or threading.Event()
     serving = threading.Event()
     got: list[int] = []

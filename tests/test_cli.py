@@ -212,17 +212,21 @@ def test_checkpoint_and_resume_continue_the_same_stream(tmp_path: Path) -> None:
 
     args = ["run", str(plan), "--checkpoint-dir", str(ck)]
     assert main([*args, "--steps", "2", "--checkpoint-every", "1", "--dump", str(a)]) == 0
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000001.json", "step-00000002.json"]
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000001.json", "step-00000002.json"]
+    # beside the checkpoints, each run's journal, kept for `overlord replay`
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["journal"]
     # resumed on another DP size (elastic): the global stream goes on unchanged
     cmd = [*args, "--steps", "5", "--resume", str(ck), "--checkpoint-every", "2", "--dp", "4"]
     assert main([*cmd, "--dump", str(b)]) == 0
     names = ["step-00000001.json", "step-00000002.json", "step-00000004.json", "step-00000005.json"]
-    assert sorted(p.name for p in ck.iterdir()) == names
+    assert sorted(p.name for p in ck.glob("step-*")) == names
+    assert sorted(p.name for p in (ck / "journal").iterdir()) == ["run-0000", "run-0001"]
     for name in names:
         state = json.loads((ck / name).read_text())
         assert state["step"] == int(name[5:13])
     assert main(["run", str(plan), "--steps", "8", "--resume", str(ck), "--dump", str(c)]) == 0
-    assert len(list(ck.iterdir())) == 4  # no --checkpoint-dir: nothing written
+    assert len(list(ck.glob("step-*"))) == 4  # no --checkpoint-dir: nothing written
+    assert len(list((ck / "journal").iterdir())) == 2  # and no journal kept
 
     parts = read_dump(a) + read_dump(b) + read_dump(c)
     assert [x["step"] for x in read_dump(b)] == [s for s in range(2, 5) for _ in range(4)]
@@ -241,7 +245,7 @@ def test_resume_at_or_past_the_last_step_does_nothing(
     plan = corpus(tmp_path)
     ck = tmp_path / "ck"
     assert main(["run", str(plan), "--steps", "3", "--checkpoint-dir", str(ck)]) == 0
-    assert [p.name for p in ck.iterdir()] == ["step-00000003.json"]
+    assert [p.name for p in ck.glob("step-*")] == ["step-00000003.json"]
     capsys.readouterr()
     assert main(["run", str(plan), "--steps", "3", "--resume", str(ck)]) == 0
     assert "nothing to do" in capsys.readouterr().out
@@ -267,7 +271,7 @@ def test_resume_into_a_plan_that_reads_sources_differently(
     capsys.readouterr()
     assert main(["run", str(other), "--steps", "4", "--resume", str(ck)]) == 1
     err = capsys.readouterr().err
-    assert "source 'web': expected fingerprint" in err and "source 'code'" in err
+    assert "refused  sources.web: fingerprint" in err and "refused  sources.code" in err
 
 
 def test_checkpoint_every_needs_a_checkpoint_dir(

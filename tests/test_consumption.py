@@ -208,7 +208,7 @@ def test_a_state_of_another_plan_is_refused(job_plan):
     job = Job(_plan(job_plan, dp=1))
     state = job.handed(0)
     state["sources"]["web"]["fingerprint"] = "0" * 16  # another plan reads this source otherwise
-    refused = "(?s)rank 0 cannot reconnect with this state: .*expected fingerprint"
+    refused = "(?s)rank 0 cannot reconnect with this state: .*sources.web: fingerprint"
     with pytest.raises(LoaderError, match=refused):
         job.consumption.reconnect(0, state)
     assert job.rewound == [] and job.consumption.rewinding.open is None

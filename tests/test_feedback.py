@@ -130,12 +130,12 @@ def test_reports_move_beta_toward_the_truth_and_every_refit_is_recorded(corpus, 
 def test_a_planner_restarted_from_its_journal_applies_the_recorded_refits(corpus, tmp_path):
     """The stream with restarts equals a run that follows the recorded decisions exactly."""
     plan = plan_of(corpus, tmp_path / "a", every=3, window=6, min_samples=4)
-    # at refit steps: a restarted planner plans the step again, with the refit recorded there
-    actions = {s: restart_planner for s in (6, 12, 18)}
+    # before refit steps: planning the step again decides (again) what holds from the next
+    actions = {s: restart_planner for s in (5, 11, 17)}
     lines, stats, _, journal = run(plan, actions=actions)
     assert journal is not None
     found = decisions(journal)
-    assert len(found["cost"]) >= 3 and set(found["cost"]) & set(actions)
+    assert len(found["cost"]) >= 3 and set(found["cost"]) & {s + 1 for s in actions}
     assert stats["events"][-1]["replanned"] >= 1
     # the same plan, no reports at all, told the recorded decisions: the same stream
     again, _, _, _ = run(plan_of(corpus, tmp_path / "b"), report=False, follow=found)
@@ -335,3 +335,25 @@ def test_resumed_without_refit_the_plans_model_balances_again(corpus):
     stripped = {k: v for k, v in state.items() if k != "feedback"}
     assert resumed[0] == run(plain, steps=16, report=False, state=stripped)[0]
     assert "feedback" not in resumed[2]
+
+
+def test_a_step_with_a_refit_replays_from_the_state_before_it(corpus):
+    """The state before a refit step holds the refit: a replay from it plans the step as run."""
+    from overlord.replays import Point, build
+
+    plan = plan_of(corpus, every=4, window=8, min_samples=4)
+    with Loader(plan) as loader:
+        clients = [loader.client(r) for r in range(DP)]
+        lines, states = [], {}
+        for _ in range(14):
+            batches = [next(c) for c in clients]
+            lines += [dump_line(b) for b in batches]
+            for c, b in zip(clients, batches):
+                c.report(b.step, seconds_of(b))
+            clients[0].flush()
+            states[batches[0].step + 1] = loader.state_dict()
+    refit = [s for s, *_ in states[13]["feedback"]["cost"]["refits"]][-1]  # a step, e.g. 12
+    state = states[refit]
+    assert state["feedback"]["cost"]["refits"][-1][0] == refit  # in force from that step
+    replayed = build(Point(plan, state, refit, "test"))
+    assert [dump_line(b) for b in replayed] == lines[refit * DP : (refit + 1) * DP]

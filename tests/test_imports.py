@@ -237,6 +237,7 @@ PUBLIC_FACE = (
     "overlord.hf",
     "overlord.checkpoint",
     "overlord.plans",
+    "overlord.replays",
 )
 LAYERS: list[tuple[str, ...]] = [
     ("overlord.errors", "overlord.world"),

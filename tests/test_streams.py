@@ -105,7 +105,8 @@ def test_a_running_client_accepts_only_the_state_of_its_position(job_plan: Path)
         next(client)
         with pytest.raises(CheckpointError, match=r"expected 1 \(checkpoint\), found 2"):
             client.load_state_dict(here)
-        other = {**here, "fingerprint": "0" * 16}
+        web = {**here["sources"]["web"], "fingerprint": "0" * 16}  # read another way
+        other = {**here, "fingerprint": "0" * 16, "sources": {**here["sources"], "web": web}}
         with pytest.raises(CheckpointError, match="stream fingerprint"):
             client.load_state_dict(other)
         client.close()

@@ -4,7 +4,9 @@ A rank's batch for one step is ``rows`` rows of ``seq_len`` tokens. Documents
 sit back to back in a row; the rest of the row is padding. Next to the tokens:
 
 - ``labels``: the next token of the same document, ``-100`` where there is
-  none (a document's last token, padding), so that no loss crosses documents;
+  none (a document's last token, padding), so that no loss crosses documents,
+  and where a loss ``mask`` leaves the next token out (a chat source's tokens
+  that are not the assistant's: :mod:`overlord.sources.chat`);
 - ``position_ids``: restart at 0 for every document;
 - ``segment_ids``: 1, 2, ... for the documents of a row, 0 for padding;
 - ``cu_seqlens``: boundaries of documents (and of each row's padding, as a
@@ -26,17 +28,24 @@ def pack(
     rows: int,
     seq_len: int,
     pad_id: int,
+    mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Pack documents (``tokens`` back to back, in row order) into ``rows`` rows.
 
     ``row_of`` is each document's row, non-decreasing; documents keep their
-    order inside a row.
+    order inside a row. ``mask`` (one per token, 0 or 1), if given, says which
+    tokens are learned: the label at ``t`` is the next token where that token's
+    mask is 1, else ``-100``.
 
     >>> b = pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 1]), 2, 4, 0)
     >>> b["input_ids"].tolist(), b["labels"].tolist()
     ([[1, 2, 0, 0], [3, 4, 5, 0]], [[2, -100, -100, -100], [4, 5, -100, -100]])
     >>> b["cu_seqlens"].tolist()
     [0, 2, 4, 7, 8]
+    >>> mask = np.array([0, 1, 0, 0, 1])
+    >>> pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 1]), 2, 4, 0, mask)[
+    ...     "labels"].tolist()
+    [[2, -100, -100, -100], [-100, 5, -100, -100]]
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     row_of = np.asarray(row_of, dtype=np.int64)
@@ -62,6 +71,8 @@ def pack(
     nxt = np.empty(total, dtype=np.int32)
     nxt[:-1] = tokens[1:]
     nxt[-1:] = IGNORE_INDEX
+    if mask is not None:  # a label is the next token: its mask decides
+        nxt[:-1][np.asarray(mask[1:total]) == 0] = IGNORE_INDEX
     last = src_start[1:] - 1
     nxt[last[lengths > 0]] = IGNORE_INDEX
 

@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, serve, status."""
+"""``overlord``: demo, validate, run, plan, serve, status, diff, replay."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ import numpy as np
 
 from overlord.errors import OverlordError
 from overlord.loader import Loader
+from overlord.ops import replay as replay_command
 from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
 from overlord.plan.spec import Plan
 from overlord.plans import load_plan
 from overlord.runtime import RUNTIMES
-from overlord.state import checkpoint
+from overlord.state import checkpoint, runs
+from overlord.state.checkpoint import check_state
 
 
 def positive_int(text: str) -> int:
@@ -134,9 +136,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _folder(resume: str) -> Path:
+    """The checkpoint folder of ``--resume`` (a folder, or one of its files)."""
+    return Path(resume) if Path(resume).is_dir() else Path(resume).parent
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     plan = _with_metrics_port(_with_dp(load_plan(args.plan), args.dp), args.metrics_port)
     state = checkpoint.load(args.resume) if args.resume else None
+    if state is not None:  # a changed plan: refused fields named with their old values
+        check_state(state, plan, runs.kept_plan(_folder(args.resume), state.get("fingerprint")))
     if state is not None and int(state["step"]) >= args.steps:
         print(
             f"the checkpoint is at step {state['step']}, nothing to do up to --steps {args.steps}"
@@ -325,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=positive_int, required=True)
     q.add_argument("--dp", type=int, help="override world.dp")
     q.set_defaults(func=_cmd_plan)
+
+    from overlord.ops import diff
+
+    diff.register(sub)
+    replay_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.replay
     return p
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -74,6 +75,8 @@ def run_plan(
 ) -> dict[str, Any]:
     """Consume ``plan`` as a trainer with every DP rank would, up to global step ``steps``.
 
+    With ``checkpoint_dir``, the planner's journal is kept in its ``journal/``
+    folder, so that ``overlord replay`` rebuilds any step of the run.
     Returns a summary: steps, tokens, seconds, balance, mixture, loader counters.
     With ``report`` (a folder), also writes a Markdown report with plots there
     (:mod:`overlord.ops.run_report`); a report that cannot be written (a full disk,
@@ -85,7 +88,9 @@ def run_plan(
     sample_every = max(1, (steps - int((state or {}).get("step", 0))) // 100)
     t0 = time.perf_counter()
     ckpt_bytes = 0
-    with Loader(plan, runtime=runtime, state=state) as loader:
+    # a run that checkpoints keeps its planner's journal beside them: any step replays
+    journal = str(Path(checkpoint_dir) / "journal") if checkpoint_dir else None
+    with Loader(plan, runtime=runtime, state=state, journal_dir=journal) as loader:
         first = loader.start_step
         # one reader per DP rank (in a mesh, its first process: CP rank 0, TP 0, stage 0)
         first_of = [plan.world.global_rank(dp=r) for r in range(plan.world.dp)]

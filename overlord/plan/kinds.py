@@ -17,11 +17,19 @@ class Format(str, Enum):
     WEBDATASET = "webdataset"  # tar shards of samples: key.jpg|png|... beside key.txt|json
     TOKENS = "tokens"  # flat token arrays (.npy, or raw .bin with a dtype), documents end at eos
     MEGATRON = "megatron"  # Megatron-LM's indexed datasets: .idx + .bin pairs
+    CHAT = "chat"  # conversations (JSONL or Parquet by extension), rendered by a chat template
 
     @property
     def pretokenized(self) -> bool:
         """Its shards hold token ids, not text: no tokenizer, no transform."""
         return self in (Format.TOKENS, Format.MEGATRON)
+
+
+class LossOn(str, Enum):
+    """Which tokens of a conversation (``format: chat``) the loss is on."""
+
+    ASSISTANT = "assistant"  # the assistant turns' tokens, as the template marks them
+    ALL = "all"  # every token, as a text source's
 
 
 class TokenDtype(str, Enum):

@@ -110,6 +110,30 @@ def _adapt_problems(data: dict[str, Any], names: list[str]) -> list[tuple[str, s
     return out
 
 
+def _chat_problems(data: dict[str, Any], i: int, src: Any) -> list[tuple[str, str]]:
+    """What a chat source cannot have, and the template the bytes tokenizer cannot give."""
+    if _get(src, "format") != Format.CHAT.value:
+        return []
+    out = [
+        (f"sources[{i}].{key}", f"not for format chat: {why}")
+        for key, why in (
+            ("transform", "a transform works on a text; a chat record is a list of messages"),
+            ("image_field", "images come with image-text sources only"),
+        )
+        if _get(src, key) is not None
+    ]
+    kind = _get(data, "tokenizer", "kind") or TokenizerKind.BYTES.value
+    if kind == TokenizerKind.BYTES.value and _get(data, "tokenizer", "chat_template") is None:
+        out.append(
+            (
+                "tokenizer.chat_template",
+                f"source {_get(src, 'name')!r} is format chat, and the bytes tokenizer has no "
+                "tokenizer_config.json to hold a chat template: give a template file here",
+            )
+        )
+    return out
+
+
 def semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
     """Problems that involve several fields, all of them.
 
@@ -127,6 +151,7 @@ def semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
                 problems.append((f"sources[{i}].name", f"'{name}' is used by more than one source"))
             seen.add(name)
         problems += _token_source_problems(i, src)
+        problems += [p for p in _chat_problems(data, i, src) if p not in problems]
     problems += _adapt_problems(data, sorted(seen))
 
     tokens, seq = (

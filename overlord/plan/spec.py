@@ -28,6 +28,7 @@ from overlord.plan.kinds import (
     Format,
     Interpolation,
     LongDocs,
+    LossOn,
     OnError,
     TokenDtype,
     TokenizerKind,
@@ -54,12 +55,20 @@ class SourceSpec(_Model):
     path: str | list[str] = Field(description="glob(s), relative to the plan's folder, or URLs")
     format: Format = Field(
         description="jsonl (also .jsonl.gz / .jsonl.zst) | parquet | webdataset (image-text) | "
-        "tokens (flat token arrays: .npy, or raw .bin with dtype) | megatron (.idx + .bin)"
+        "tokens (flat token arrays: .npy, or raw .bin with dtype) | megatron (.idx + .bin) | "
+        "chat (conversations: JSONL, or Parquet for .parquet files, rendered by the "
+        "tokenizer's chat template; docs: guides/chat)"
     )
     text_field: str = Field(
         "text",
         description="the record's text: a JSON field, a Parquet column, or a webdataset "
-        "member's extension (else that field of the sample's .json)",
+        "member's extension (else that field of the sample's .json); chat: the field of "
+        "the messages, 'messages' unless given",
+    )
+    loss_on: LossOn = Field(
+        LossOn.ASSISTANT,
+        description="chat: the tokens whose labels are kept: assistant (the assistant "
+        "turns', as the chat template marks them; every other label is -100) | all",
     )
     image_field: str | None = Field(
         None,
@@ -106,6 +115,11 @@ class TokenizerSpec(_Model):
     )
     path: str | None = Field(None, description="tokenizer.json, for kind hf")
     eos: str | None = Field(None, description="hf: token appended to every document")
+    chat_template: str | None = Field(
+        None,
+        description="chat sources: a Jinja chat template file, relative to the plan's folder "
+        "(default: the chat_template of the tokenizer_config.json beside path)",
+    )
 
 
 class SchedulePoint(_Model):
@@ -391,6 +405,7 @@ class Plan(_Model):
             s.pop("loaders")
             s.pop("shadows")
             s.pop("storage_options")
+            s.pop("loss_on")  # which labels are kept: not which samples form a step
             for key in ("image_field", "dtype", "eos_id"):
                 if s[key] is None:  # unset: a text plan's fingerprint stays as it was
                     s.pop(key)
@@ -398,6 +413,8 @@ class Plan(_Model):
             data.pop("vision")
         if data["mixture"] is not None and data["mixture"]["adapt"] is None:
             data["mixture"].pop("adapt")  # unset: the fingerprint stays as it was
+        if data["tokenizer"]["chat_template"] is None:  # unset: the fingerprint stays as it was
+            data["tokenizer"].pop("chat_template")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -405,19 +422,36 @@ class Plan(_Model):
     def source_fingerprint(self, name: str) -> str:
         """Hash of what decides one source's items and their order (checked on resume).
 
-        The source's files are not in it: the state records them, and a resume
-        checks them file by file (:mod:`overlord.sources.catalog`).
+        The hash of :meth:`source_recipe`. The source's files are not in it: the
+        state records them, and a resume checks them file by file
+        (:mod:`overlord.sources.catalog`).
         """
         if name in self._fingerprints:
             return self._fingerprints[name]
+        self._fingerprints[name] = fingerprint_of(self.source_recipe(name))
+        return self._fingerprints[name]
+
+    def source_recipe(self, name: str) -> dict[str, Any]:
+        """What decides one source's items and their order, as plain data.
+
+        Keys: ``seed``, ``source`` (its fields, ``loaders``, ``shadows`` and
+        ``storage_options`` left out), ``tokenizer`` (text sources),
+        ``max_seq_len``, ``long_docs``, ``on_error``, ``shuffle``, and ``vision``
+        for image sources. A resume with another plan compares it field by field
+        (:mod:`overlord.state.changes`).
+        """
         spec = next(s for s in self.sources if s.name == name)
         # a field that is not set leaves the hash as it was before the field existed
         unset = {f for f in ("image_field", "dtype", "eos_id") if getattr(spec, f) is None}
         unset |= {"loaders", "shadows", "storage_options"}  # who reads, and how: not the items
+        unset.add("loss_on")  # which labels are kept: not the items nor their order
         data: dict[str, Any] = {
             "seed": self.seed,
             "source": spec.model_dump(mode="json", exclude=unset),
-            "tokenizer": self.tokenizer.model_dump(mode="json"),
+            "tokenizer": self.tokenizer.model_dump(
+                mode="json",
+                exclude={"chat_template"} if self.tokenizer.chat_template is None else set(),
+            ),
             "max_seq_len": self.batch.max_seq_len,
             "long_docs": self.batch.long_docs.value,
             "on_error": self.on_error.value,
@@ -427,9 +461,13 @@ class Plan(_Model):
             data["vision"] = self.vision.model_dump(mode="json")
         if spec.format.pretokenized:
             del data["tokenizer"]  # the plan's tokenizer reads text sources only
-        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        self._fingerprints[name] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        return self._fingerprints[name]
+        return data
+
+
+def fingerprint_of(data: Any) -> str:
+    """The 16 hex digits of the sha256 of ``data``'s canonical JSON (a recipe's fingerprint)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -198,6 +198,10 @@ class OpsRole(Protocol):
         """The Prometheus endpoint's URL (None: not served)."""
         ...
 
+    def replay_point(self, step: int) -> dict[str, Any]:
+        """What a replay of ``step`` needs: the plan, the state before it if kept, the journal."""
+        ...
+
     def pid(self) -> int:
         """The planner's process."""
         ...

@@ -214,7 +214,7 @@ class Client(Iterator[Batch]):
         """
         here = self.state_dict()
         problems = []
-        if state.get("fingerprint") != here.get("fingerprint"):
+        if state.get("fingerprint") != here.get("fingerprint") and not _resumed_from(state, here):
             problems.append(
                 f"stream fingerprint: expected {state.get('fingerprint')} (checkpoint), "
                 f"found {here.get('fingerprint')} (running): the roles run another plan"
@@ -234,3 +234,20 @@ class Client(Iterator[Batch]):
                 "DIR', Loader(plan, runtime='ray', job=..., state=...), or "
                 "Loader(plan, state=...)), then connect again."
             )
+
+
+def _resumed_from(state: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether ``state``, of another plan, is where the running stream stands.
+
+    So it is when the roles started from it with a plan changed only in what a
+    resume allows (:mod:`overlord.state.changes`): every source both hold is
+    read the same way (its fingerprint) and stands at the same place (its cursor).
+    """
+    mine, theirs = here.get("sources", {}), state.get("sources")
+    if not isinstance(theirs, dict):
+        return False
+    shared = [n for n in mine if n in theirs and isinstance(theirs[n], dict)]
+    return bool(shared) and all(
+        theirs[n].get(key) == mine[n].get(key) for n in shared for key in ("fingerprint", "cursor")
+    )
+

@@ -351,6 +351,10 @@ class Consumption:
         for kept in (self.ledger.kept(step), self.origin):
             if kept is None or int(kept["step"]) != step:
                 continue
-            if {n: s["cursor"] for n, s in kept["sources"].items() if n in mine} == mine:
+            # the sources both hold: a checkpoint of before a resume that added or removed
+            # sources (overlord.state.changes) is the state the job started from (one that
+            # shares none is refused before, by check_state)
+            ours = {n: s["cursor"] for n, s in kept["sources"].items() if n in mine}
+            if ours == {n: c for n, c in mine.items() if n in ours}:
                 return True
         return False

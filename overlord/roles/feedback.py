@@ -14,10 +14,11 @@ documents, and their cost), and at the plan's steps decides:
   reported since the last adaptation (:func:`overlord.plan.refit.adapt_log`);
   the weights in force at each step are the schedule's moved by them.
 
-**What is recorded.** A decision is taken once per step, the first time the
-step is planned, and recorded: in the planner's state (the ``feedback`` key of
-:mod:`overlord.state.format`, written only once something was refit or
-adapted), and in the journal (a ``fit`` or ``mix`` record with the decision
+**What is recorded.** The decision for step ``t`` is taken once, when step
+``t - 1`` is first planned, and recorded: in the planner's state before ``t``
+(the ``feedback`` key of :mod:`overlord.state.format`, written only once
+something was refit or adapted), so that a checkpoint, a resume or a replay
+from that state plans ``t`` as the run did; and in the journal (a ``fit`` or ``mix`` record with the decision
 and a digest of its inputs, and each step's delta). A step planned again (after
 a planner restart from its journal, or a trainers' rewind) applies the
 decision recorded for it and never decides anew, so the stream is a pure
@@ -36,7 +37,7 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +174,13 @@ class Feedback:
         self._section: dict[str, Any] | None = section or None
 
     def recorded(self, deltas: Mapping[int, Mapping[str, Any]]) -> None:
-        """Decisions a journal recorded for steps planned again (a planner restarted on it)."""
+        """Decisions a journal recorded for steps planned again (a planner restarted on it).
+
+        ``deltas``: the journal's deltas of the steps planned again; planning step
+        ``s`` decided what holds from ``s + 1``.
+        """
         for step, change in sorted(deltas.items()):
-            self._frontier = max(self._frontier, step)
+            self._frontier = max(self._frontier, step + 1)
             f = change.get("f") or {}
             for s, a, b, scale in (f.get("cost") or {}).get("refits", []):
                 self._cost_at.setdefault(int(s), [a, b, scale])
@@ -214,28 +219,39 @@ class Feedback:
     # ---- before and after a step is planned -----------------------------------------------
 
     def before(self, step: int, prior: np.ndarray) -> tuple[CostModel, np.ndarray]:
-        """The cost model and mixture weights to plan ``step`` with; decides what is due there."""
-        fresh = step > self._frontier
-        self._frontier = max(self._frontier, step)
-        changed = False
-        if step in self._cost_at:
-            changed |= self._apply_cost(step, *self._cost_at[step])
-        elif fresh and self._due(self.refit_spec, step):
-            changed |= self._refit(step)
+        """The cost model and mixture weights to plan ``step`` with (``prior``: the schedule's)."""
         weights = prior
         if self.adapt_spec is not None:
-            if step in self._log_at:
-                changed |= self._apply_log(step, np.array(self._log_at[step]))
-            elif fresh and self._due(self.adapt_spec, step):
-                changed |= self._adapt(step, prior)
             a = self.adapt_spec
             weights = adapted(prior, self.log, self.lo, self.hi, a.floor, a.smoothing)
             used = weights.tolist()
-            if used != self.used:
-                self.used, changed = used, True
+            if used != self.used:  # the state records the weights the step was planned with
+                self.used = used
+                self._write_section()
+        return self.cost, weights
+
+    def after(self, step: int, prior: Callable[[int], np.ndarray]) -> None:
+        """``step`` was planned: decide (or apply the recorded) refit and adaptation due next.
+
+        A decision for step ``t`` is taken once ``t - 1`` is planned, so that the
+        state before ``t`` (a checkpoint's, a replay's) holds what ``t`` is
+        planned with. ``prior``: the schedule's weights at a step.
+        """
+        t = step + 1
+        fresh = t > self._frontier
+        self._frontier = max(self._frontier, t)
+        changed = False
+        if t in self._cost_at:
+            changed |= self._apply_cost(t, *self._cost_at[t])
+        elif fresh and self._due(self.refit_spec, t):
+            changed |= self._refit(t)
+        if self.adapt_spec is not None:
+            if t in self._log_at:
+                changed |= self._apply_log(t, np.array(self._log_at[t]))
+            elif fresh and self._due(self.adapt_spec, t):
+                changed |= self._adapt(t, prior(t))
         if changed:
             self._write_section()
-        return self.cost, weights
 
     @staticmethod
     def _due(spec: Any, step: int) -> bool:

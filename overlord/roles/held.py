@@ -88,26 +88,29 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
     a tar, ``keys`` (UTF-8 bytes back to back) with ``key_lengths``.
     """
     lengths = np.empty(len(picked), dtype=np.int32)
-    parts = []
+    parts: list[slice] = []
+    pieces: list[ShardItems] = []  # the piece of each slice
     j = 0
     for items, lo, hi in _runs(picked):
         lengths[j : j + hi - lo] = items.length[lo:hi]
         start = items.start[lo:hi]
         if hi - lo == 1 or (np.diff(start) == items.length[lo : hi - 1]).all():
             # a run of items back to back in the piece: one slice of its tokens
-            parts.append(
-                items.tokens[int(start[0]) : int(start[-1]) + int(lengths[j + hi - lo - 1])]
-            )
+            parts.append(slice(int(start[0]), int(start[-1]) + int(lengths[j + hi - lo - 1])))
+            pieces.append(items)
         else:
-            parts += [
-                items.tokens[a : a + n]
-                for a, n in zip(start.tolist(), lengths[j : j + hi - lo].tolist())
-            ]
+            cut = zip(start.tolist(), lengths[j : j + hi - lo].tolist())
+            parts += [slice(a, a + n) for a, n in cut]
+            pieces += [items] * (hi - lo)
         j += hi - lo
     out = {
-        "tokens": np.concatenate(parts) if parts else np.zeros(0, np.int32),
+        "tokens": _joined([p.tokens[s] for p, s in zip(pieces, parts)], np.int32),
         "lengths": lengths,
     }
+    if picked and picked[0][0].mask is not None:  # a chat source's: sliced as its tokens are
+        out["mask"] = _joined(
+            [p.mask[s] for p, s in zip(pieces, parts) if p.mask is not None], np.uint8
+        )
     if picked and picked[0][0].pixels is not None:
         grids, pixels, keys = [], [], []
         for items, k in picked:
@@ -124,6 +127,10 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
             out["keys"] = np.frombuffer(b"".join(keys), dtype=np.uint8)
             out["key_lengths"] = np.array([len(k) for k in keys], dtype=np.int32)
     return out
+
+
+def _joined(parts: list[Any], dtype: type) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def _runs(picked: list[tuple[ShardItems, int]]) -> list[tuple[ShardItems, int, int]]:

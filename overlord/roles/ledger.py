@@ -18,6 +18,7 @@ from overlord.plan.select import MixState
 from overlord.plan.spec import Plan
 from overlord.roles.cursor import SourceCursor
 from overlord.state import format as statefmt
+from overlord.state.changes import DROPPED
 
 
 class Ledger:
@@ -30,6 +31,9 @@ class Ledger:
     def __init__(self, plan: Plan, files: dict[str, Any]):
         self.plan, self.names, self.files = plan, plan.source_names, files
         self._states: dict[int, dict[str, Any]] = {}
+        # sources a resume removed, and at which step: part of every state from then on
+        # (absent while none was, so that a run that removes none writes what it always did)
+        self.dropped: list[dict[str, Any]] = []
 
     def snapshot(
         self,
@@ -56,6 +60,8 @@ class Ledger:
                 for i, (n, c) in enumerate(zip(self.names, cursors))
             },
         }
+        if self.dropped:
+            state[DROPPED] = [dict(d) for d in self.dropped]
         if feedback is not None:
             state["feedback"] = feedback
         return state

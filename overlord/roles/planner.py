@@ -52,6 +52,7 @@ from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.rewind import Stamps
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
+from overlord.state.changes import dropped_sources
 from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.planner")
@@ -71,7 +72,8 @@ class Planner:
     out (:mod:`overlord.roles.rewind`), its key kept beside its journal.
 
     ``assigners``: how many assigner roles balance a step's groups (0: here;
-    the wiring's ``assigner_count``).
+    the wiring's ``assigner_count``). ``keep_journal``: the journal keeps every
+    segment (a run's journal kept for replays), not only the newest usable.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Planner:
         wait_for_ranks: bool = False,
         pad_id: int = 0,
         assigners: int = 0,
+        keep_journal: bool = False,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self.wait_for_ranks = wait_for_ranks
@@ -102,7 +105,9 @@ class Planner:
         self._files = {n: files[n].record() for n in self.names}  # constant for the job
         self.figures = Figures(self.names, plan.world.dp)  # what monitoring shows
         self._metrics: MetricsServer | None = None
-        self.journal = Journal(journal, plan.recovery.fsync) if journal is not None else None
+        self.journal = (
+            Journal(journal, plan.recovery.fsync, keep_journal) if journal is not None else None
+        )
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
         # the trainers' reports; a restarted planner applies the decisions its journal recorded
         self.loop = Feedback(plan, self.cost, self.journal, self.figures)
@@ -178,6 +183,8 @@ class Planner:
             np.array([float(sources.get(n, {}).get("placed", 0.0)) for n in self.names]),
         )
         self.start_step = int((state or {}).get("step", 0))
+        # a resume that removed sources drops their state and records it (overlord.state.changes)
+        self.ledger.dropped = dropped_sources(state, self.plan) if state else []
         self.next_step = self.start_step
         self.consumption.restart(self.start_step)
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
@@ -236,6 +243,7 @@ class Planner:
         planned = plan_step(p, self.cursors, weights, self.mix, cost, self.groups, run)
         self.plans[step] = planned.columns
         self.loop.planned(step, planned.columns, planned.rank_cost)
+        self.loop.after(step, self.schedule.weights)  # what the next step is planned with
         self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
         self.history.append({"step": step, **planned.stats})
         self.next_step += 1
@@ -531,6 +539,23 @@ class Planner:
     def metrics_url(self) -> str | None:
         """Where the Prometheus endpoint is (None: ``monitoring.port`` is not set)."""
         return None if self._metrics is None else self._metrics.url
+
+    def replay_point(self, step: int) -> dict[str, Any]:
+        """What ``overlord replay`` of a live job needs to rebuild ``step`` where it runs.
+
+        The plan, the state before ``step`` if the ledger still keeps it (None
+        otherwise), the journal's folder (None: no journal) and the steps planned
+        so far (``next_step``: the first not yet planned). Read only: nothing changes.
+        """
+        kept = step < self.next_step and self.ledger.kept(step) is not None
+        return {
+            "plan": self.plan.model_dump(mode="json"),
+            "base_dir": str(self.plan.base_dir),
+            "state": self.ledger.state_dict(step) if kept else None,
+            "journal": None if self.journal is None else str(self.journal.directory),
+            "first": self.start_step,
+            "next_step": self.next_step,
+        }
 
     def pid(self) -> int:
         """The process the planner runs in (chaos tests kill it)."""

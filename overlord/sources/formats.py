@@ -9,6 +9,7 @@ any block (:meth:`ShardReader.block`); a compressed file only in order
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from overlord.plan.spec import Format
 from overlord.sources.files import Shard
 from overlord.sources.jsonl import CODECS, CompressedJsonl, PlainJsonl
 from overlord.sources.parquet_pages import large_pages
-from overlord.sources.records import RecordBlock, ShardReader, empty_block
+from overlord.sources.records import JsonField, RecordBlock, ShardReader, empty_block
 
 __all__ = ["RecordBlock", "ShardReader", "empty_block", "open_shard", "read_blocks", "read_shard"]
 
@@ -31,6 +32,7 @@ __all__ = ["RecordBlock", "ShardReader", "empty_block", "open_shard", "read_bloc
 
 STRINGS = ("strings", (pa.types.is_string, pa.types.is_large_string))
 BINARY = ("binary", (pa.types.is_binary, pa.types.is_large_binary))
+ANY = ("any type", (lambda _: True,))  # a JsonField's column: handed on as JSON text
 
 
 class ParquetReader(ShardReader):
@@ -159,12 +161,21 @@ class _Parquet(ParquetReader):
     def __init__(
         self, source: str, shard: Shard, text_field: str, skip: bool, max_record_bytes: int | None
     ):
-        super().__init__(source, shard, [(text_field, STRINGS)], skip, max_record_bytes)
+        kind = ANY if isinstance(text_field, JsonField) else STRINGS
+        super().__init__(source, shard, [(text_field, kind)], skip, max_record_bytes)
         self.text_field = text_field
 
     def block(self, k: int) -> RecordBlock:
         table, rows, large = self.row_group(k)
-        col = table.column(self.text_field).combine_chunks().cast(pa.large_string())
+        col = table.column(self.text_field).combine_chunks()
+        if isinstance(self.text_field, JsonField) and not any(t(col.type) for t in STRINGS[1]):
+            # a chat source's messages column (a list of structs): each row's JSON text; a
+            # value JSON has no form for (bytes, a date) becomes a mapping, which the chat
+            # record check names as not a string
+            values = col.to_pylist()
+            texts = [None if v is None else json.dumps(v, default=_no_json) for v in values]
+            col = pa.array(texts, pa.large_string())
+        col = col.cast(pa.large_string())
         if col.null_count == 0:
             return RecordBlock(k, rows, col, large)
         valid = np.asarray(col.is_valid())
@@ -175,6 +186,10 @@ class _Parquet(ParquetReader):
         if not self.skip:
             raise skipped[0]
         return RecordBlock(k, rows[valid], col.filter(pa.array(valid)), skipped + large)
+
+
+def _no_json(value: object) -> dict[str, str]:
+    return {"type": type(value).__name__}
 
 
 def open_shard(
@@ -198,7 +213,7 @@ def open_shard(
     A file that cannot be opened at all raises :class:`SourceError` with no row.
     """
     try:
-        if fmt is Format.PARQUET:
+        if fmt is Format.PARQUET or (fmt is Format.CHAT and shard.name.endswith(".parquet")):
             return _Parquet(source, shard, text_field, skip, max_record_bytes)
         for suffix, codec in CODECS.items():
             if shard.name.endswith(suffix):

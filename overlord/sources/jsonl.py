@@ -52,7 +52,7 @@ from overlord.sources.long_lines import (
     scan_line,
     text_array,
 )
-from overlord.sources.records import RecordBlock, ShardReader, empty_block
+from overlord.sources.records import JsonField, RecordBlock, ShardReader, empty_block
 from overlord.sources.remote import file_size
 
 CODECS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -139,14 +139,16 @@ def _parse(
         nonblank = np.setdiff1d(nonblank, blank)
     if len(nonblank) == 0:
         return empty_block(number)
+    as_json = isinstance(text_field, JsonField)  # a value of any type, handed on as JSON
     schema = pa.schema([(text_field, pa.large_string())])
     opts = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
-        table = pa_json.read_json(io.BytesIO(data), parse_options=opts)
-        col = table.column(text_field).combine_chunks()
-        col.validate(full=True)  # Arrow's JSON reader lets invalid UTF-8 through
-        if len(col) == len(nonblank) and col.null_count == 0:
-            return RecordBlock(number, nonblank + row0, col)
+        if not as_json:
+            table = pa_json.read_json(io.BytesIO(data), parse_options=opts)
+            col = table.column(text_field).combine_chunks()
+            col.validate(full=True)  # Arrow's JSON reader lets invalid UTF-8 through
+            if len(col) == len(nonblank) and col.null_count == 0:
+                return RecordBlock(number, nonblank + row0, col)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         pass
     rows: list[int] = []
@@ -166,12 +168,13 @@ def _parse(
             elif text_field not in record:
                 keys = sorted(record)[:8]
                 reason = f"no field '{text_field}' (the record has {keys})"
-            elif not isinstance(record[text_field], str):
+            elif not as_json and not isinstance(record[text_field], str):
                 kind = type(record[text_field]).__name__
                 reason = f"field '{text_field}' is {kind}, expected a string"
         if reason is None:
             rows.append(row0 + i)
-            texts.append(record[text_field])
+            value = record[text_field]
+            texts.append(json.dumps(value) if as_json else value)
             continue
         err = SourceError(source, name, row0 + i, reason)
         if not skip:
@@ -279,6 +282,8 @@ class PlainJsonl(ShardReader):
         bytes as well), or only its prefix if ``text_prefix``. None where the line
         must be read whole (:mod:`overlord.sources.long_lines`).
         """
+        if isinstance(self.text_field, JsonField):
+            return None  # a long line's field that is not a string: read whole
         whole = self.text_prefix is None
         keep = WHOLE_KEEP if self.text_prefix is None else raw_bytes_for(self.text_prefix)
         data = self._read(lo, max(lo, min(hi, (k + 1) * self.block_bytes)))

@@ -7,7 +7,9 @@ that is not blank: a JSON object whose ``text_field`` is a string), for
 Parquet the schema in the file's footer (``text_field`` is a column of
 strings; no row is read), for an image-text source (WebDataset tar, Parquet
 with ``image_field``) its first sample, whose image is decoded, resized and
-cut into patches as a SourceLoader would. Every problem is returned, each
+cut into patches as a SourceLoader would; for a chat source, its first record's
+conversation rendered by the chat template, which must be found, with an
+assistant turn. Every problem is returned, each
 with its place, so that one run of ``validate`` shows them all. An object-store
 endpoint that cannot be reached is one problem naming every source that uses it,
 found within ``loading.timeout_s``.
@@ -30,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from overlord.errors import PlanError, SourceError
-from overlord.plan.spec import Format, Plan, SourceSpec, TokenizerKind
+from overlord.plan.spec import Format, LossOn, Plan, SourceSpec, TokenizerKind
 from overlord.sources.files import Shard, resolve_files
 from overlord.sources.remote import Retries, endpoint_problems
 
@@ -105,6 +107,8 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
     try:
         if spec.format.pretokenized:
             return _check_tokens(where, plan, spec, shard)
+        if spec.format is Format.CHAT:
+            return _check_chat(where, plan, spec, shard)
         if spec.format is Format.WEBDATASET or spec.image_field is not None:
             return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
@@ -160,6 +164,41 @@ def _check_tokens(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> lis
                 "ids made by it?"
             )
             return [Problem(f"{where}, row 0", reason)]
+    return []
+
+
+def _check_chat(where: str, plan: Plan, spec: SourceSpec, shard: Shard) -> list[Problem]:
+    """A chat shard: its chat template loads, and renders its first record's conversation.
+
+    The record must hold a list of ``{role, content}`` messages with an assistant turn
+    (under ``loss_on: assistant``) that the template renders as assistant tokens.
+    """
+    from overlord.sources.chat import ChatRecordError, chat_field, parse_messages, plan_template
+    from overlord.sources.formats import open_shard, read_blocks
+    from overlord.sources.records import JsonField
+
+    try:
+        template = plan_template(plan)
+    except PlanError as e:
+        return [Problem(path, msg) for path, msg in e.problems]
+    name = chat_field(spec)
+    reader = open_shard(spec.name, shard, spec.format, JsonField(name), 1 << 20, False)
+    try:
+        first = next((b for b in read_blocks(reader) if len(b.rows)), None)
+    except SourceError as e:  # the first record is not JSON, or has no such field
+        return [Problem(_at(where, e.row), e.reason)]
+    finally:
+        reader.close()
+    if first is None:
+        return [Problem(where, "no record (the file is empty or only blank lines)")]
+    place = f"{where}, row {int(first.rows[0])}"
+    assistant = spec.loss_on is LossOn.ASSISTANT
+    try:
+        rendered = template.render(parse_messages(first.texts[0].as_py(), name, assistant))
+    except ChatRecordError as e:
+        return [Problem(place, str(e))]
+    if assistant and not rendered.spans:
+        return [Problem(place, f"the chat template {template.where} renders no assistant token")]
     return []
 
 

@@ -17,6 +17,17 @@ from overlord.errors import SourceError
 from overlord.sources.files import Shard
 
 
+class JsonField(str):
+    """A record field read as its JSON text, whatever its type (a chat source's messages).
+
+    The readers pass a field's name as a plain ``str`` for a text field (the value must be a
+    string); a ``JsonField`` name hands on the value's JSON text instead, for
+    :mod:`overlord.sources.chat` to parse and check per record.
+    """
+
+    __slots__ = ()
+
+
 @dataclass
 class RecordBlock:
     """The good records of one block, in file order, and its bad ones."""

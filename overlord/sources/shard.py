@@ -43,11 +43,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from overlord.errors import SourceError
-from overlord.plan.spec import LongDocs, OnError, Plan, SourceSpec, TokenizerKind
+from overlord.plan.spec import Format, LongDocs, OnError, Plan, SourceSpec, TokenizerKind
 from overlord.sources.catalog import File
+from overlord.sources.chat import chat_field, encode_chat, plan_template
 from overlord.sources.files import Shard
 from overlord.sources.formats import RecordBlock, open_shard, read_blocks
 from overlord.sources.images import fuse_images, image_payload, image_token_id
+from overlord.sources.records import JsonField
 from overlord.sources.remote import Retries
 from overlord.sources.token_files import open_token_shard
 from overlord.sources.tokenizers import LONG_TEXT, Tokenizer, encode_capped
@@ -103,6 +105,9 @@ class ShardItems:
     patch_start: np.ndarray | None = None  # int64 per item: its first row in ``pixels``
     grid: np.ndarray | None = None  # int32 (items, 2): (h1/p, w1/p) per item
     keys: list[str] | None = None  # a tar's sample key per item (its id is file:key)
+    # chat sources with loss_on: assistant (overlord.sources.chat): uint8 per token of
+    # ``tokens``, 1 for an assistant token; None for every other source
+    mask: np.ndarray | None = None
     dropped: int = 0  # documents dropped as too long (long_docs: drop)
     empty: int = 0  # texts that give no token: not samples
     text_bytes: int = 0  # bytes of text tokenized
@@ -201,7 +206,7 @@ def shard_windows(
             spec.name,
             where,
             spec.format,
-            spec.text_field,
+            JsonField(chat_field(spec)) if spec.format is Format.CHAT else spec.text_field,
             B,
             skip,
             cache.indexes,
@@ -232,6 +237,8 @@ def _text_prefix(plan: Plan, spec: SourceSpec) -> int | None:
     read whole.
     """
     if plan.batch.long_docs is not LongDocs.TRUNCATE or spec.transform is not None:
+        return None
+    if spec.format is Format.CHAT:  # a record's JSON is parsed and rendered whole
         return None
     if plan.tokenizer.kind is not TokenizerKind.BYTES:
         return None
@@ -313,7 +320,13 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     texts = piece.texts
     cap = plan.batch.max_seq_len
     policy = plan.batch.long_docs
-    if policy is LongDocs.TRUNCATE and piece.images is None:
+    spec = next((s for s in plan.sources if s.name == window.source), None)
+    chat = None
+    # a chat source's records are rendered by the chat template; a bad record has no token
+    if spec is not None and spec.format is Format.CHAT:
+        chat = encode_chat(plan_template(plan), tokenizer, spec, texts)
+        tokens, offsets = chat.tokens, chat.offsets
+    elif policy is LongDocs.TRUNCATE and piece.images is None:
         # only what max_seq_len tokens need of a long record is tokenized, and an item holds
         # its own tokens: not the whole record's, for as long as the item is held
         tokens, offsets = encode_capped(tokenizer, texts, cap)
@@ -338,6 +351,9 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
     policy = plan.batch.long_docs
     dropped = 0
     bad = 0 if fused is None else int((~fused.ok).sum())
+    if chat is not None:
+        bad = len(chat.bad)
+        skipped = _chat_errors(plan, window, rows, chat.bad)
     empty -= bad  # a bad record is counted as skipped, not empty
     if policy is LongDocs.DROP:
         dropped = int((keep & (doc_len > cap)).sum())
@@ -369,6 +385,8 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         empty=empty,
         text_bytes=int(pc.sum(pc.binary_length(texts)).as_py() or 0),
     )
+    if chat is not None:
+        items.mask, items.skipped = chat.mask, skipped
     if fused is not None:
         kept = np.flatnonzero(keep)
         items.text_bytes = window.text_bytes(lo, hi)  # images too: what tokens_per_byte sees
@@ -377,6 +395,16 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         width = 3 * plan.vision.patch_size**2 if plan.vision is not None else 0
         image_payload(items, [fused.patches[i] for i in kept], doc_of, k, keys, kept, width)
     return items
+
+
+def _chat_errors(
+    plan: Plan, window: Window, rows: np.ndarray, bad: list[tuple[int, str]]
+) -> list[SourceError]:
+    """The errors of a piece's chat records that cannot be rendered (raised unless skip)."""
+    errors = [SourceError(window.source, window.name, int(rows[i]), why) for i, why in bad]
+    if errors and plan.on_error is not OnError.SKIP:
+        raise errors[0]
+    return errors
 
 
 def load_shard_items(
@@ -421,6 +449,8 @@ def load_shard_items(
     )
     items.empty += empty
     items.skipped += [e for p in parts for e in p.skipped]
+    if any(p.mask is not None for p in parts):
+        items.mask = np.concatenate([p.mask for p in parts if p.mask is not None])
     if any(p.pixels is not None for p in parts):
         at = np.cumsum([0] + [len(p.pixels) for p in parts if p.pixels is not None])
         items.pixels = np.concatenate([p.pixels for p in parts if p.pixels is not None])

@@ -65,6 +65,32 @@ class BytesTokenizer:
         tokens[is_byte] = data
         return tokens, out_offs
 
+    def decode(self, ids: np.ndarray) -> str:
+        """The text of ``ids`` (what ``overlord replay --text`` shows): ids past 255 left out.
+
+        >>> BytesTokenizer().decode(np.array([104, 105, 256]))
+        'hi'
+        """
+        data = np.asarray(ids)
+        return data[data < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def encode_spans(self, texts: list[str]) -> tuple[np.ndarray, ...]:
+        """:meth:`encode`, with each token's characters ``[start, end)`` in its text.
+
+        The end-of-document id has none (-1, -1).
+
+        >>> [a.tolist() for a in BytesTokenizer().encode_spans(["é!"])]
+        [[195, 169, 33, 256], [0, 4], [0, 0, 1, -1], [1, 1, 2, -1]]
+        """
+        tokens, offsets = self.encode(pa.array(texts, pa.large_string()))
+        starts = np.full(len(tokens), -1, np.int64)
+        for text, a in zip(texts, offsets[:-1].tolist()):
+            data = np.frombuffer(text.encode(), np.uint8)
+            # a byte's character: the characters that start at or before it, less one
+            starts[a : a + len(data)] = np.cumsum((data & 0xC0) != 0x80) - 1
+        ends = np.where(starts >= 0, starts + 1, -1)
+        return tokens, offsets, starts, ends
+
     def prefix_bytes(self, n: int) -> int:
         """Bytes of text that ``n`` tokens can cover at most: one each."""
         return n
@@ -103,6 +129,10 @@ class HFTokenizer:
         self.pad_id = self.eos_id if self.eos_id is not None else 0
         self._longest: int | None = None  # bytes of the vocabulary's longest token
 
+    def decode(self, ids: np.ndarray) -> str:
+        """The text of ``ids``, special tokens included (what ``overlord replay --text`` shows)."""
+        return str(self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False))
+
     def prefix_bytes(self, n: int) -> int:
         """Bytes of text that ``n`` tokens can cover, by the vocabulary's longest token.
 
@@ -140,6 +170,29 @@ class HFTokenizer:
             size *= 2
         tokens, _ = self.encode(pa.array([bytes(data).decode()], pa.large_string()))
         return tokens[:n]
+
+    def encode_spans(self, texts: list[str]) -> tuple[np.ndarray, ...]:
+        """:meth:`encode`, with each token's characters ``[start, end)`` in its text.
+
+        ``encode_batch`` (not its ``_fast`` variant, which leaves offsets out); an end of
+        document appended (``eos``) has none: ``(-1, -1)``.
+        """
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        chain = itertools.chain.from_iterable
+        count = sum(len(e) for e in encodings)
+        ids = np.fromiter(chain(e.ids for e in encodings), np.int32, count)
+        pairs = np.fromiter(chain(chain(e.offsets) for e in encodings), np.int64, 2 * count)
+        lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
+        if self.eos_id is None:
+            offs = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+            return ids, offs, pairs[0::2].copy(), pairs[1::2].copy()
+        offs = np.concatenate(([0], np.cumsum(lengths + 1))).astype(np.int64)
+        is_id = np.ones(offs[-1], dtype=bool)
+        is_id[offs[1:] - 1] = False
+        tokens = np.full(offs[-1], self.eos_id, np.int32)
+        starts, ends = np.full(offs[-1], -1, np.int64), np.full(offs[-1], -1, np.int64)
+        tokens[is_id], starts[is_id], ends[is_id] = ids, pairs[0::2], pairs[1::2]
+        return tokens, offs, starts, ends
 
     def token_id(self, token: str) -> int | None:
         """The id of ``token`` in the vocabulary, None if it has none."""

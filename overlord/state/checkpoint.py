@@ -32,6 +32,7 @@ from typing import Any
 
 from overlord.errors import CheckpointError
 from overlord.plan.spec import Plan
+from overlord.state.changes import DROPPED, classify, refused
 from overlord.state.format import STATE_VERSION
 
 _NAME = re.compile(r"^step-(\d{8,})\.json$")
@@ -46,8 +47,31 @@ _OLD_VERSIONS = {
 }
 
 
-def check_state(state: dict[str, Any], plan: Plan) -> None:
-    """Raise :class:`CheckpointError` if ``state`` cannot resume ``plan``."""
+def check_state(state: dict[str, Any], plan: Plan, before: Plan | None = None) -> None:
+    """Raise :class:`CheckpointError` if ``state`` cannot resume ``plan``.
+
+    ``plan`` may differ from the checkpoint's: a change that decides a kept
+    source's items is refused, naming it; any other is allowed
+    (:func:`overlord.state.changes.classify`). ``before``, the plan the
+    checkpoint was written with where it is known, names each refused field
+    with its old and new value.
+    """
+    check_document(state, plan)
+    problems = refused(classify(state, plan, before))
+    if problems:
+        raise CheckpointError(
+            "the checkpoint cannot resume this plan: these changes would make its positions "
+            "mean other samples ('overlord diff CHECKPOINT PLAN' shows every change, allowed "
+            "and refused):\n  " + "\n  ".join(c.line() for c in problems)
+        )
+
+
+def check_document(state: dict[str, Any], plan: Plan) -> None:
+    """Raise :class:`CheckpointError` if ``state`` is not a state a run of ``plan`` writes.
+
+    Its format version, its keys, and every number in the range a run writes
+    (:func:`range_problems`); what the plan changed is :func:`check_state`'s.
+    """
     if not isinstance(state, dict):
         raise CheckpointError(f"a checkpoint is a JSON object, found {type(state).__name__}")
     version = state.get("version")
@@ -64,21 +88,6 @@ def check_state(state: dict[str, Any], plan: Plan) -> None:
         raise CheckpointError(
             "the checkpoint holds numbers no run of this plan writes (edited, or not this "
             "plan's), so it cannot be resumed:\n  " + "\n  ".join(numbers)
-        )
-    problems = []
-    for name in plan.source_names:
-        saved = state["sources"].get(name)
-        if saved is None:
-            continue  # a source added since: it starts from its beginning
-        want, found = plan.source_fingerprint(name), saved.get("fingerprint")
-        if want != found:
-            problems.append(f"source '{name}': expected fingerprint {want}, found {found}")
-    if problems:
-        raise CheckpointError(
-            "the checkpoint was written for a plan that reads these sources differently "
-            "(its paths, seed, format, text field, tokenizer, max_seq_len, long_docs or "
-            "on_error changed), so its positions mean other samples here:\n  "
-            + "\n  ".join(problems)
         )
 
 
@@ -109,6 +118,12 @@ def range_problems(state: dict[str, Any], plan: Plan) -> list[str]:
     out = []
     if not _whole(state["step"]):
         out.append(f"step: expected a whole number >= 0, found {state['step']!r}")
+    dropped = state.get(DROPPED, [])
+    if not isinstance(dropped, list) or not all(
+        isinstance(d, dict) and isinstance(d.get("source"), str) and _whole(d.get("step"))
+        for d in dropped
+    ):
+        out.append(f"{DROPPED}: expected [{{'source': name, 'step': step}}, ...]")
     sources = state["sources"]
     if not isinstance(sources, dict):
         return [*out, f"sources: expected a mapping by source name, found {type(sources).__name__}"]

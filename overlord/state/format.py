@@ -25,7 +25,6 @@ when present, are the weights the last step was planned with, which
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -70,7 +69,9 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 def apply(state: dict[str, Any], change: dict[str, Any], weights: Weights) -> dict[str, Any]:
     """The state after planning step ``state["step"]``, from that step's delta."""
-    out = copy.deepcopy(state)
+    # a state is JSON: a round trip copies it whole, files lists and all, many times faster
+    # than a deep copy (a replay applies a segment's deltas, up to snapshot_every of them)
+    out: dict[str, Any] = json.loads(json.dumps(state))
     step = int(state["step"])
     out["step"] = step + 1
     if "f" in change:

@@ -198,14 +198,14 @@ def _check_header(record: dict[str, Any], path: Path, where: str) -> None:
             f"{where}: field 'journal': format version {record.get('journal')!r} is not "
             f"supported: expected {VERSION} (or 1, without a header)"
         )
-    if _SEGMENT.match(path.name) and record.get("start") != _start(path):
+    if _SEGMENT.match(path.name) and record.get("start") != start_of(path):
         raise JournalError(
-            f"{where}: field 'start': expected {_start(path)} (the step in the file's name), "
+            f"{where}: field 'start': expected {start_of(path)} (the step in the file's name), "
             f"found {record.get('start')!r}: the segment was renamed or copied from elsewhere"
         )
 
 
-def _start(segment: Path) -> int:
+def start_of(segment: Path) -> int:
     """The step a segment's snapshot is the state before."""
     return int(segment.name[4:-4])
 
@@ -217,8 +217,10 @@ def segments(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _SEGMENT.match(p.name))
 
 
-def recover(directory: str | Path) -> list[Recovered]:
+def recover(directory: str | Path, only: list[Path] | None = None) -> list[Recovered]:
     """Read a journal back: every segment with an intact snapshot, oldest first.
+
+    ``only``: these segments of it alone (a replay reads the one it needs).
 
     A torn last record ends its segment; the problem is in that segment's
     ``problems`` (and a segment whose snapshot is torn is left out, with its
@@ -227,7 +229,7 @@ def recover(directory: str | Path) -> list[Recovered]:
     """
     out: list[Recovered] = []
     problems: list[str] = []
-    for seg in segments(Path(directory)):
+    for seg in segments(Path(directory)) if only is None else only:
         records, end, problem, chain = _read(seg, strict=False)
         if not records or records[0]["t"] != "snap":
             problems.append(problem or f"journal {seg}: does not start with a snapshot")
@@ -304,10 +306,16 @@ def resume(directory: str | Path, weights: statefmt.Weights) -> Resume | None:
 
 
 class Journal:
-    """Appends the planner's records; starts a segment at every snapshot."""
+    """Appends the planner's records; starts a segment at every snapshot.
 
-    def __init__(self, directory: str | Path, fsync: bool = False):
+    ``keep``: keep every segment, not only those a restarted planner may need, so
+    that any step planned can be rebuilt later (``overlord replay``); a trainers'
+    rewind still starts the journal over from the state rewound to.
+    """
+
+    def __init__(self, directory: str | Path, fsync: bool = False, keep: bool = False):
         self.directory = Path(directory)
+        self.keep = keep
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -319,7 +327,7 @@ class Journal:
         self.bytes: dict[str, int] = {"head": 0, "snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.records: dict[str, int] = {"head": 0, "snap": 0, "plan": 0, "cons": 0, "ldr": 0}
         self.write_s = 0.0
-        self._starts = [_start(p) for p in segments(self.directory)]  # first step of each
+        self._starts = [start_of(p) for p in segments(self.directory)]  # first step of each
         self._replan: dict[int, dict[str, Any]] = {}  # deltas a restarted planner re-plans
 
     def resume(self, weights: statefmt.Weights) -> Resume | None:
@@ -366,7 +374,7 @@ class Journal:
         for later in segments(self.directory):
             if later.name > seg.name:  # its snapshot was unreadable
                 later.unlink()
-                self._starts.remove(_start(later))
+                self._starts.remove(start_of(later))
         self._path, self._chain = seg, recovered.chain  # a segment of format 1 goes on in it
         with self._writing():
             with open(seg, "r+b") as f:
@@ -435,6 +443,8 @@ class Journal:
     def consumed(self, step: int) -> None:
         """Every rank consumed up to ``step``; drop segments no recovery can start from."""
         self._write({"t": "cons", "s": step})
+        if self.keep:  # a journal kept for replays: every segment stays
+            return
         # a recovery starts from the state before step+1: keep the newest segment
         # that starts at or before it, and those after
         usable = [s for s in self._starts if s <= step + 1]
