@@ -18,8 +18,9 @@ documents, and their cost), and at the plan's steps decides:
 ``t - 1`` is first planned, and recorded: in the planner's state before ``t``
 (the ``feedback`` key of :mod:`overlord.state.format`, written only once
 something was refit or adapted), so that a checkpoint, a resume or a replay
-from that state plans ``t`` as the run did; and in the journal (a ``fit`` or ``mix`` record with the decision
-and a digest of its inputs, and each step's delta). A step planned again (after
+from that state plans ``t`` as the run did; and in the journal (a ``fit`` or
+``mix`` record with the decision and a digest of its inputs, and each step's
+delta). A step planned again (after
 a planner restart from its journal, or a trainers' rewind) applies the
 decision recorded for it and never decides anew, so the stream is a pure
 function of the plan, the seed, the data and the recorded feedback. Each
