@@ -245,7 +245,8 @@ class Loader:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
         constructor = self._constructor_of[rank]
         return Client(
-            rank, constructor, self.planner, self.start_step, stop_step, None, self._notices
+            *(rank, constructor, self.planner, self.start_step, stop_step, None, self._notices),
+            sources=tuple(self.plan.source_names),
         )
 
     def rank_client(self, global_rank: int, stop_step: int | None = None) -> RankStream:
@@ -276,6 +277,7 @@ class Loader:
             notices=notices,
             global_rank=global_rank,
             objects=objects,
+            sources=tuple(self.plan.source_names),
         )
 
     def _node_stream(

@@ -84,6 +84,12 @@ class RankStream(Protocol):
         """Resume from ``state`` (or check that the stream is there)."""
         ...
 
+    def report(
+        self, step: int, seconds: float, loss_by_source: dict[str, float] | None = None
+    ) -> None:
+        """Tell the planner this rank trained ``step`` in ``seconds`` (one way; never blocks)."""
+        ...
+
     def close(self) -> None:
         """End what this process holds of the stream."""
         ...
@@ -319,6 +325,12 @@ class EmbeddedStream:
             return self._pending  # not started yet: exactly what it will start from
         return self._open().state_dict()
 
+    def report(
+        self, step: int, seconds: float, loss_by_source: dict[str, float] | None = None
+    ) -> None:
+        """:meth:`overlord.roles.client.Client.report` of this rank (the Loader started)."""
+        self._open().report(step, seconds, loss_by_source)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start again from ``state``: the Loader stops, the next batch starts a new one."""
         check_state(state, self.plan)
@@ -422,4 +434,5 @@ def _connect(
         global_rank=global_rank,
         objects=objects,
         heartbeat=True,  # its trainer may outlive a peer restarted alone: it says it is alive
+        sources=tuple(s["name"] for s in layout["plan"]["sources"]),
     )

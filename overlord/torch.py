@@ -307,6 +307,18 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
                 return
             yield to_torch(batch, self.pin_memory, self.device)
 
+    def report(
+        self, step: int, seconds: float, loss_by_source: Mapping[str, float] | None = None
+    ) -> None:
+        """Tell the planner this rank trained ``step`` in ``seconds`` (its own compute time).
+
+        ``loss_by_source``: optionally the mean loss per source (the batch's
+        ``source`` names). One way, off the trainer's thread; see
+        :meth:`overlord.roles.client.Client.report`.
+        """
+        losses = None if loss_by_source is None else dict(loss_by_source)
+        self._stream.report(step, seconds, losses)
+
     def overlord_state(self) -> dict[str, Any]:
         """The plain overlord state (for :func:`overlord.checkpoint.save`, ``serve --resume``)."""
         return self._stream.state_dict()

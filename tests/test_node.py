@@ -37,6 +37,7 @@ def torchrun(
     dataset: bool = False,
     loader: bool = False,
     mesh: bool = False,
+    report: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the worker on ``RANKS`` CPU processes; each rank's result."""
     args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
@@ -44,6 +45,7 @@ def torchrun(
     env = {**os.environ, **({"OVERLORD_TEST_DATASET": "1"} if dataset else {})}
     env |= {"OVERLORD_TEST_LOADER": "1"} if loader else {}
     env |= {"OVERLORD_TEST_MESH": "1"} if mesh else {}
+    env |= {"OVERLORD_TEST_REPORT": "1"} if report else {}
     done = subprocess.run(
         [*cmd, f"--nproc_per_node={RANKS}", str(WORKER), *args],
         capture_output=True,
@@ -96,6 +98,18 @@ def test_overlord_loader_under_torchrun_is_the_nodes_loader(plan_path, tmp_path)
     assert got[0]["arrow_pool"] == "system"
     assert {r["arrow_pool"] for r in got[1:]} == {pa.default_memory_pool().backend_name}
     assert pa.default_memory_pool().backend_name != "system"  # else the check proves nothing
+
+
+def test_every_ranks_reports_reach_the_nodes_planner_and_the_stream_is_unchanged(
+    plan_path, tmp_path
+):
+    want = run_job(load_plan(plan_path), steps=6).lines
+    got = torchrun(plan_path, tmp_path / "run", 6, report=True)
+    assert all(r["error"] is None for r in got)
+    for rank, result in enumerate(got):
+        assert result["lines"] == want[rank::RANKS]
+    fb = got[0]["feedback"]
+    assert (fb["received"], fb["dropped"]) == (RANKS * 6, 0)
 
 
 def test_a_checkpoint_taken_under_torchrun_resumes_there(plan_path, tmp_path):

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import queue
 import sys
 import threading
@@ -68,11 +69,15 @@ import torch.distributed as dist
 
 from overlord.batch import Batch
 from overlord.dist.channel import BATCH, END, ERROR, START, Channel, node_group
+from overlord.dist.reports import ReportReceiver, ReportSender
 from overlord.errors import CheckpointError, LoaderError
 from overlord.plan.spec import Plan
+from overlord.roles.feedback import check_report
 from overlord.runtime.hosting import lean_allocators
 from overlord.state.checkpoint import check_state
 from overlord.world import World
+
+log = logging.getLogger("overlord.node")
 
 AHEAD = 2  # batches a rank holds ready beyond the one its trainer has
 
@@ -117,6 +122,9 @@ class NodeClient(Iterator[Batch]):
         self._timeout = plan.loading.timeout_s
         self._thread: threading.Thread | None = None  # started on first use
         self.loader: Any = None  # rank 0's: the node's Loader, from its first use to close()
+        self._clients: list[Any] = []  # rank 0's: its Loader's client of every rank
+        self._reports: ReportSender | None = None  # another rank's: its reports to rank 0
+        self._in_order = False  # another rank's: rank 0 ended the stream in order (its END)
 
     def _start(self) -> None:
         if not dist.is_initialized():
@@ -141,6 +149,8 @@ class NodeClient(Iterator[Batch]):
         # a group of our own, so the trainer's collectives and ours never interleave
         group = self._group if self._group is not None else node_group(self._timeout)
         self._channel = Channel(group, receive_s=2 * self._timeout)
+        if self.rank != 0:
+            self._reports = ReportSender(group, self.plan.source_names, self._timeout)
         target = self._serve if self.rank == 0 else self._receive
         self._thread = threading.Thread(target=target, args=(self.plan, self._state), daemon=True)
         self._thread.name = f"overlord-node-{self.rank}"
@@ -155,6 +165,7 @@ class NodeClient(Iterator[Batch]):
         world = plan.world
         live = set(range(1, world.size))  # the ranks the end must reach
         ending, message = END, ""  # every way out tells the other ranks, who wait for it
+        reports: ReportReceiver | None = None  # the other ranks' reports, once the stream starts
         try:
             if self._make_loader is None:
                 raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
@@ -166,13 +177,16 @@ class NodeClient(Iterator[Batch]):
             self.loader = loader = self._make_loader(plan, state)
             # a DP rank's batch is built once, its views cut once for all its peers
             serve = loader.client if world.peers == 1 else loader.rank_client
-            clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
+            self._clients = clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
             start = loader.state_dict()
             for r in sorted(live):
                 text = json.dumps(start)
                 self._send(live, r, "the start", self._channel.send_text, START, text)
+            group, names = self._channel.group, plan.source_names
+            reports = ReportReceiver(group, names, sorted(live), self._forward)
             self._begin(start)
             while not self._closed.is_set():
+                reports.poll()  # the other ranks' reports to the planner, between batches
                 for r, client in enumerate(clients):
                     batch = next(client)  # StopIteration at the stop step, for every rank
                     after = client.state_dict()
@@ -195,7 +209,16 @@ class NodeClient(Iterator[Batch]):
                 self._channel.send_text(ending, message, r)
             except Exception:
                 live.discard(r)
+        if ending == END and reports is not None:
+            reports.drain(sorted(live), self._timeout)  # up to each rank's last message
         self._put((ending, message))
+
+    def _forward(self, rank: int, step: int, seconds: float, losses: Any) -> None:
+        """Rank ``rank``'s report, through the Loader's client of that rank (rank 0's thread)."""
+        try:
+            self._clients[rank].report(step, seconds, losses)
+        except ValueError as e:  # checked where it was made: a report of another plan's
+            log.warning("node mode: a report of rank %d was refused: %s", rank, e)
 
     def _send(
         self, live: set[int], to: int, what: str, send: Callable[..., None], *args: Any
@@ -229,6 +252,7 @@ class NodeClient(Iterator[Batch]):
                 self._begin(json.loads(got))
                 continue
             self._put((kind, got))
+            self._in_order = kind == END
             if kind != BATCH or self._failure is not None:
                 # the stream's end; or this process fails: it posts no more receives, so rank
                 # 0's next send to it fails when its process ends (at once) or after the timeout
@@ -291,6 +315,22 @@ class NodeClient(Iterator[Batch]):
                 assert self._thread is not None
                 if not self._thread.is_alive() and self._ready.empty():
                     return ERROR, f"rank {self.rank}: node mode's thread ended without an end"
+
+    def report(
+        self, step: int, seconds: float, loss_by_source: dict[str, float] | None = None
+    ) -> None:
+        """:meth:`overlord.roles.client.Client.report` of this rank, through rank 0.
+
+        Rank 0 hands it to its Loader; another rank sends it to rank 0 without
+        waiting (:mod:`overlord.dist.reports`). Call it after the step's batch.
+        """
+        losses = check_report(step, seconds, loss_by_source, self.plan.source_names)
+        if self._thread is None:
+            raise LoaderError(f"rank {self.rank}: report of step {step} before the first batch")
+        if self._reports is not None:
+            self._reports.send(step, seconds, losses)
+        elif self._clients:
+            self._clients[self.rank].report(step, seconds, losses)
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's state as of this rank's position (the same on every rank in step)."""
@@ -362,6 +402,8 @@ class NodeClient(Iterator[Batch]):
         # rank 0's thread ends after its sends, each waiting at most the group's timeout
         sends = self.plan.world.size + 1 if self.rank == 0 else 1
         self._thread.join(self._timeout * sends)
+        if self._reports is not None and self._in_order and not self._thread.is_alive():
+            self._reports.end()  # rank 0, alive and past the end, stops waiting for reports
         if release and self.loader is not None and not self._thread.is_alive():
             self.loader.close()
 

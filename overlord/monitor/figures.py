@@ -63,6 +63,9 @@ class Figures:
         self.step_s = [math.nan] * dp  # each rank's last measured step time
         self._costs: dict[int, list[float]] = {}  # step -> per-rank cost, while it may be paired
         self._fit = [0.0, 0.0]  # sum of cost * seconds, sum of cost**2
+        self._reporting: set[int] = set()  # ranks whose trainers report their step times
+        self.refits = 0  # cost-model refits from reports (overlord.roles.feedback)
+        self.model_err = math.nan  # the most loaded rank's relative error, last reported step
 
     def planned(self, step: int, seconds: float, rank_costs: np.ndarray) -> None:
         """Step ``step`` was planned in ``seconds``; ``rank_costs`` is each rank's cost."""
@@ -94,11 +97,31 @@ class Figures:
             if costs is not None:
                 self.cost[rank] = costs[rank]
             before = self._costs.get(step - 1)
+            if rank in self._reporting:
+                return  # its trainer reports its own step times: they fill these figures
             if train_s is not None and train_s >= 0 and before is not None:
                 self.step_s[rank] = train_s
                 c = before[rank]
                 self._fit[0] += c * train_s
                 self._fit[1] += c * c
+
+    def reported(self, rank: int, predicted: float, seconds: float) -> None:
+        """DP rank ``rank``'s trainer reported ``seconds`` on a step predicted at ``predicted``.
+
+        A rank that reports is measured by its reports from then on, rather
+        than by the time between its ``next()`` calls.
+        """
+        with self._lock:
+            if rank not in self._reporting:
+                self._reporting.add(rank)
+            self.cost[rank], self.step_s[rank] = predicted, seconds
+            self._fit[0] += predicted * seconds
+            self._fit[1] += predicted * predicted
+
+    def model_error(self, error: float, refits: int) -> None:
+        """The cost model's relative error on the last reported step, and the refits so far."""
+        with self._lock:
+            self.model_err, self.refits = error, refits
 
     def seconds_per_cost(self) -> float:
         """The least-squares slope through 0 of step time against predicted cost."""
@@ -121,4 +144,6 @@ class Figures:
                 "rank_step_s": list(self.step_s),
                 "rank_step_s_predicted": [c * k for c in self.cost],
                 "seconds_per_cost": k,
+                "cost_model_error": self.model_err,
+                "refits": self.refits,
             }

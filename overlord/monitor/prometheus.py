@@ -41,6 +41,12 @@ METRICS: dict[str, tuple[str, str]] = {
         "fitted seconds per unit of cost (least squares through 0 over every rank and step)",
     ),
     "overlord_read_retries_total": ("counter", "transient read errors retried, per source"),
+    "overlord_cost_model_error": (
+        "gauge",
+        "relative error of the most loaded rank's predicted seconds on the last step every "
+        "rank reported (client.report); NaN before",
+    ),
+    "overlord_refits_total": ("counter", "cost-model refits from the trainers' reports"),
 }
 
 
@@ -110,6 +116,12 @@ def _families(f: dict[str, Any]) -> Iterator[Any]:
     if not math.isnan(f["seconds_per_cost"]):
         k.add_metric([], f["seconds_per_cost"])
     yield k
+    error = family("overlord_cost_model_error", [])
+    error.add_metric([], f.get("cost_model_error", math.nan))  # NaN until a step is reported
+    yield error
+    refits = family("overlord_refits_total", [])
+    refits.add_metric([], f.get("refits", 0))
+    yield refits
 
 
 class _Collector:

@@ -152,6 +152,26 @@ def fit_cost(lengths: Sequence[ArrayLike], ms: ArrayLike, *, intercept: bool = F
         if (length < 0).any():
             raise ValueError(f"document lengths must be >= 0; lengths[{i}] has {length.min()}")
         s1[i], s2[i] = length.sum(), (length * length).sum()
+    return fit_sums(s1, s2, t, intercept=intercept)
+
+
+def fit_sums(
+    s1: np.ndarray, s2: np.ndarray, ms: np.ndarray, *, intercept: bool = False,
+    monotone: bool = True,
+) -> CostFit:
+    """``fit_cost`` from each micro-batch's sums ``S1 = sum L`` and ``S2 = sum L**2``.
+
+    What the planner knows of a rank's step without its lengths (the refit,
+    :mod:`overlord.plan.refit`). ``ms`` must be positive and finite. With
+    ``monotone=False`` a negative alpha or beta is returned instead of raised
+    (the caller bounds it); a fit that cannot tell the parameters apart still
+    raises ``ValueError``.
+
+    >>> f = fit_sums(np.array([8.0, 8.0]), np.array([64.0, 16.0]), np.array([24.0, 12.0]))
+    >>> round(f.model.alpha, 9), round(f.model.beta, 9)
+    (1.0, 0.25)
+    """
+    t = np.asarray(ms, dtype=np.float64)
     names = ["alpha", "beta"] + (["intercept"] if intercept else [])
     cols = [s1, s2] + ([np.ones(len(t))] if intercept else [])
     if len(t) < len(cols):
@@ -175,7 +195,7 @@ def fit_cost(lengths: Sequence[ArrayLike], ms: ArrayLike, *, intercept: bool = F
     coef = coef / scale
     alpha, beta = float(coef[0]), float(coef[1])
     for name, value in (("alpha", alpha), ("beta", beta)):
-        if value < 0:
+        if value < 0 and monotone:
             raise ValueError(
                 f"the fit gives {name} = {value:.3g} < 0, a cost that falls as "
                 + ("tokens" if name == "alpha" else "documents at the same tokens")

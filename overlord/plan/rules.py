@@ -77,6 +77,39 @@ def _token_source_problems(i: int, src: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _adapt_problems(data: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
+    """An adaptive mixture's bounds: of sources that exist, with room for every weight."""
+    adapt = _get(data, "mixture", "adapt")
+    bounds = _get(adapt, "bounds")
+    if not isinstance(adapt, dict) or not names:
+        return []
+    out: list[tuple[str, str]] = []
+    bounds = bounds if isinstance(bounds, dict) else {}
+    for name in bounds:
+        if name not in names:
+            out.append(
+                (f"mixture.adapt.bounds.{name}", f"no source is named '{name}': {names}")
+            )
+    pairs = [bounds.get(n, (0.0, 1.0)) for n in names]
+    floor = _get(adapt, "floor")
+    floor = floor if isinstance(floor, (int, float)) else 0.0
+    try:
+        low = sum(max(float(lo), floor) for lo, _ in pairs)
+        high = sum(float(hi) for _, hi in pairs)
+    except (TypeError, ValueError):
+        return out  # the schema names a bound that is not [min, max]
+    if low > 1 or high < 1:
+        out.append(
+            (
+                "mixture.adapt.bounds",
+                f"the weights must sum to 1 within the bounds and floor: the minimums sum to "
+                f"{low:g}, the maximums to {high:g}; lower the minimums or the floor, or raise "
+                "the maximums",
+            )
+        )
+    return out
+
+
 def _chat_problems(data: dict[str, Any], i: int, src: Any) -> list[tuple[str, str]]:
     """What a chat source cannot have, and the template the bytes tokenizer cannot give."""
     if _get(src, "format") != Format.CHAT.value:
@@ -119,6 +152,7 @@ def semantic_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
             seen.add(name)
         problems += _token_source_problems(i, src)
         problems += [p for p in _chat_problems(data, i, src) if p not in problems]
+    problems += _adapt_problems(data, sorted(seen))
 
     tokens, seq = (
         _int(_get(data, "batch", "tokens_per_step")),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,57 @@ class SchedulePoint(_Model):
         return v
 
 
+class AdaptPolicy(str, Enum):
+    """How reported losses move the mixture (:mod:`overlord.plan.refit`)."""
+
+    # exponentiated gradient on each source's relative excess loss: DoReMi (Xie et al. 2023,
+    # arXiv 2305.10429) and Online Data Mixing (Albalak et al. 2023, arXiv 2312.02406)
+    EXP_GRADIENT = "exp_gradient"
+
+
+class AdaptSpec(_Model):
+    """Weights that move from the trainers' reported losses (the schedule is the prior)."""
+
+    policy: AdaptPolicy = Field(
+        AdaptPolicy.EXP_GRADIENT,
+        description="exp_gradient: each source's log-weight grows by eta times its mean "
+        "reported loss over the mixture's mean loss, minus one (DoReMi, Online Data Mixing)",
+    )
+    every: int = Field(ge=1, description="adapt every this many steps, from the reports since")
+    eta: float = Field(
+        1.0, gt=0, description="step size of the exponentiated-gradient rule (per adaptation)"
+    )
+    floor: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="no source's weight goes below this share (a source the schedule gives "
+        "0 stays at 0)",
+    )
+    bounds: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="source name -> [min, max] share the adapted weight stays within",
+    )
+    smoothing: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="the adapted weights mixed with this share of the schedule's (DoReMi "
+        "smooths toward uniform; here toward the prior)",
+    )
+
+    @field_validator("bounds")
+    @classmethod
+    def _bounds(cls, v: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        bad = [k for k, (lo, hi) in v.items() if not 0 <= lo <= hi <= 1]
+        if bad:
+            raise ValueError(
+                "each bound must be [min, max] with 0 <= min <= max <= 1, found "
+                + ", ".join(f"{k}={list(v[k])}" for k in bad)
+            )
+        return v
+
+
 class MixtureSpec(_Model):
     """A curriculum: weights at schedule points, interpolated between them."""
 
@@ -150,6 +202,11 @@ class MixtureSpec(_Model):
     )
     schedule: list[SchedulePoint] = Field(
         min_length=1, description="the weights at schedule points, in step order"
+    )
+    adapt: AdaptSpec | None = Field(
+        None,
+        description="move the weights from the trainers' reported losses (off by default; "
+        "see the feedback guide)",
     )
 
 
@@ -206,6 +263,18 @@ class CostSpec(_Model):
     )
 
 
+class RefitSpec(_Model):
+    """Refit the cost model from the trainers' reported step times."""
+
+    every: int = Field(ge=1, description="refit every this many steps")
+    window: int = Field(
+        64, ge=1, description="fit on the reports of the last this many reported steps"
+    )
+    min_samples: int = Field(
+        8, ge=2, description="refit only with at least this many (step, rank) reports"
+    )
+
+
 class BalanceSpec(_Model):
     """How each step is balanced across DP ranks."""
 
@@ -226,6 +295,11 @@ class BalanceSpec(_Model):
     )
     modules: Modules = Field(
         Modules.HYBRID, description="hybrid: encoder + LLM cost; llm: the LLM's alone"
+    )
+    refit: RefitSpec | None = Field(
+        None,
+        description="refit alpha and beta from the trainers' reported step times (off by "
+        "default; beta/alpha stays within 1/16..16 times the plan's)",
     )
 
 
@@ -337,6 +411,8 @@ class Plan(_Model):
                     s.pop(key)
         if data["vision"] is None:
             data.pop("vision")
+        if data["mixture"] is not None and data["mixture"]["adapt"] is None:
+            data["mixture"].pop("adapt")  # unset: the fingerprint stays as it was
         if data["tokenizer"]["chat_template"] is None:  # unset: the fingerprint stays as it was
             data["tokenizer"].pop("chat_template")
         data["batch"].pop("cp_layout")  # who gets which slice, like the world: not the stream

@@ -136,6 +136,12 @@ class PlannerRole(Protocol):
         """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
         ...
 
+    def report(
+        self, rank: int, step: int, seconds: float, losses: dict[str, float] | None = None
+    ) -> None:
+        """DP rank ``rank`` trained ``step`` in ``seconds`` (mean ``losses`` per source)."""
+        ...
+
 
 class PoolRole(Protocol):
     """The planner's loaders (its pool): spawning, failover, partitions, threads."""
@@ -182,6 +188,10 @@ class OpsRole(Protocol):
 
     def monitor(self) -> dict[str, Any]:
         """What monitoring shows: counters, histograms, per source and per rank figures."""
+        ...
+
+    def feedback(self, step: int) -> dict[int, dict[str, float | None]] | None:
+        """Each rank's predicted cost and reported seconds for ``step`` (None: not kept)."""
         ...
 
     def metrics_url(self) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any
 from overlord.batch import Batch
 from overlord.errors import CheckpointError, LoaderError, RanksApart
 from overlord.roles.api import ConstructorRole, PlannerRole
+from overlord.roles.feedback import check_report
 from overlord.runtime.base import Handle, OneWay
 from overlord.runtime.objects import ObjectStore
 
@@ -37,6 +38,9 @@ class Client(Iterator[Batch]):
     ``heartbeat``: while the trainer waits for a batch, tell the planner every
     :data:`HEARTBEAT_S` that it is alive (a client connected to a job, whose
     trainer may outlive a peer that restarts alone).
+
+    ``sources``: the plan's source names, against which :meth:`report`
+    checks the losses it is given (empty: the planner checks them).
     """
 
     def __init__(
@@ -51,8 +55,10 @@ class Client(Iterator[Batch]):
         global_rank: int | None = None,
         objects: ObjectStore | None = None,
         heartbeat: bool = False,
+        sources: tuple[str, ...] = (),
     ):
         self.rank, self.global_rank = rank, global_rank
+        self._sources = sources
         self._constructor, self._planner = constructor, planner
         self._owned = owned  # a constructor in this process that this client closes
         # sent from a thread of their own (shared by a Loader's clients, which keeps their
@@ -100,6 +106,24 @@ class Client(Iterator[Batch]):
         self.step += 1
         self._returned = time.perf_counter()
         return batch
+
+    def report(
+        self, step: int, seconds: float, loss_by_source: dict[str, float] | None = None
+    ) -> None:
+        """Tell the planner this rank trained ``step`` in ``seconds`` (its own compute time).
+
+        ``seconds``: the rank's forward and backward on the step, before it waits
+        at the gradient all-reduce (where every rank's time is the slowest's).
+        ``loss_by_source``: optionally its mean loss per source (keys are the
+        batch's ``source`` names), for a mixture that adapts. Sent one way, from
+        a thread of its own: the trainer does not wait. A report the planner
+        cannot pair (a step it no longer keeps) is counted and dropped; a
+        malformed one raises ``ValueError`` here.
+        """
+        losses = check_report(step, seconds, loss_by_source, self._sources)
+        self._notices.send(
+            self._planner, PlannerRole.report, self.rank, int(step), float(seconds), losses
+        )
 
     def _next_batch(self) -> Batch:
         while True:  # the time spent here is the trainer's wait (monitoring)

@@ -35,8 +35,18 @@ class Ledger:
         # (absent while none was, so that a run that removes none writes what it always did)
         self.dropped: list[dict[str, Any]] = []
 
-    def snapshot(self, step: int, cursors: Sequence[SourceCursor], mix: MixState) -> dict[str, Any]:
-        """The state before ``step`` of cursors and a mixture that stand there (not kept)."""
+    def snapshot(
+        self,
+        step: int,
+        cursors: Sequence[SourceCursor],
+        mix: MixState,
+        feedback: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The state before ``step`` of cursors and a mixture that stand there (not kept).
+
+        ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
+        None leaves the key out, as a state without reports always had it.
+        """
         state: dict[str, Any] = {
             "step": step,
             "sources": {
@@ -52,6 +62,8 @@ class Ledger:
         }
         if self.dropped:
             state[DROPPED] = [dict(d) for d in self.dropped]
+        if feedback is not None:
+            state["feedback"] = feedback
         return state
 
     def keep(self, step: int, state: dict[str, Any]) -> None:

@@ -13,8 +13,10 @@ The planner is composed of parts that each own their state: where planning
 stands (its cursors and mixture, here), the states kept before each step
 (:class:`~overlord.roles.ledger.Ledger`), what each rank consumed and the
 rewinds of trainers that restart (:class:`~overlord.roles.consumption.Consumption`),
-its loaders (:class:`~overlord.roles.loader_pool.LoaderPool`) and its
-monitoring counters (:class:`~overlord.monitor.figures.Figures`). It serves
+its loaders (:class:`~overlord.roles.loader_pool.LoaderPool`), its
+monitoring counters (:class:`~overlord.monitor.figures.Figures`) and the
+trainers' reports, with the refits and adaptations they bring
+(:class:`~overlord.roles.feedback.Feedback`). It serves
 three Protocols of :mod:`overlord.roles.api`: planning and consumption
 (``PlannerRole``), the loaders (``PoolRole``) and operations (``OpsRole``).
 """
@@ -44,6 +46,7 @@ from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.assigner import Assigners
 from overlord.roles.consumption import Consumption
 from overlord.roles.cursor import SourceCursor
+from overlord.roles.feedback import Feedback
 from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.rewind import Stamps
@@ -106,6 +109,10 @@ class Planner:
             Journal(journal, plan.recovery.fsync, keep_journal) if journal is not None else None
         )
         recovered = self.journal.resume(self.schedule.named) if self.journal else None
+        # the trainers' reports; a restarted planner applies the decisions its journal recorded
+        self.loop = Feedback(plan, self.cost, self.journal, self.figures)
+        if recovered is not None:
+            self.loop.recorded(recovered.replan)
         self.ledger = Ledger(plan, self._files)
         self.stamps = Stamps(journal) if wait_for_ranks else None  # states trainers rewind to
         self.consumption = Consumption(
@@ -170,6 +177,7 @@ class Planner:
             )
             for n in self.names
         ]
+        self.loop.restore((state or {}).get("feedback"))
         self.mix = MixState(
             np.array([float(sources.get(n, {}).get("target", 0.0)) for n in self.names]),
             np.array([float(sources.get(n, {}).get("placed", 0.0)) for n in self.names]),
@@ -202,7 +210,7 @@ class Planner:
 
     def _snapshot(self) -> dict[str, Any]:
         """The state before the next step to plan."""
-        return self.ledger.snapshot(self.next_step, self.cursors, self.mix)
+        return self.ledger.snapshot(self.next_step, self.cursors, self.mix, self.loop.section())
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """State before ``step`` (JSON-serializable).
@@ -229,11 +237,13 @@ class Planner:
         p = self.plan
         step = self.next_step
         t0 = time.perf_counter()
-        weights = self.schedule.weights(step)
-        planned = plan_step(
-            p, self.cursors, weights, self.mix, self.cost, self.groups, self.assigners.run
-        )
+        # the cost model and weights in force: the plan's, or as reports moved them
+        cost, weights = self.loop.before(step, self.schedule.weights(step))
+        run = self.assigners.run
+        planned = plan_step(p, self.cursors, weights, self.mix, cost, self.groups, run)
         self.plans[step] = planned.columns
+        self.loop.planned(step, planned.columns, planned.rank_cost)
+        self.loop.after(step, self.schedule.weights)  # what the next step is planned with
         self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
         self.history.append({"step": step, **planned.stats})
         self.next_step += 1
@@ -350,6 +360,12 @@ class Planner:
         """``global_rank`` received ``step``; its DP rank's step is consumed once all peers have."""
         self.consumption.mark_rank_consumed(global_rank, step, train_s, wait_s, since)
 
+    def report(
+        self, rank: int, step: int, seconds: float, losses: dict[str, float] | None = None
+    ) -> None:
+        """DP rank ``rank``'s trainer took ``seconds`` on ``step`` (see roles.feedback)."""
+        self.loop.report(rank, step, seconds, losses)
+
     def position(self, rank: int) -> int:
         """The next step ``rank`` should consume."""
         return self.consumption.position(rank)
@@ -462,6 +478,7 @@ class Planner:
             "journal": self.journal.stats() if self.journal is not None else None,
             "loaders": self.pool.stats(),
             "autoscaler": self.pool.scaling_state(),
+            "feedback": self.loop.stats(),
         }
 
     def monitor(self) -> dict[str, Any]:
@@ -472,7 +489,7 @@ class Planner:
         """
         out = self.figures.as_dict()
         stats = self._loader_stats()
-        weights = np.asarray(self.schedule.weights(self.consumption.done + 1), dtype=np.float64)
+        weights = self.loop.weights(self.schedule.weights(self.consumption.done + 1))
         weights = weights / max(float(weights.sum()), 1e-300)
         sources: dict[str, dict[str, Any]] = {}
         for i, n in enumerate(self.names):
@@ -514,6 +531,14 @@ class Planner:
                     continue
                 stats.append({**s, "slot": k})
         return stats
+
+    def feedback(self, step: int) -> dict[int, dict[str, float | None]] | None:
+        """Each rank's predicted cost and reported seconds for ``step`` (None: not kept).
+
+        ``{rank: {"seconds": s or None, "predicted": cost}}``; what a journal
+        keeps of it, :func:`overlord.roles.feedback.reports` reads.
+        """
+        return self.loop.step_reports(step)
 
     def metrics_url(self) -> str | None:
         """Where the Prometheus endpoint is (None: ``monitoring.port`` is not set)."""

@@ -14,6 +14,13 @@ tokens and the schedule, so :func:`apply` recomputes them exactly as
 :func:`overlord.plan.select.select_step` adds them. The planner's journal
 (:mod:`overlord.state.journal`) stores snapshots and deltas; :func:`replay` turns
 them back into states. Nothing here imports a role.
+
+A job whose trainers report (:mod:`overlord.roles.feedback`) may hold one more
+key, ``feedback``: the cost model in force and its refits, the adapted mixture
+and its adaptations. It is absent until something was refit or adapted, and a
+step that changes it carries it whole in its delta (``"f"``); its ``weights``,
+when present, are the weights the last step was planned with, which
+:func:`apply` then uses for the targets instead of the schedule's.
 """
 
 from __future__ import annotations
@@ -53,7 +60,10 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         inc = a["placed"] - b["placed"]
         if inc:
             placed[name] = int(inc)
-    out: dict[str, Any] = json.loads(json.dumps({"c": cursors, "p": placed}))
+    change: dict[str, Any] = {"c": cursors, "p": placed}
+    if after.get("feedback") != before.get("feedback"):  # absent unless trainers report
+        change["f"] = after.get("feedback")
+    out: dict[str, Any] = json.loads(json.dumps(change))
     return out
 
 
@@ -64,6 +74,8 @@ def apply(state: dict[str, Any], change: dict[str, Any], weights: Weights) -> di
     out: dict[str, Any] = json.loads(json.dumps(state))
     step = int(state["step"])
     out["step"] = step + 1
+    if "f" in change:
+        out["feedback"] = change["f"]
     for name, (epoch, shard_pos, index, skip) in change.get("c", {}).items():
         cursor = {"epoch": epoch, "shard_pos": shard_pos, "index": index, "skip": skip}
         out["sources"][name]["cursor"] = cursor
@@ -73,7 +85,7 @@ def apply(state: dict[str, Any], change: dict[str, Any], weights: Weights) -> di
         total += inc
     # the mixture target grows by each source's weight times the step's tokens,
     # exactly as select_step adds it
-    w = weights(step)
+    w = (out.get("feedback") or {}).get("mix", {}).get("weights") or weights(step)
     for name, source in out["sources"].items():
         source["target"] = float(np.float64(source["target"]) + np.float64(w[name]) * total)
     return out

@@ -5,7 +5,9 @@ a step changes little of it. The journal holds a full *snapshot* every
 ``snapshot_every`` steps and, between snapshots, one *delta* per planned step
 (the cursors that moved and the tokens each source placed), written before
 the step's plan is handed out; and a record each time the step that every
-rank consumed advances, written before the loaders release its items.
+rank consumed advances, written before the loaders release its items. The
+trainers' reports add records of their own (``fit``, ``mix``, ``rep``:
+:mod:`overlord.roles.feedback`); a reader skips the kinds it does not know.
 
 Each snapshot starts a new segment file ``seg-<step>.log``. A record is one
 line: its digest, a space, its JSON text. The first line of a segment is a
@@ -347,10 +349,19 @@ class Journal:
         """
         change = statefmt.delta(before, after)
         if step in self._replan:
-            if change != self._replan.pop(step):
+            held = self._replan.pop(step)
+            if change != held:
+                same_data = {k: v for k, v in change.items() if k != "f"} == {
+                    k: v for k, v in held.items() if k != "f"
+                }  # only the feedback differs (overlord.roles.feedback): not the data
                 raise LoaderError(
                     f"re-planning step {step} after a planner restart gave another plan than "
-                    "the journal holds: a source's data changed while the job ran"
+                    "the journal holds: "
+                    + (
+                        "the refit or mixture adaptation recorded for it was not applied"
+                        if same_data
+                        else "a source's data changed while the job ran"
+                    )
                 )
             return False
         self.delta(step, change)
@@ -392,8 +403,9 @@ class Journal:
         if self._chain is not None:
             self._chain = line[:_DIGEST_HEX].decode()
         self.write_s += time.perf_counter() - t0
-        self.bytes[record["t"]] += len(line)
-        self.records[record["t"]] += 1
+        t = record["t"]  # a kind of record added later counts from its first
+        self.bytes[t] = self.bytes.get(t, 0) + len(line)
+        self.records[t] = self.records.get(t, 0) + 1
 
     def snapshot(self, state: dict[str, Any], consumed: int, loaders: dict[str, Any]) -> None:
         """Start a segment with the full state before step ``state["step"]``."""

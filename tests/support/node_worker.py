@@ -8,7 +8,9 @@ through ``OverlordIterableDataset.from_plan`` in a torch DataLoader instead,
 and writes a digest of each batch's ``input_ids``; with
 ``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``; with
 ``OVERLORD_TEST_MESH=1`` through ``overlord.Loader(plan).rank_client(RANK)``,
-writing :func:`digest` of each batch. Ray is blocked: node mode must not need it.
+writing :func:`digest` of each batch; with ``OVERLORD_TEST_REPORT=1`` every rank
+reports each step (rank 0 writes what its planner received). Ray is blocked: node
+mode must not need it.
 """
 
 from __future__ import annotations
@@ -99,9 +101,16 @@ def main() -> None:
         result["kind"] = type(client).__name__
     try:
         result["start"] = client.state_dict()
+        report = os.environ.get("OVERLORD_TEST_REPORT")
         for batch in client:
             result["lines"].append(dump_line(batch))
+            if report:  # the rank's step time, and a loss for each source of its batch
+                losses = {x.source: 1.0 + rank for x in batch.samples}
+                client.report(batch.step, 0.01 * (rank + 1), losses)
         result["state"] = client.state_dict()
+        if report and rank == 0:
+            client._clients[0].flush()  # type: ignore[attr-defined]
+            result["feedback"] = client.loader.stats()["feedback"]  # type: ignore[attr-defined]
         if loader is not None:
             import pyarrow as pa
 
