@@ -341,6 +341,15 @@ class Loader:
         self._notices.flush()
         return self._ops.call(OpsRole.monitor).result()
 
+    def feedback(self, step: int) -> dict[int, dict[str, Any]] | None:
+        """Each rank's predicted cost and reported seconds for ``step`` (None: not kept).
+
+        ``{rank: {"seconds": s or None, "predicted": cost, "predicted_seconds": ...}}``,
+        from the trainers' ``report`` calls; the planner keeps its last 1,024 steps.
+        """
+        self._roles_here()
+        return self._ops.call(OpsRole.feedback, step).result()
+
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
         self._roles_here()

@@ -108,7 +108,8 @@ def test_metrics_are_in_the_reference_and_the_guide():
 def test_the_cli_reference_lists_every_command():
     ref = _reference()
     text = ref.cli_reference()
-    for command in ("demo", "validate", "run", "plan", "serve", "status", "diff"):
+    for command in ("demo", "validate", "run", "plan", "serve", "status", "diff", "replay", "why",
+                    "simulate"):
         assert f"## overlord {command}\n" in text
 
 

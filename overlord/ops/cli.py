@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, simulate, serve, status, diff, replay."""
+"""``overlord``: demo, validate, run, plan, simulate, serve, status, diff, replay, why."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.ops import replay as replay_command
+from overlord.ops import why as why_command
 from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
@@ -349,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     diff.register(sub)
     replay_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.replay
+    why_command.add_parser(sub, _connect_timeout)  # its code: overlord.ops.why
     m = sub.add_parser(
         "simulate", help="plan a run on the plan's data without batches: mixture, balance, cost"
     )

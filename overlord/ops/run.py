@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from overlord.batch import Batch
 from overlord.errors import OutputError, OverlordError
 from overlord.loader import Loader
 from overlord.plan.spec import Plan
@@ -72,6 +74,7 @@ def run_plan(
     state: dict[str, Any] | None = None,
     progress: bool = True,
     report: str | None = None,
+    train: Callable[[Batch], float] | None = None,
 ) -> dict[str, Any]:
     """Consume ``plan`` as a trainer with every DP rank would, up to global step ``steps``.
 
@@ -81,6 +84,9 @@ def run_plan(
     With ``report`` (a folder), also writes a Markdown report with plots there
     (:mod:`overlord.ops.run_report`); a report that cannot be written (a full disk,
     no matplotlib) does not lose the run: the summary says why under ``report_error``.
+    ``train``, a stand-in for the trainer: called with each rank's batch, it returns
+    the seconds the step took on that rank, which the rank reports to the planner
+    (``client.report``); the report then plots predicted against measured time.
     """
     from overlord.ops.run_report import RunTrace, write_run_report
 
@@ -100,11 +106,12 @@ def run_plan(
         pull = max(1, planner_module.HISTORY_STEPS // 4)
         bar = _progress(steps, first, "overlord run") if progress else None
         for step in range(first, steps):
-            costs, waits = [], []
+            costs, waits, batches = [], [], []
             for c in clients:
                 t = time.perf_counter()
                 batch = next(c)
                 waits.append(time.perf_counter() - t)
+                batches.append(batch)
                 costs.append(batch.cost)
                 tokens += batch.num_tokens
                 if dump is not None:
@@ -112,6 +119,9 @@ def run_plan(
                         dump.write(dump_line(batch) + "\n")
                     except OSError as e:  # a full disk: the run stops, naming its output
                         raise _dump_error(dump, e) from None
+            if train is not None:
+                for c, b in zip(clients, batches):
+                    c.report(b.step, seconds=train(b))
             if trace is not None:
                 trace.step(step, costs, waits)
                 if (step - first) % sample_every == 0 or step + 1 == steps:
@@ -119,6 +129,8 @@ def run_plan(
             done = step + 1
             if (done - first) % pull == 0:
                 gather_history(loader.stats(), history)
+                if train is not None and trace is not None:
+                    _gather_reported(loader, trace, done - pull, done - 1)
             if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0:
                 ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
             if bar is not None:
@@ -129,6 +141,12 @@ def run_plan(
         if checkpoint_dir:
             ckpt_bytes = checkpoint.save(checkpoint_dir, loader.state_dict()).stat().st_size
         stats = gather_history(loader.stats(), history)
+        if train is not None and trace is not None:
+            for c in clients:  # every report reaches the planner before it is read back
+                flush = getattr(c, "flush", None)
+                if flush is not None:
+                    flush()
+            _gather_reported(loader, trace, max(first, steps - pull), steps)
     if dump is not None:
         try:  # its last lines reach the disk before the summary says the run is done
             dump.flush()
@@ -144,6 +162,18 @@ def run_plan(
         except (OSError, OverlordError) as e:
             summary["report_error"] = f"cannot write the report to {report}: {e}"
     return summary
+
+
+def _gather_reported(loader: Loader, trace: Any, first: int, last: int) -> None:
+    """The planner's feedback on steps ``first..last-1`` into ``trace`` (those it still keeps).
+
+    Reports are one-way: the latest steps' may not have arrived yet; the run's end
+    reads them again after a flush.
+    """
+    for step in range(max(first - 1, 0), last):
+        got = loader.feedback(step)
+        if got:
+            trace.reported[step] = {int(r): dict(v) for r, v in got.items()}
 
 
 def gather_history(stats: dict[str, Any], history: dict[int, dict[str, Any]]) -> dict[str, Any]:

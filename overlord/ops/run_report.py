@@ -4,7 +4,10 @@ Four plots: each source's share of the tokens against its target over the
 steps (the demo's :func:`overlord.ops.report.plot_mixture`), balance
 (:func:`overlord.ops.report.plot_balance`), each rank's predicted cost and
 measured wait per step, and each source's loaders (and reader threads) over
-the steps. The run loop fills a :class:`RunTrace` as it goes.
+the steps; and a fifth where the trainers reported their step times
+(``client.report``, or ``run_plan(train=...)``): the most loaded rank's
+predicted seconds against its measured ones, per step. The run loop fills a
+:class:`RunTrace` as it goes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class RunTrace:
     cost: list[list[float]] = field(default_factory=list)  # per step, per rank
     wait_s: list[list[float]] = field(default_factory=list)  # per step, per rank
     loaders: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (step, monitor)
+    # per step, the planner's feedback: {rank: {"seconds", "predicted", "predicted_seconds"}}
+    reported: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
 
     def step(self, step: int, cost: list[float], wait_s: list[float]) -> None:
         """Record one step's per-rank cost and wait."""
@@ -64,6 +69,41 @@ def plot_ranks(plan: Plan, trace: RunTrace, path: Path) -> None:
         ax.grid(alpha=0.3)
     if cost.shape[1] <= 16:
         top.legend(loc="upper right", fontsize=8, ncol=4)
+    save(fig, path)
+
+
+def measured_rows(trace: RunTrace) -> list[tuple[int, float, float]]:
+    """Per reported step: (step, the most loaded rank's predicted seconds, its measured ones).
+
+    The most loaded rank is the one of the highest predicted cost; a step counts
+    once every rank reported it and the planner knew its scale (seconds per cost).
+    """
+    rows = []
+    for step in sorted(trace.reported):
+        ranks = trace.reported[step]
+        if not ranks or any(v.get("seconds") is None for v in ranks.values()):
+            continue
+        top = max(ranks.values(), key=lambda v: float(v["predicted"]))
+        if top.get("predicted_seconds") is not None:
+            rows.append((step, float(top["predicted_seconds"]), float(top["seconds"])))
+    return rows
+
+
+def plot_measured(trace: RunTrace, path: Path) -> None:
+    """The most loaded rank's predicted and measured seconds (top), their error (bottom)."""
+    plt = pyplot()
+    rows = np.array(measured_rows(trace), dtype=np.float64).reshape(-1, 3)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, sharex=True)
+    top.plot(rows[:, 0], rows[:, 1], linewidth=1, label="predicted")
+    top.plot(rows[:, 0], rows[:, 2], linewidth=1, label="measured")
+    top.set_ylabel("seconds")
+    top.set_title("Most loaded rank: predicted against measured step time", fontsize=10)
+    top.legend(loc="upper right", fontsize=8)
+    bottom.plot(rows[:, 0], 100 * (rows[:, 1] - rows[:, 2]) / rows[:, 2], linewidth=1)
+    bottom.set_ylabel("prediction error (%)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     save(fig, path)
 
 
@@ -119,6 +159,17 @@ def render(plan: Plan, summary: dict[str, Any], r: Report, trace: RunTrace) -> s
             f"| {w.max():.3f} |"
         )
     lines += ["", "![ranks](ranks.png)", "\n## Loaders per source\n", "![loaders](loaders.png)"]
+    rows = measured_rows(trace)
+    if rows:
+        err = np.array([abs(p - m) / m for _, p, m in rows])
+        lines += [
+            "\n## Predicted against measured step time\n",
+            f"{len(rows)} steps reported by every rank. The most loaded rank's predicted "
+            f"seconds were off its measured ones by {100 * err.mean():.1f}% on average, "
+            f"{100 * err[-1]:.1f}% on the last step.",
+            "",
+            "![measured](measured.png)",
+        ]
     if summary["faults"]:
         lines += ["\n## Faults\n", *(f"- {e}" for e in summary["faults"])]
     return "\n".join(lines) + "\n"
@@ -148,6 +199,8 @@ def write_run_report(
         _written(out / "ranks.png", lambda p: plot_ranks(plan, trace, p))
     if trace.loaders:
         _written(out / "loaders.png", lambda p: plot_loaders(plan, trace, p))
+    if measured_rows(trace):
+        _written(out / "measured.png", lambda p: plot_measured(trace, p))
     path = out / "report.md"
     _written(path, lambda p: p.write_text(render(plan, summary, r, trace)))
     return path
