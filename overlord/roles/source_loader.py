@@ -68,7 +68,7 @@ from overlord.plan.partition import owner
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
-from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
+from overlord.roles.held import HeldItems, Key, Position, by_shard, metadata_block, payload
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime import in_daemon_thread
@@ -334,15 +334,15 @@ class SourceLoader:
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
-        by_shard: dict[Position, list[int]] = {}
-        for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
-            by_shard.setdefault((e, p), []).append(i)
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+        # a step's items of a loader lie in a shard or two: grouped by arrays, not per item
+        shards = by_shard(keys)
         with self._lock:
-            for at, index in by_shard.items():
-                self._release_in(at, index)
+            for at, rows in shards:
+                self._release_in(at, keys[rows, 2])
             self._lock.notify_all()
 
-    def _release_in(self, at: Position, index: list[int]) -> None:
+    def _release_in(self, at: Position, index: np.ndarray) -> None:
         """Release items ``index`` of shard ``at`` (lock held)."""
         last = self.progress.last
         if at > last[:2]:
