@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +327,17 @@ class Loader:
         self._roles_here()
         self._notices.flush()
         return self._ops.call(OpsRole.monitor).result()
+
+    def quarantine(
+        self, ids: Sequence[str] = (), files: Sequence[str] = (), from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Skip samples ``ids`` and every sample of the files ``files`` match, from ``from_step``.
+
+        ``from_step`` None: the first step the planner has not planned yet (a step
+        already planned is refused, naming the earliest one). See the operating guide.
+        """
+        self._roles_here()
+        return self._ops.call(OpsRole.add_quarantine, list(ids), list(files), from_step).result()
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""

@@ -41,6 +41,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "fitted seconds per unit of cost (least squares through 0 over every rank and step)",
     ),
     "overlord_read_retries_total": ("counter", "transient read errors retried, per source"),
+    "overlord_quarantined_samples_total": (
+        "counter",
+        "quarantined samples skipped in the steps every rank consumed, per source",
+    ),
 }
 
 
@@ -75,6 +79,7 @@ def _families(f: dict[str, Any]) -> Iterator[Any]:
         "overlord_buffered_tokens": "buffered_tokens",
         "overlord_reads_in_flight": "reads_in_flight",
         "overlord_read_retries_total": "retries",
+        "overlord_quarantined_samples_total": "quarantined",
     }
     for name, key in per_source.items():
         fam = family(name, ["source"])

@@ -188,6 +188,12 @@ class OpsRole(Protocol):
         """The Prometheus endpoint's URL (None: not served)."""
         ...
 
+    def add_quarantine(
+        self, ids: list[str], files: list[str], from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Skip samples ``ids`` and the files of ``files`` from ``from_step`` on."""
+        ...
+
     def pid(self) -> int:
         """The planner's process."""
         ...

@@ -31,9 +31,19 @@ class Ledger:
         self.plan, self.names, self.files = plan, plan.source_names, files
         self._states: dict[int, dict[str, Any]] = {}
 
-    def snapshot(self, step: int, cursors: Sequence[SourceCursor], mix: MixState) -> dict[str, Any]:
-        """The state before ``step`` of cursors and a mixture that stand there (not kept)."""
-        return {
+    def snapshot(
+        self,
+        step: int,
+        cursors: Sequence[SourceCursor],
+        mix: MixState,
+        quarantine: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The state before ``step`` of cursors and a mixture that stand there (not kept).
+
+        ``quarantine``: its additions (:mod:`overlord.roles.quarantine`); the key is
+        left out when there are none, so a run without one writes what it always wrote.
+        """
+        state = {
             "step": step,
             "sources": {
                 n: {
@@ -46,10 +56,18 @@ class Ledger:
                 for i, (n, c) in enumerate(zip(self.names, cursors))
             },
         }
+        if quarantine:
+            state["quarantine"] = quarantine
+        return state
 
     def keep(self, step: int, state: dict[str, Any]) -> None:
         """Keep ``state``, the state before ``step``."""
         self._states[step] = state
+
+    def quarantine(self, entries: list[dict[str, Any]]) -> None:
+        """Every kept state holds ``entries``: a checkpoint taken from now on carries them."""
+        for state in self._states.values():
+            state["quarantine"] = [dict(e) for e in entries]
 
     def restart(self, step: int, state: dict[str, Any]) -> None:
         """Keep only ``state``, the state before ``step`` (planning starts there)."""
