@@ -24,6 +24,7 @@ from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
+from overlord.roles.quarantine import check_job as check_quarantine
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import RUNTIMES
 from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
@@ -137,6 +138,7 @@ class Loader:
             {s.name: s.storage_options for s in self.plan.sources},
             timeout_s=self.plan.loading.timeout_s,
         )
+        check_quarantine(self.plan, self.files, state)  # before a planner is spawned
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address, connect_timeout)
         # roles in processes of their own (Ray's actors) can die alone: shadows and a planner

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from overlord.errors import CheckpointError, LoaderError
+from overlord.errors import CheckpointError, LoaderError, PlanError
 from overlord.plan.quarantine import QuarantineSpec, check_entry, entry, parse_id
 from overlord.plan.spec import Plan
 from overlord.sources.catalog import SourceFiles
@@ -155,6 +155,7 @@ class Quarantine:
         """Add the additions a state or the plan holds (``where`` names it in an error).
 
         An addition from before ``start`` (the step planning starts at) applies from it.
+        Raises :class:`CheckpointError` naming the addition and every problem.
         """
         for i, data in enumerate(entries):
             try:
@@ -232,3 +233,17 @@ def collect_dropped(cursors: list[Any]) -> dict[str, np.ndarray] | None:
         "loader": np.concatenate([k for _, k, _ in found]),
         "key": np.concatenate([key for _, _, key in found]),
     }
+
+
+def check_job(plan: Plan, files: dict[str, SourceFiles], state: dict[str, Any] | None) -> None:
+    """Refuse a plan's or a state's quarantine that the job's files contradict, before any role.
+
+    (A planner whose constructor fails is restarted by Ray, forever: it is checked here.)
+    :class:`PlanError` for the plan's, :class:`CheckpointError` for the state's.
+    """
+    q = Quarantine(plan.source_names, files)
+    if plan.quarantine is not None:
+        problems = q.problems(entry(plan.quarantine))
+        if problems:
+            raise PlanError([("quarantine", p) for p in problems])
+    q.merge((state or {}).get("quarantine", []), "the checkpoint's quarantine")
