@@ -282,3 +282,46 @@ def test_parse_id_takes_urls_and_chunks_apart():
     for bad in ("a.jsonl", "a.jsonl:-1", "a.jsonl:1#", "a.jsonl:1#x"):
         with pytest.raises(ValueError, match="malformed"):
             parse_id(bad)
+
+
+@pytest.mark.ray
+@pytest.mark.integration
+def test_on_ray_the_command_quarantines_a_live_job(ray_session, corpus, monkeypatch):
+    """``overlord quarantine JOB add``, in a process of its own, reaches the job's planner."""
+    from conftest import overlord_cli
+
+    plan = load_plan(corpus)
+    src = order(plan, 40)
+    gone = src["web"][16:22]
+    at = 3
+    step = at + plan.batch.prefetch_steps + 2  # not planned yet: ranks run at most that ahead
+    job = "quarantine-live"
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
+    out: dict[str, list[list[str]]] = {n: [] for n in plan.source_names}
+    with Loader(plan, runtime="ray", job=job) as loader:
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for s in range(STEPS):
+            if s == at:
+                refused = overlord_cli("quarantine", job, "add", gone[0], "--from-step", "1")
+                assert refused.returncode == 1, refused.stderr
+                assert "step 1 is planned already" in refused.stderr
+                assert "the earliest step it can take effect is" in refused.stderr
+                bad = overlord_cli("quarantine", job, "add", "data/web/nope.jsonl:1")
+                assert bad.returncode == 1 and "'data/web/nope.jsonl:1'" in bad.stderr
+                added = overlord_cli("quarantine", job, "add", *gone, "--from-step", str(step))
+                assert added.returncode == 0, added.stderr
+                assert f"from step {step}" in added.stdout
+            got: dict[str, list[str]] = {n: [] for n in plan.source_names}
+            for c in clients:
+                for x in next(c).samples:
+                    got[x.source].append(x.id)
+            for n in out:
+                out[n].append(sorted(got[n]))
+        listed = overlord_cli("quarantine", job, "list")
+        assert listed.returncode == 0 and gone[0] in listed.stdout
+        state = loader.state_dict()
+        quarantined = loader.monitor()["sources"]["web"]["quarantined"]
+    expected = run(_with(plan, quarantine={"ids": gone, "from_step": step}))
+    assert out == expected["per"]
+    assert state["quarantine"] == [{"ids": gone, "files": [], "from_step": step}]
+    assert quarantined == expected["stats"]["quarantine"]["samples"]["web"] > 0
