@@ -325,3 +325,65 @@ def test_on_ray_the_command_quarantines_a_live_job(ray_session, corpus, monkeypa
     assert out == expected["per"]
     assert state["quarantine"] == [{"ids": gone, "files": [], "from_step": step}]
     assert quarantined == expected["stats"]["quarantine"]["samples"]["web"] > 0
+
+
+@pytest.mark.integration
+def test_trainers_that_rewind_to_a_state_before_the_addition_keep_it(corpus):
+    """A rewind goes back in the stream, never in the quarantine: it applies from its step."""
+    from overlord.roles.api import PlannerRole
+    from overlord.roles.client import Client
+    from overlord.roles.rewind import Stamps
+
+    plan = load_plan(corpus)
+    gone, step = order(plan, 40)["web"][20:26], 10
+    want = run(_with(plan, quarantine={"ids": gone, "from_step": step}), steps=14)["per"]
+    dp = plan.world.dp
+    with Loader(plan) as loader:
+        planner = loader.planner.obj  # type: ignore[attr-defined]
+        planner.stamps = planner.consumption.stamps = Stamps(None)  # as a job on Ray does
+        clients = [loader.client(r) for r in range(dp)]
+        early = None
+        for s in range(8):
+            for c in clients:
+                next(c)
+            if s == 2:
+                early = clients[0].state_dict()  # the state before step 3: no quarantine
+        assert early is not None and "quarantine" not in early
+        loader.quarantine(gone, from_step=step)
+        for c in clients:
+            c.close()
+        for r in range(dp):
+            assert loader.planner.call(PlannerRole.reconnect, r, early).result() == 3
+        clients = [Client(r, loader._constructor_of[r], loader.planner, 3) for r in range(dp)]
+        got: dict[str, list[list[str]]] = {n: [] for n in plan.source_names}
+        for _ in range(3, 14):
+            ids: dict[str, list[str]] = {n: [] for n in plan.source_names}
+            for c in clients:
+                for x in next(c).samples:
+                    ids[x.source].append(x.id)
+            for n in got:
+                got[n].append(sorted(ids[n]))
+        state = loader.state_dict()
+    assert got == {n: v[3:] for n, v in want.items()}
+    assert state["quarantine"] == [{"ids": gone, "files": [], "from_step": step}]
+
+
+def test_a_chunk_id_removes_that_chunk_and_a_record_id_all_of_its_chunks(tmp_path, make_corpus):
+    """Records of three rows' length, split: an id with #k names one chunk."""
+    long = [{"text": (f"r{i:03d} " + "y" * 4 * LEN)[: 3 * LEN - 1]} for i in range(20)]
+    plan = load_plan(
+        make_corpus(
+            tmp_path,
+            sources={"web": {"files": {"data/web/a.jsonl": long}}, "code": 30},
+            batch={"tokens_per_step": 4 * LEN, "max_seq_len": LEN, "long_docs": "split"},
+        )
+    )
+    base = run(plan, steps=8)["per"]
+    web = [x for s in base["web"] for x in s]
+    record = web[0].split("#")[0]
+    chunk = next(x for x in web if x.split("#")[0] != record and x.endswith("#1"))
+    q = run(_with(plan, quarantine={"ids": [record, chunk]}), steps=8)["per"]
+    seen = [x for s in q["web"] for x in s]
+    assert not [x for x in seen if x.split("#")[0] == record]
+    assert chunk not in seen and chunk.replace("#1", "#0") in seen
+    assert chunk.replace("#1", "#2") in seen
