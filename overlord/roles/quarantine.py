@@ -39,6 +39,14 @@ def _is_tar(name: str) -> bool:
     return ".tar" in PurePosixPath(name).suffixes
 
 
+def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Which of ``values`` are in ``sorted_set`` (sorted, unique): one binary search each."""
+    if not len(sorted_set):
+        return np.zeros(len(values), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    return sorted_set[at] == values
+
+
 @dataclass
 class _FileRule:
     """What is quarantined of one file: all of it, or whole records and single chunks."""
@@ -47,12 +55,21 @@ class _FileRule:
     rows: list[int] = field(default_factory=list)
     pairs: list[int] = field(default_factory=list)  # row * _CHUNK + chunk + 1
 
+    def __post_init__(self) -> None:
+        self._rows = self._pairs = np.zeros(0, dtype=np.int64)
+
+    def freeze(self) -> _FileRule:
+        """Sorted arrays of its rows and pairs, searched for each block (the lists as given)."""
+        self._rows = np.unique(np.asarray(self.rows, dtype=np.int64))
+        self._pairs = np.unique(np.asarray(self.pairs, dtype=np.int64))
+        return self
+
     def mask(self, row: np.ndarray, chunk: np.ndarray) -> np.ndarray | None:
         if self.whole:
             return np.ones(len(row), dtype=bool)
-        drop = np.isin(row, self.rows)
-        if self.pairs:
-            drop |= np.isin(row.astype(np.int64) * _CHUNK + chunk + 1, self.pairs)
+        drop = _member(row, self._rows)
+        if len(self._pairs):
+            drop |= _member(row.astype(np.int64) * _CHUNK + chunk + 1, self._pairs)
         return drop if drop.any() else None
 
 
@@ -204,7 +221,8 @@ class Quarantine:
             elif old is not None and old.names == names[s] and old.patterns == patterns[s]:
                 new = old
             else:
-                new = _SourceRule(self.files[n], patterns[s], names[s])
+                frozen = {name: rule.freeze() for name, rule in names[s].items()}
+                new = _SourceRule(self.files[n], patterns[s], frozen)
             if new is not old:
                 changed.append(s)
             self._rules[s] = new
