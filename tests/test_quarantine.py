@@ -93,6 +93,7 @@ def chunks(items: list[str], like: list[list[str]]) -> list[list[str]]:
     return out
 
 
+@pytest.mark.integration
 def test_a_plan_quarantine_removes_its_samples_and_no_other(corpus):
     plan = load_plan(corpus)
     src = order(plan, 40)
@@ -115,6 +116,7 @@ def test_a_plan_quarantine_removes_its_samples_and_no_other(corpus):
     assert "quarantined_samples" not in summarize(plan, base["stats"], 0, STEPS, 0, 1.0, 0)
 
 
+@pytest.mark.integration
 def test_from_step_leaves_the_steps_before_it_as_they_were(corpus):
     plan = load_plan(corpus)
     src = order(plan, 40)
@@ -129,6 +131,7 @@ def test_from_step_leaves_the_steps_before_it_as_they_were(corpus):
     assert q["web"][at:] == chunks(rest, base["web"][at:])
 
 
+@pytest.mark.integration
 def test_a_files_pattern_removes_every_sample_of_its_files(corpus):
     plan = load_plan(corpus)
     src = order(plan, 60)
@@ -140,6 +143,7 @@ def test_a_files_pattern_removes_every_sample_of_its_files(corpus):
     assert any(x.startswith("data/web/part-2") for s in base["web"] for x in s)
 
 
+@pytest.mark.integration
 def test_a_resume_keeps_the_quarantine_and_its_stream(corpus, tmp_path):
     plan = load_plan(corpus)
     gone = order(plan, 30)["web"][2:12:3]
@@ -157,6 +161,7 @@ def test_a_resume_keeps_the_quarantine_and_its_stream(corpus, tmp_path):
     assert run(qplan, steps=8, state=saved)["state"]["quarantine"] == saved["quarantine"]
 
 
+@pytest.mark.integration
 def test_a_quarantine_added_at_a_resume_applies_from_the_resume_step(corpus):
     plan = load_plan(corpus)
     src = order(plan, 40)
@@ -171,6 +176,7 @@ def test_a_quarantine_added_at_a_resume_applies_from_the_resume_step(corpus):
     assert resumed["per"]["web"] == chunks(rest, base["per"]["web"][4:])
 
 
+@pytest.mark.integration
 def test_a_live_addition_refuses_a_planned_step_and_survives_a_planner_restart(corpus, tmp_path):
     plan = _with(load_plan(corpus), recovery={"journal_dir": str(tmp_path / "journal")})
     src = order(plan, 40)
@@ -196,6 +202,7 @@ def test_a_live_addition_refuses_a_planned_step_and_survives_a_planner_restart(c
     assert sum(len(s) for s in live["per"]["web"]) == sum(len(s) for s in expected["per"]["web"])
 
 
+@pytest.mark.integration
 def test_checkpoints_taken_after_a_live_addition_hold_it(corpus):
     plan = load_plan(corpus)
     gone = order(plan, 30)["web"][20:24]
@@ -217,7 +224,7 @@ def test_checkpoints_taken_after_a_live_addition_hold_it(corpus):
 def test_a_plan_without_quarantine_keeps_its_fingerprint(corpus):
     plan = load_plan(corpus)
     q = _with(plan, quarantine={"ids": ["data/web/part-0.jsonl:1"]})
-    assert "quarantine" not in plan.model_dump(mode="json") or plan.quarantine is None
+    assert plan.quarantine is None and q.quarantine is not None
     assert q.stream_fingerprint() == plan.stream_fingerprint()  # the state records it instead
 
 
@@ -237,6 +244,7 @@ def test_a_malformed_quarantine_is_refused_with_its_field(corpus, bad, field):
     assert field in str(e.value)
 
 
+@pytest.mark.integration
 def test_ids_and_patterns_the_job_has_no_file_for_are_refused_naming_them(corpus):
     plan = load_plan(corpus)
     for bad, named in [
@@ -263,6 +271,7 @@ def test_ids_and_patterns_the_job_has_no_file_for_are_refused_naming_them(corpus
         Loader(plan, state=state)
 
 
+@pytest.mark.integration
 def test_the_metric_is_part_of_the_contract_and_counts(corpus):
     plan = load_plan(corpus)
     gone = order(plan, 20)["web"][:3]
@@ -368,6 +377,7 @@ def test_trainers_that_rewind_to_a_state_before_the_addition_keep_it(corpus):
     assert state["quarantine"] == [{"ids": gone, "files": [], "from_step": step}]
 
 
+@pytest.mark.integration
 def test_a_chunk_id_removes_that_chunk_and_a_record_id_all_of_its_chunks(tmp_path, make_corpus):
     """Records of three rows' length, split: an id with #k names one chunk."""
     long = [{"text": (f"r{i:03d} " + "y" * 4 * LEN)[: 3 * LEN - 1]} for i in range(20)]
@@ -387,3 +397,36 @@ def test_a_chunk_id_removes_that_chunk_and_a_record_id_all_of_its_chunks(tmp_pat
     assert not [x for x in seen if x.split("#")[0] == record]
     assert chunk not in seen and chunk.replace("#1", "#0") in seen
     assert chunk.replace("#1", "#2") in seen
+
+
+def test_the_rules_come_into_force_at_their_step_and_name_what_they_refuse():
+    """The planner's part without a runtime: additions, their steps, each block's filter."""
+    import numpy as np
+
+    from overlord.roles.quarantine import Quarantine
+    from overlord.sources.catalog import File, SourceFiles
+
+    names = ("data/a/0.jsonl", "data/a/1.jsonl", "data/v/0.tar")
+    files = {
+        "a": SourceFiles("a", [(0, tuple(File(n, n, 1) for n in names[:2]))]),
+        "v": SourceFiles("v", [(0, (File(names[2], names[2], 1),))]),
+    }
+    q = Quarantine(["a", "v"], files)
+    assert not q.due(0) and q.dropper(0) is None  # nothing to do without an addition
+    bad = {"ids": ["data/a/9.jsonl:1", "data/v/0.tar:3"], "files": ["x/*"], "from_step": 0}
+    problems = q.problems(bad)
+    assert len(problems) == 3
+    assert "'data/a/9.jsonl:1'" in problems[0] and "by their key" in problems[1]
+    assert "'x/*'" in problems[2]
+    q.add({"ids": ["data/a/0.jsonl:2", "data/a/1.jsonl:5#1"], "files": [], "from_step": 3})
+    q.add({"ids": [], "files": ["data/v/*"], "from_step": 5})
+    assert not q.add({"ids": [], "files": ["data/v/*"], "from_step": 9})  # the same: not again
+    assert q.due(0) and q.arm(0) == [] and q.dropper(0) is None
+    assert not q.due(2) and q.due(3) and q.arm(3) == [0]
+    drop = q.dropper(0)
+    assert drop is not None and q.dropper(1) is None
+    row, chunk = np.array([2, 5, 5, 7]), np.array([-1, 0, 1, -1])
+    assert drop(0, 0, row, chunk).tolist() == [True, False, False, False]  # 0.jsonl: row 2
+    assert drop(0, 1, row, chunk).tolist() == [False, False, True, False]  # 1.jsonl: 5#1
+    assert drop(0, 1, np.array([1]), np.array([-1])) is None
+    assert q.arm(5) == [1] and q.dropper(1)(0, 0, row, chunk).all()
