@@ -344,8 +344,11 @@ def test_trainers_that_rewind_to_a_state_before_the_addition_keep_it(corpus):
     from overlord.roles.rewind import Stamps
 
     plan = load_plan(corpus)
-    gone, step = order(plan, 40)["web"][20:26], 10
-    want = run(_with(plan, quarantine={"ids": gone, "from_step": step}), steps=14)["per"]
+    # after step 7, ranks may ask up to prefetch_steps + 1 steps ahead: step 10 may be
+    # planned, step 11 is not; the web samples of steps 11 on are 22 on in its order
+    gone, step, steps = order(plan, 40)["web"][24:30], 11, 16
+    want = run(_with(plan, quarantine={"ids": gone, "from_step": step}), steps=steps)["per"]
+    assert want != run(plan, steps=steps)["per"]  # (the test can fail: they are trained)
     dp = plan.world.dp
     with Loader(plan) as loader:
         planner = loader.planner.obj  # type: ignore[attr-defined]
@@ -358,6 +361,10 @@ def test_trainers_that_rewind_to_a_state_before_the_addition_keep_it(corpus):
             if s == 2:
                 early = clients[0].state_dict()  # the state before step 3: no quarantine
         assert early is not None and "quarantine" not in early
+        loader._notices.flush()  # noqa: SLF001 - every rank consumed step 7: plan up to 10
+        loader.planner.call(PlannerRole.rank_plan, step - 1, 0).result()
+        with pytest.raises(LoaderError, match=f"earliest step it can take effect is {step}"):
+            loader.quarantine(gone, from_step=step - 1)
         loader.quarantine(gone, from_step=step)
         for c in clients:
             c.close()
@@ -365,7 +372,7 @@ def test_trainers_that_rewind_to_a_state_before_the_addition_keep_it(corpus):
             assert loader.planner.call(PlannerRole.reconnect, r, early).result() == 3
         clients = [Client(r, loader._constructor_of[r], loader.planner, 3) for r in range(dp)]
         got: dict[str, list[list[str]]] = {n: [] for n in plan.source_names}
-        for _ in range(3, 14):
+        for _ in range(3, steps):
             ids: dict[str, list[str]] = {n: [] for n in plan.source_names}
             for c in clients:
                 for x in next(c).samples:
