@@ -42,6 +42,7 @@ def corpus(tmp_path: Path, make_corpus: Any) -> Path:
         },
         batch={"tokens_per_step": 4 * LEN, "max_seq_len": LEN, "prefetch_steps": 2},
         world={"dp": 2},
+        loading={"timeout_s": 20},  # as the Ray tests': a loaded machine is not a hung loader
     )
 
 
