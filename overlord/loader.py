@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
+from overlord.roles.quarantine import check_job as check_quarantine
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import RUNTIMES
 from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
@@ -143,6 +145,7 @@ class Loader:
             {s.name: s.storage_options for s in self.plan.sources},
             timeout_s=self.plan.loading.timeout_s,
         )
+        check_quarantine(self.plan, self.files, state)  # before a planner is spawned
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address, connect_timeout)
         # roles in processes of their own (Ray's actors) can die alone: shadows and a planner
@@ -349,6 +352,17 @@ class Loader:
         """
         self._roles_here()
         return self._ops.call(OpsRole.feedback, step).result()
+
+    def quarantine(
+        self, ids: Sequence[str] = (), files: Sequence[str] = (), from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Skip samples ``ids`` and every sample of the files ``files`` match, from ``from_step``.
+
+        ``from_step`` None: the first step the planner has not planned yet (a step
+        already planned is refused, naming the earliest one). See the operating guide.
+        """
+        self._roles_here()
+        return self._ops.call(OpsRole.add_quarantine, list(ids), list(files), from_step).result()
 
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""

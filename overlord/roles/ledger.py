@@ -41,11 +41,14 @@ class Ledger:
         cursors: Sequence[SourceCursor],
         mix: MixState,
         feedback: dict[str, Any] | None = None,
+        quarantine: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The state before ``step`` of cursors and a mixture that stand there (not kept).
 
         ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
         None leaves the key out, as a state without reports always had it.
+        ``quarantine``: its additions (:mod:`overlord.roles.quarantine`); the key is
+        left out when there are none, so a run without one writes what it always wrote.
         """
         state: dict[str, Any] = {
             "step": step,
@@ -64,11 +67,18 @@ class Ledger:
             state[DROPPED] = [dict(d) for d in self.dropped]
         if feedback is not None:
             state["feedback"] = feedback
+        if quarantine:
+            state["quarantine"] = quarantine
         return state
 
     def keep(self, step: int, state: dict[str, Any]) -> None:
         """Keep ``state``, the state before ``step``."""
         self._states[step] = state
+
+    def quarantine(self, entries: list[dict[str, Any]]) -> None:
+        """Every kept state holds ``entries``: a checkpoint taken from now on carries them."""
+        for state in self._states.values():
+            state["quarantine"] = [dict(e) for e in entries]
 
     def restart(self, step: int, state: dict[str, Any]) -> None:
         """Keep only ``state``, the state before ``step`` (planning starts there)."""
