@@ -29,6 +29,7 @@ it gives, so the two cannot import each other.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -154,7 +155,7 @@ def stream_kind(
     >>> stream_kind(plan, "ray", env={"WORLD_SIZE": "2"}).value
     'embedded'
     """
-    if runtime != "inline" or node is False:
+    if runtime not in ("inline", "process") or node is False:
         return StreamKind.EMBEDDED
     launch = World.launch(env)
     torchrun = launch.launcher == "torchrun" and launch.size > 1  # SLURM alone may span nodes
@@ -181,6 +182,7 @@ def open_stream(
     node: bool | None = None,
     job: str | None = None,
     address: str | None = None,
+    runtime: str = "inline",
 ) -> RankStream:
     """The stream of this process: of ``plan`` (run by ``loader``), or of the running ``job``.
 
@@ -191,7 +193,9 @@ def open_stream(
     started on first use; ``rank`` defaults to 0) or, in node mode (see
     :func:`stream_kind`), a :class:`~overlord.dist.node.NodeClient` of this
     process's rank (``rank`` and ``global_rank``, where given, must be this
-    process's). ``state`` is where it starts.
+    process's). ``state`` is where it starts. ``runtime="process"`` runs the
+    roles in a data process instead (node mode: one for the node, started by
+    rank 0; see :mod:`overlord.dist.data_process`).
 
     A job (found on the Ray cluster at ``address``, ``RAY_ADDRESS`` when None,
     or a local instance) gives a :class:`~overlord.roles.client.Client`;
@@ -212,8 +216,13 @@ def open_stream(
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     if start is not None:
         check_state(start, plan)
-    if stream_kind(plan, node=node) is StreamKind.NODE:
+    if stream_kind(plan, runtime, node=node) is StreamKind.NODE:
         _check_node_rank(plan, rank, global_rank)
+        if runtime == "process":
+            from overlord.dist.data_process import node_stream
+
+            me = World.launch().rank
+            return node_stream(plan, start, stop_step, me, plan.world.coords(me).dp)
         from overlord.dist.node import NodeClient  # torch: only under torchrun
 
         make = loader
@@ -223,6 +232,8 @@ def open_stream(
             return make(plan, state=state, node=False)
 
         return NodeClient(plan, start, stop_step, serve=serve)
+    if runtime != "inline":
+        loader = functools.partial(loader, runtime=runtime)
     return EmbeddedStream(plan, rank, start, stop_step, loader, global_rank=global_rank)
 
 
