@@ -155,15 +155,27 @@ def _pipe() -> tuple[Connection, Connection]:
     return here, there
 
 
-_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
-           "TypeError": TypeError}  # fmt: skip
+# errors raised again here with their type: built from their message alone
+_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
+    "LoaderError": LoaderError, "RanksApart": errors.RanksApart,
+    "ActorDiedError": errors.ActorDiedError, "CheckpointError": CheckpointError,
+    "OutputError": errors.OutputError,
+}  # fmt: skip
 
 
-def _error(info: dict[str, str]) -> Exception:
-    """An error of the data process, raised here with its type where overlord knows it."""
-    kind = getattr(errors, info["type"], None) or _ERRORS.get(info["type"])
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        return kind(info["message"])
+def _error(info: dict[str, Any], message: str | None = None) -> Exception:
+    """An error of the data process (:func:`~overlord.dist.data_server.describe`), raised here.
+
+    A source's error is rebuilt from its fields (its message names source,
+    file and row); a known type from ``message`` (default: its own); any
+    other is a LoaderError that names it.
+    """
+    if "fields" in info:
+        return errors.SourceError(*info["fields"])
+    kind = _ERRORS.get(info["type"])
+    if kind is not None:
+        return kind(message or info["message"])
     return LoaderError(f"overlord's data process failed: {info['type']}: {info['message']}")
 
 
@@ -195,8 +207,10 @@ class ProcessStream(Iterator[Batch]):
         self._conn: Connection | None = None
         self._views = SlotViews()
         self._ending: str | None = None  # "end", or the error every later call raises
+        self._error: dict[str, Any] | None = None  # the error behind it, where one is
         self.owned: DataProcess | None = None
         self.closed = False
+        self.slot: str | None = None  # the segment of the last batch (peers': the same)
 
     def _connect(self) -> Connection:
         if self._conn is None:
@@ -217,7 +231,7 @@ class ProcessStream(Iterator[Batch]):
         if self._ending is not None:
             if self._ending == "end":
                 raise StopIteration
-            raise LoaderError(self._ending)
+            raise LoaderError(self._ending) if self._error is None else _error(self._error)
         if self._check is not None:
             self._check(self)
         conn = self._connect()
@@ -233,8 +247,10 @@ class ProcessStream(Iterator[Batch]):
         info = json.loads(head)
         if info["k"] != "b":
             self._ending = "end" if info["k"] == "end" else str(info["message"])
+            self._error = info.get("error")
             return self.__next__()
         batch = self._batch(info)
+        self.slot = info["shm"]
         if (batch.step, batch.rank) != (self.step, self.dp_rank):
             raise LoaderError(
                 f"rank {self.rank} expected step {self.step} of DP rank {self.dp_rank} and "

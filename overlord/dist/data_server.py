@@ -42,12 +42,21 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from overlord.batch import Batch
+from overlord.errors import SourceError
 from overlord.runtime.shm_ring import SlotPool, needed
 
 
 def encode(obj: Any) -> bytes:
     """A message body: compact JSON."""
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def describe(e: BaseException) -> dict[str, Any]:
+    """An error as data, for the trainer to raise again with its type (a source's: its place)."""
+    info: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, SourceError):
+        info["fields"] = [e.source, e.file, e.row, e.reason]
+    return info
 
 
 def batch_arrays(batch: Batch) -> dict[str, Any]:
@@ -224,7 +233,7 @@ class DataServer:
             self.finish(encode({"k": "end"}))
         except Exception as e:
             if not self.stopping.is_set():
-                self.fail(f"overlord's data process failed: {type(e).__name__}: {e}")
+                self.fail(f"overlord's data process failed: {type(e).__name__}: {e}", e)
 
     def _send_step(self, batches: list[Batch], after: bytes) -> None:
         """Each distinct batch of the step into one slot; each rank its message."""
@@ -269,9 +278,13 @@ class DataServer:
 
     # ---- the end ---------------------------------------------------------------------------
 
-    def fail(self, message: str) -> None:
-        """Stop building; every rank receives ``message`` as an error (the first one wins)."""
-        self.finish(encode({"k": "error", "message": message}))
+    def fail(self, message: str, error: BaseException | None = None) -> None:
+        """Stop building; every rank receives ``message`` as an error (the first one wins).
+
+        ``error``: the exception behind it, which the trainers raise again with its type.
+        """
+        what = {"k": "error", "message": message}
+        self.finish(encode(what if error is None else what | {"error": describe(error)}))
 
     def finish(self, ending: bytes) -> None:
         """Send ``ending`` to every rank (and to any that connects later); build no more."""

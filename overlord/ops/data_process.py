@@ -21,7 +21,7 @@ import sys
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from overlord.dist.data_server import DataServer, encode
+from overlord.dist.data_server import DataServer, describe, encode
 from overlord.loader import Loader
 from overlord.plan.spec import validate_plan
 from overlord.runtime.hosting import lean_allocators
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     try:
         loader, server = _start(config)
     except Exception as e:
-        control.send_bytes(encode({"error": {"type": type(e).__name__, "message": str(e)}}))
+        control.send_bytes(encode({"error": describe(e)}))
         return 1
     server.start()
     control.send_bytes(encode({"ready": server.start_state}))
