@@ -304,10 +304,18 @@ class ProcessStream(Iterator[Batch]):
             )
 
     def close(self, failure: str | None = None) -> None:
-        """Tell the data process this rank is done (or failed, naming why); end an owned one."""
+        """Tell the data process this rank is done (or failed, naming why); end an owned one.
+
+        Called while an exception unwinds (``with`` a Loader whose body
+        raised), it is this rank's failure: the data process fails every
+        other rank, naming it, instead of feeding them on.
+        """
         if self.closed:
             return
         self.closed = True
+        unwinding = sys.exc_info()[1]
+        if failure is None and unwinding is not None:
+            failure = f"{type(unwinding).__name__}: {unwinding}"
         conn, self._conn = self._conn, None
         if conn is not None:
             message: dict[str, Any] = {"free": self._views.released(), "bye": failure is None}
