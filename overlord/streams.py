@@ -29,7 +29,6 @@ it gives, so the two cannot import each other.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -117,8 +116,10 @@ class PlanHost(Protocol):
 class Hosting(Protocol):
     """How a plan is run in this process: ``overlord.Loader`` (called with ``node=False``)."""
 
-    def __call__(self, plan: Plan, *, state: dict[str, Any] | None, node: bool) -> PlanHost:
-        """A running ``plan`` of this process's alone, from ``state``."""
+    def __call__(
+        self, plan: Plan, *, state: dict[str, Any] | None, node: bool, runtime: str = "inline"
+    ) -> PlanHost:
+        """A running ``plan`` of this process's alone, from ``state``, on ``runtime``."""
         ...
 
 
@@ -232,9 +233,9 @@ def open_stream(
             return make(plan, state=state, node=False)
 
         return NodeClient(plan, start, stop_step, serve=serve)
-    if runtime != "inline":
-        loader = functools.partial(loader, runtime=runtime)
-    return EmbeddedStream(plan, rank, start, stop_step, loader, global_rank=global_rank)
+    return EmbeddedStream(
+        plan, rank, start, stop_step, loader, global_rank=global_rank, runtime=runtime
+    )
 
 
 def _check_node_rank(plan: Plan, rank: int | None, global_rank: int | None) -> None:
@@ -284,6 +285,7 @@ class EmbeddedStream:
         stop_step: int | None,
         loader: Hosting,
         global_rank: int | None = None,
+        runtime: str = "inline",
     ):
         dp = plan.world.dp
         if global_rank is not None:
@@ -294,7 +296,7 @@ class EmbeddedStream:
             check_state(state, plan)
         self.plan, self.stop_step = plan, stop_step
         self.rank, self.global_rank = rank or 0, global_rank
-        self._make = loader
+        self._make, self.runtime = loader, runtime
         self._pending = state
         self._loader: PlanHost | None = None
         self._client: RankStream | None = None
@@ -308,7 +310,9 @@ class EmbeddedStream:
 
     def _open(self) -> RankStream:
         if self._client is None:
-            self._loader = loader = self._make(self.plan, state=self._pending, node=False)
+            self._loader = loader = self._make(
+                self.plan, state=self._pending, node=False, runtime=self.runtime
+            )
             if self.global_rank is None:
                 self._client = loader.client(self.rank, stop_step=self.stop_step)
             else:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import make_corpus
-from overlord import Loader, LoaderError, load_plan, validate_plan
+from overlord import Loader, load_plan, validate_plan
 from overlord.errors import RanksApart, SourceError
 from overlord.ops.run import dump_line
 

@@ -274,7 +274,7 @@ def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
 
 
 def _data_processes_of(parent: int) -> list[int]:
-    """Live data processes started by ``parent`` (``python -m overlord.ops.data_process FD PID``)."""
+    """Live data processes of ``parent`` (``python -m overlord.ops.data_process FD PID``)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -282,9 +282,9 @@ def _data_processes_of(parent: int) -> list[int]:
             state = (cmdline.parent / "stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if b"overlord.ops.data_process" in argv and str(parent).encode() in argv[-3:]:
-            if state != "Z":
-                found.append(int(cmdline.parent.name))
+        ours = b"overlord.ops.data_process" in argv and str(parent).encode() in argv[-3:]
+        if ours and state != "Z":
+            found.append(int(cmdline.parent.name))
     return found
 
 
@@ -306,9 +306,7 @@ def test_rank_0_hosts_nothing_and_a_resume_continues_with_the_data_process(plan_
     import pyarrow as pa
 
     # the loaders run in the data process: rank 0's allocators are left as every rank's
-    assert {r["arrow_pool"] for r in first} == {pa.default_memory_pool().backend_name} != {
-        "system"
-    }
+    assert {r["arrow_pool"] for r in first} == {pa.default_memory_pool().backend_name} != {"system"}
     assert all(r["loader_state"] == r["state"] for r in first)
     state = tmp_path / "state.json"
     state.write_text(json.dumps(first[1]["state"]))

@@ -15,12 +15,15 @@ reading receives an error naming the starter's rank, and the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
+from overlord.batch import Batch
 from overlord.dist.data_server import DataServer, describe, encode
 from overlord.loader import Loader
 from overlord.plan.spec import validate_plan
@@ -36,11 +39,12 @@ def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
         world = plan.world
         # a DP rank's batch is built once, its views cut once for all its peers
         serve = loader.client if world.peers == 1 else loader.rank_client
-        streams = [serve(r) for r in range(world.size)]
+        clients = [serve(r) for r in range(world.size)]
+        streams: list[Iterator[Batch]] = list(clients)
         start = loader.state_dict()
         listener = Listener(config["address"], "AF_UNIX", authkey=bytes.fromhex(config["authkey"]))
         # the state after a step is the same for every rank: rank 0's stream's
-        first = streams[0]
+        first = clients[0]
         ahead = max(2, plan.batch.prefetch_steps)
         server = DataServer(
             streams, first.state_dict, start, listener, ahead, plan.loading.timeout_s,
@@ -71,10 +75,9 @@ def main(argv: list[str]) -> int:
         while True:
             if os.getppid() != parent:
                 raise EOFError("the parent's pid changed")
-            if control.poll(WATCH_S):
-                if json.loads(control.recv_bytes()).get("close"):
-                    server.wait_for_byes(server.timeout_s)
-                    break
+            if control.poll(WATCH_S) and json.loads(control.recv_bytes()).get("close"):
+                server.wait_for_byes(server.timeout_s)
+                break
     except (EOFError, OSError):
         code = 1
         server.fail(
@@ -86,10 +89,8 @@ def main(argv: list[str]) -> int:
         try:
             loader.close()
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 control.send_bytes(encode({"closed": True}))
-            except OSError:
-                pass
     return code
 
 

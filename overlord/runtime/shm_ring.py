@@ -33,6 +33,7 @@ plain data (nothing pickled).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -62,7 +63,9 @@ class Slot:
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         self.name = self._shm.name  # without the leading '/' that POSIX adds
         self.size = size
-        self._bytes: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        buf = self._shm.buf
+        assert buf is not None
+        self._bytes: np.ndarray | None = np.frombuffer(buf, dtype=np.uint8)
 
     def write(self, arrays: dict[str, np.ndarray]) -> Layout:
         """Copy ``arrays`` into the slot; their layout, for :meth:`SlotViews.arrays`."""
@@ -81,14 +84,10 @@ class Slot:
     def close(self) -> None:
         """Unmap and unlink the segment (mapped views elsewhere stay valid until unmapped)."""
         self._bytes = None
-        try:
+        with contextlib.suppress(BufferError):  # a view of ours alive: it goes with the process
             self._shm.close()
-        except BufferError:  # a view of ours still alive: the mapping goes with the process
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class SlotPool:
@@ -221,4 +220,4 @@ def _open(name: str, size: int) -> mmap.mmap:
     from multiprocessing import resource_tracker
 
     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm._mmap  # type: ignore[attr-defined,no-any-return]
+    return shm._mmap  # type: ignore[attr-defined]

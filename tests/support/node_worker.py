@@ -9,7 +9,8 @@ and writes a digest of each batch's ``input_ids``; with
 ``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``; with
 ``OVERLORD_TEST_MESH=1`` through ``overlord.Loader(plan).rank_client(RANK)``,
 writing :func:`digest` of each batch. ``OVERLORD_TEST_RUNTIME=process`` runs
-the node's roles in a data process instead (every path above). Ray is blocked: node mode must not need it.
+the node's roles in a data process instead (every path above). Ray is
+blocked: node mode must not need it.
 """
 
 from __future__ import annotations
