@@ -44,6 +44,8 @@ from overlord.state.journal import Journal
 log = logging.getLogger("overlord.pool")
 
 
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """How a job's loaders are deployed (decided by the wiring, :class:`overlord.Loader`)."""

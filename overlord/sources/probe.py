@@ -109,7 +109,9 @@ def check_source(plan: Plan, spec: SourceSpec) -> list[Problem]:
             return _check_images(where, plan, spec, shard)
         if spec.format is Format.PARQUET:
             return _check_parquet(where, spec.name, shard, spec.text_field)
-        return _check_jsonl(where, spec.name, shard, spec.text_field, plan.loading.max_record_bytes)
+        return _check_jsonl(
+            where, spec.name, shard, spec.text_field, plan.loading.max_record_bytes
+        )
     except SourceError as e:
         return [Problem(where, e.reason)]
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:

@@ -93,11 +93,8 @@ class _Ranges:
             data = self._file.read(hi - lo)
         if len(data) != hi - lo:
             raise SourceError(
-                self.source,
-                self.name,
-                None,
-                f"the file ends at byte {lo + len(data)}, "
-                f"before byte {hi} that its index names: it is truncated",
+                self.source, self.name, None, f"the file ends at byte {lo + len(data)}, "
+                f"before byte {hi} that its index names: it is truncated"
             )
         return data
 

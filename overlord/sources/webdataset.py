@@ -141,7 +141,9 @@ class WebDatasetReader(ShardReader):
         if key is not None:
             yield at, key, members
 
-    def _record(self, row: int, key: str, members: dict[str, bytes | int], into: _Collect) -> None:
+    def _record(
+        self, row: int, key: str, members: dict[str, bytes | int], into: _Collect
+    ) -> None:
         image = next((e for e in self.exts if e in members), None)
         reason, text = None, None
         large = [(e, n) for e, n in members.items() if isinstance(n, int)]
@@ -257,7 +259,9 @@ def open_image_shard(
                 source, shard, text_field, image_field, block_bytes, skip, max_record_bytes
             )
         assert image_field is not None
-        return ParquetImageReader(source, shard, text_field, image_field, skip, max_record_bytes)
+        return ParquetImageReader(
+            source, shard, text_field, image_field, skip, max_record_bytes
+        )
     except SourceError:
         raise
     except (OSError, pa.ArrowException) as e:
