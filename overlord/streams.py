@@ -143,8 +143,8 @@ def stream_kind(
     is chosen with ``node=True``, or by default (``node=None``) where
     ``torchrun`` started several processes (``WORLD_SIZE`` > 1) and the plan's
     world has more than one. ``node=False``, and any
-    runtime but ``inline`` (whose roles are actors that every process could
-    reach), keep the stream this process's own. In node mode the launcher's
+    runtime but ``inline`` and ``process`` (``ray``, whose roles are actors
+    that every process could reach), keep the stream this process's own. In node mode the launcher's
     world must be the plan's.
 
     >>> from overlord.plan.spec import validate_plan

@@ -46,9 +46,15 @@ from multiprocessing.connection import Client as connect
 from multiprocessing.connection import Connection
 from typing import Any
 
-from overlord import errors
 from overlord.batch import Batch, Sample
-from overlord.errors import CheckpointError, LoaderError
+from overlord.errors import (
+    ActorDiedError,
+    CheckpointError,
+    LoaderError,
+    OutputError,
+    RanksApart,
+    SourceError,
+)
 from overlord.plan.spec import Plan
 from overlord.runtime.shm_ring import SlotViews
 
@@ -158,9 +164,9 @@ def _pipe() -> tuple[Connection, Connection]:
 # errors raised again here with their type: built from their message alone
 _ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
-    "LoaderError": LoaderError, "RanksApart": errors.RanksApart,
-    "ActorDiedError": errors.ActorDiedError, "CheckpointError": CheckpointError,
-    "OutputError": errors.OutputError,
+    "LoaderError": LoaderError, "RanksApart": RanksApart,
+    "ActorDiedError": ActorDiedError, "CheckpointError": CheckpointError,
+    "OutputError": OutputError,
 }  # fmt: skip
 
 
@@ -172,7 +178,7 @@ def _error(info: dict[str, Any], message: str | None = None) -> Exception:
     other is a LoaderError that names it.
     """
     if "fields" in info:
-        return errors.SourceError(*info["fields"])
+        return SourceError(*info["fields"])
     kind = _ERRORS.get(info["type"])
     if kind is not None:
         return kind(message or info["message"])
