@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from overlord.dist.data_process import DataProcess, ProcessStream
+from overlord.dist.data_server import steps_ahead
 from overlord.errors import LoaderError, RanksApart
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
 from overlord.plan.spec import Plan
@@ -315,7 +316,7 @@ class Loader:
         start = self.start_step
         positions = [self._streams[r].step if r in self._streams else start for r in range(ranks)]
         lag = min(positions)
-        ahead = max(2, self.plan.batch.prefetch_steps)  # the data process's (ops/data_process)
+        ahead = steps_ahead(self.plan.batch.prefetch_steps)  # the data process's bound
         if stream.step - lag >= ahead:
             slow = positions.index(lag)
             raise RanksApart(

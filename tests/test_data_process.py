@@ -23,7 +23,8 @@ import pytest
 
 from conftest import make_corpus
 from overlord import Loader, load_plan, validate_plan
-from overlord.errors import RanksApart, SourceError
+from overlord.dist.data_server import steps_ahead
+from overlord.errors import CheckpointError, RanksApart, SourceError
 from overlord.ops.run import dump_line
 
 pytestmark = pytest.mark.integration
@@ -101,18 +102,19 @@ def test_a_mesh_gets_the_inline_rank_client_batches_and_tp_peers_share_memory(tm
 
 def test_a_batch_kept_across_steps_keeps_its_contents_and_dropped_slots_are_reused(tmp_path):
     plan = load_plan(_plan(tmp_path, 1))
-    want, _ = _run(plan, "inline", 12)
+    want, _ = _run(plan, "inline", 2)
     with Loader(plan, runtime="process") as loader:
         stream = loader.client(0)
         kept = next(stream)
         copy = kept.input_ids.copy()
-        for _ in range(10):
+        for _ in range(20):
             batch = next(stream)
             del batch  # dropped: its slot goes back with the next message
         assert np.array_equal(kept.input_ids, copy)  # its slot was not written again
         assert want[0].startswith(dump_line(kept))  # and it is the inline runtime's step 0
         names = set(stream._views._maps)  # slots this trainer mapped, by name
-        assert len(names) <= 4, names  # reused: ahead + the kept one + the one in hand
+        ahead = steps_ahead(plan.batch.prefetch_steps)
+        assert len(names) <= ahead + 2, names  # reused: ahead, the kept one, the one in hand
 
 
 def test_an_error_of_the_data_process_is_raised_in_the_trainer_with_its_place(tmp_path):
@@ -131,9 +133,10 @@ def test_an_error_of_the_data_process_is_raised_in_the_trainer_with_its_place(tm
 
 def test_one_rank_alone_is_refused_as_the_inline_runtime_refuses_it(tmp_path):
     plan = load_plan(_plan(tmp_path, 2))
+    ahead = steps_ahead(plan.batch.prefetch_steps)
     with Loader(plan, runtime="process") as loader, pytest.raises(RanksApart, match="rank 1"):
         stream = loader.client(0)
-        for _ in range(6):
+        for _ in range(ahead + 1):
             next(stream)
 
 
@@ -193,3 +196,18 @@ def test_a_trainer_killed_takes_its_data_process_with_it(tmp_path):
             trainer.wait()
         if trainer.stdout is not None:
             trainer.stdout.close()
+
+
+def test_a_checkpoint_is_accepted_at_its_position_and_refused_elsewhere(tmp_path):
+    plan = load_plan(_plan(tmp_path, 1))
+    with Loader(plan, runtime="process") as loader:
+        stream = loader.client(0)
+        start = stream.state_dict()
+        stream.load_state_dict(start)  # where it is: accepted
+        next(stream)
+        later = stream.state_dict()
+        assert later["step"] == 1
+        with pytest.raises(CheckpointError, match="found step 1"):
+            stream.load_state_dict(start)
+        stream.load_state_dict(later)
+        assert next(stream).step == 1

@@ -193,7 +193,8 @@ class ProcessStream(Iterator[Batch]):
     global rank in a mesh) and ``dp_rank`` the rank its batches name.
     ``check(stream)``, called before each batch, may refuse one that could
     never come (ranks of one process too far apart). ``owned``: a data process
-    this stream ends with it.
+    this stream ends with it. ``startable``: ``open_`` starts the data process
+    from this stream's state (see :meth:`load_state_dict`).
     """
 
     def __init__(
@@ -204,8 +205,10 @@ class ProcessStream(Iterator[Batch]):
         stop_step: int | None = None,
         state: dict[str, Any] | None = None,
         check: Callable[[ProcessStream], None] | None = None,
+        startable: bool = False,
     ):
         self._open, self.rank, self.dp_rank = open_, rank, dp_rank
+        self._startable = startable  # whether the data process starts from this stream's state
         self.stop_step, self._check = stop_step, check
         self._state = state  # the state as of this stream's position, parsed
         self._after: bytes | None = None  # ... or as received, parsed when asked for
@@ -294,8 +297,14 @@ class ProcessStream(Iterator[Batch]):
         return self._state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Before the first use: start from ``state``; after it: check that the stream is there."""
-        if self._conn is None:
+        """Check that the stream is at ``state``; where it starts the data process, start there.
+
+        A stream of a node (:func:`node_stream`) starts the data process on
+        first use: before then ``state`` is where it starts. Otherwise (and
+        after the first use) the data process started from a state of its
+        own, and a checkpoint that is not this rank's position is refused.
+        """
+        if self._conn is None and self._startable:
             self._state, self._after = state, None
             self.step = int(state.get("step", 0))
             return
@@ -394,5 +403,5 @@ def node_stream(
             raise LoaderError(f"the node's data process (rank 0) did not start: {info['error']}")
         return Endpoint(info["address"], bytes.fromhex(info["key"]), info["start"])
 
-    stream = ProcessStream(open_, rank, dp_rank, stop_step, state)
+    stream = ProcessStream(open_, rank, dp_rank, stop_step, state, startable=True)
     return stream

@@ -46,6 +46,15 @@ from overlord.errors import SourceError
 from overlord.runtime.shm_ring import SlotPool, needed
 
 
+def steps_ahead(prefetch_steps: int) -> int:
+    """Steps a data process builds ahead of its slowest rank (``batch.prefetch_steps`` + 3).
+
+    Enough that a step that takes longer to read than the trainer's step (a
+    new window of a shard) is absorbed before a trainer waits for it.
+    """
+    return prefetch_steps + 3
+
+
 def encode(obj: Any) -> bytes:
     """A message body: compact JSON."""
     return json.dumps(obj, separators=(",", ":")).encode()

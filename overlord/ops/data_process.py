@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from overlord.batch import Batch
-from overlord.dist.data_server import DataServer, describe, encode
+from overlord.dist.data_server import DataServer, describe, encode, steps_ahead
 from overlord.loader import Loader
 from overlord.plan.spec import validate_plan
 from overlord.runtime.hosting import lean_allocators
@@ -45,7 +45,7 @@ def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
         listener = Listener(config["address"], "AF_UNIX", authkey=bytes.fromhex(config["authkey"]))
         # the state after a step is the same for every rank: rank 0's stream's
         first = clients[0]
-        ahead = max(2, plan.batch.prefetch_steps)
+        ahead = steps_ahead(plan.batch.prefetch_steps)
         server = DataServer(
             streams, first.state_dict, start, listener, ahead, plan.loading.timeout_s,
             node=bool(config["node"]),

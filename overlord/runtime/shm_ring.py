@@ -34,6 +34,7 @@ plain data (nothing pickled).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import sys
@@ -180,7 +181,7 @@ class SlotViews:
         got: dict[str, np.ndarray] = {}
         for field, dtype, shape, offset in layout:
             dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            count = math.prod(shape) * dt.itemsize  # numpy's prod costs 20x more on a short list
             got[field] = owner[offset : offset + count].view(dt).reshape(shape)
         if index is not None:
             _finalize(owner, self._released, index)
