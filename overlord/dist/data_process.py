@@ -258,7 +258,11 @@ class ProcessStream(Iterator[Batch]):
             self._ending = "end" if info["k"] == "end" else str(info["message"])
             self._error = info.get("error")
             return self.__next__()
-        batch = self._batch(info)
+        try:
+            batch = self._batch(info)
+        except OSError as e:  # its slot is gone: the data process ended with an error queued
+            self._ending = self._last_word(conn, e)
+            return self.__next__()
         self.slot = info["shm"]
         if (batch.step, batch.rank) != (self.step, self.dp_rank):
             raise LoaderError(
@@ -272,6 +276,21 @@ class ProcessStream(Iterator[Batch]):
         self.step += 1
         self._after, self._state = after, None
         return batch
+
+    def _last_word(self, conn: Connection, e: OSError) -> str:
+        """Why the data process ended: the error it queued behind the batches, or its exit."""
+        try:
+            while True:
+                head = conn.recv_bytes().partition(b"\n")[0]
+                info = json.loads(head)
+                if info["k"] != "b":
+                    self._error = info.get("error")
+                    return "end" if info["k"] == "end" else str(info["message"])
+        except (EOFError, OSError):
+            return (
+                f"rank {self.rank} lost overlord's data process: a batch's shared memory is "
+                f"gone ({type(e).__name__}: {e}): the data process ended (see its output)"
+            )
 
     def _batch(self, info: dict[str, Any]) -> Batch:
         arrays, _ = self._views.arrays(info["shm"], info["size"], info["layout"], info["slot"])
