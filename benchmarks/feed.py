@@ -16,9 +16,14 @@ Loaders, all on one corpus and one plan:
    ``DataLoader(batch_size=None, num_workers=0)``, what a single-process user
    runs. The inline runtime's readers tokenize ahead on threads of their own;
    planning and packing the step happen inside ``next()``.
+   The same with ``runtime="process"``: the roles run in a data process
+   beside the trainer, and ``next()`` takes a batch that waits in shared
+   memory (:mod:`overlord.dist.data_process`).
 2. *overlord under torchrun*, 4 processes on this node, ``world.dp`` 4: the
-   same dataset, which is node mode there (rank 0 runs the node's only
-   Loader on a thread and sends every other rank its batches). Every process
+   same dataset, which is node mode there: ``inline``, rank 0 runs the node's
+   only Loader on a thread and sends every other rank its batches over gloo;
+   ``process``, rank 0 starts the node's data process, and every rank, rank 0
+   included, takes its batches from shared memory. Every process
    runs the simulated step, then an ``all_reduce`` of one float (the
    gradients' synchronization, which keeps the ranks in step). Rank 0's wait
    and the other ranks' (pooled) are reported apart.
@@ -47,8 +52,10 @@ waits about nothing; under torchrun, the slowest rank's step flat out.
 
 Every run is a fresh process (or a fresh torchrun) and a fresh stream: a
 warm-up of ``--warm`` steps, then ``--steps`` timed steps. Reported: median,
-p99 and max of the waits. Targets: overlord's median wait <= 1 ms,
-and <= 1.1 x the best DataLoader's median at the same step kind.
+p99 and max of the waits, and the machine's load average (2 cores shared
+with other work: a busy machine shows in the tails). Targets: overlord's
+median wait <= 1 ms, and <= the best DataLoader's median at the same step
+kind; p99 <= 2 ms. ``--runtimes`` picks overlord's runtimes (both by default).
 
 Run from the repository root (torchrun's rendezvous opens sockets)::
 
@@ -81,7 +88,8 @@ ROWS = 4  # per rank and step
 NODE_RANKS = 4
 WORKERS = (1, 2)
 MEDIAN_MS = 1.0  # target: overlord's median wait
-VS_DATALOADER = 1.1  # target: overlord's median <= this x the best DataLoader's
+VS_DATALOADER = 1.0  # target: overlord's median <= this x the best DataLoader's
+P99_MS = 2.0  # target: overlord's p99 wait
 WORDS = ["the", "of", "data", "loader", "shard", "token", "planner", "rank", "step", "mix"]
 STEP_KINDS = ("sleep", "busy")
 
@@ -161,7 +169,8 @@ def dataset(spec: dict[str, Any], rank: int = 0, world: int = 1) -> Any:
     if spec["loader"] == "overlord":
         from overlord.torch import OverlordIterableDataset
 
-        return OverlordIterableDataset.from_plan(spec["plan"])
+        runtime = spec.get("runtime", "inline")
+        return OverlordIterableDataset.from_plan(spec["plan"], runtime=runtime)
     from benchmarks._lib.mixed import MixedTokens
 
     b = spec["baseline"]
@@ -203,7 +212,9 @@ def child_node(spec: dict[str, Any]) -> None:
         stop = spec["warm"] + spec["steps"]
         from overlord.torch import OverlordIterableDataset
 
-        ds = OverlordIterableDataset.from_plan(spec["plan"], stop_step=stop)
+        ds = OverlordIterableDataset.from_plan(
+            spec["plan"], stop_step=stop, runtime=spec.get("runtime", "inline")
+        )
         it = iter(DataLoader(ds, batch_size=None, num_workers=0))
         out = train(it, spec["warm"], spec["steps"], kind, step_s, sync)
         ds.close()
@@ -404,11 +415,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     }
     one = [(r, r["median"] <= MEDIAN_MS) for r in ours]
     two = [(r, r["median"] <= VS_DATALOADER * best[r["step"]]) for r in ours]
+    three = [(r, r["p99"] <= P99_MS) for r in ours]
 
-    def line(label: str, results: list[tuple[dict, bool]], limit: Any) -> str:
+    def line(label: str, results: list[tuple[dict, bool]], limit: Any, key: str = "median") -> str:
         ok = all(good for _, good in results)
         parts = [
-            f"{r['loader']}, {r['step']}: {r['median']:.3f} ms vs {limit(r):.3f} ms "
+            f"{r['loader']}, {r['step']}: {r[key]:.3f} ms vs {limit(r):.3f} ms "
             f"{'PASS' if good else 'MISS'}"
             for r, good in results
         ]
@@ -422,6 +434,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             two,
             lambda r: VS_DATALOADER * best[r["step"]],
         ),
+        line(f"Target 3, overlord's p99 wait <= {P99_MS:g} ms", three, lambda r: P99_MS, "p99"),
     ]
 
 
@@ -461,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, help="simulated step (default: measured, see above)")
     ap.add_argument("--step-mult", type=float, default=3.0, help="step = this x flat-out batch")
     ap.add_argument("--no-node", action="store_true", help="skip the torchrun runs")
+    ap.add_argument(
+        "--runtimes",
+        default="inline,process",
+        help="overlord's runtimes to run, comma-separated: inline (roles in the trainer's "
+        "process), process (a data process, batches in shared memory)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument(
         "--model",
@@ -505,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
             "rows": args.rows,
         }
         plan1 = write_plan(folder, size, tok_spec, 1, args.rows)
-        local = [("overlord embedded (dp 1)", {"loader": "overlord", "plan": str(plan1)})]
+        runtimes = args.runtimes.split(",")
+        local = [
+            (f"overlord {rt} (dp 1)", {"loader": "overlord", "plan": str(plan1), "runtime": rt})
+            for rt in runtimes
+        ]
         local += [
             (f"torch DataLoader W={w}", {"loader": "torch", "workers": w, "baseline": base})
             for w in WORKERS
@@ -542,19 +565,20 @@ def main(argv: list[str] | None = None) -> int:
                 "out": str(folder / "node"),
                 "step_s": None if args.step_ms is None else args.step_ms / 1e3,
             }
-            ranks = in_child(spec, torchrun=True)
-            node_flat = ranks[0].get("flat_step_s")
-            for kind in STEP_KINDS:
-                for label, group in (("rank 0", ranks[:1]), ("ranks 1-3", ranks[1:])):
-                    waits = [w for r in group for w in r[kind]["waits"]]
-                    rows.append(
-                        {
-                            "loader": f"overlord torchrun x{NODE_RANKS}, {label}",
-                            "step": kind,
-                            "step_ms": ranks[0]["step_s"] * 1e3,
-                            **stats_ms(waits),
-                        }
-                    )
+            for rt in runtimes:
+                ranks = in_child({**spec, "runtime": rt}, torchrun=True)
+                node_flat = ranks[0].get("flat_step_s")
+                for kind in STEP_KINDS:
+                    for label, group in (("rank 0", ranks[:1]), ("ranks 1-3", ranks[1:])):
+                        waits = [w for r in group for w in r[kind]["waits"]]
+                        rows.append(
+                            {
+                                "loader": f"overlord {rt} torchrun x{NODE_RANKS}, {label}",
+                                "step": kind,
+                                "step_ms": ranks[0]["step_s"] * 1e3,
+                                **stats_ms(waits),
+                            }
+                        )
     elapsed = time.perf_counter() - t_start
 
     mb = sum(size.values()) / 1e6
@@ -563,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Corpus: {', '.join(f'{s} {len(ps)} shards' for s, ps in data.items())}, {mb:.1f} MB "
         f"({files} stdlib files per stdlib source); tokenizer {tokenizer}; {args.rows} rows of "
         f"{SEQ_LEN} tokens per rank and step; {warm} warm-up + {steps} timed steps per run; "
-        f"{os.cpu_count()} CPUs; {elapsed:.0f} s in all.\n"
+        f"{os.cpu_count()} CPUs; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+        f"(1, 5, 15 min) at the end; {elapsed:.0f} s in all.\n"
     )
     if flat:
         print(

@@ -10,10 +10,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from overlord.errors import LoaderError
+from overlord.dist.data_process import DataProcess, ProcessStream
+from overlord.dist.data_server import steps_ahead
+from overlord.errors import LoaderError, RanksApart
 from overlord.plan.settings import ConstructorSite, LoaderPlacement
 from overlord.plan.spec import Plan
 from overlord.plans import load_plan
@@ -23,6 +26,7 @@ from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.roles.loader_pool import PoolConfig
 from overlord.roles.planner import Planner
+from overlord.roles.quarantine import check_job as check_quarantine
 from overlord.roles.source_loader import SourceLoader
 from overlord.runtime import RUNTIMES
 from overlord.runtime.base import Handle, OneWay, RoleOptions, Runtime
@@ -88,7 +92,10 @@ class Loader:
 
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
     rank had consumed it, on any DP size. ``runtime`` is ``inline`` (every role
-    in this process) or ``ray`` (every role a Ray actor of job ``job``, on the
+    in this process), ``process`` (every role in a data process of the node,
+    beside this one: batches arrive in shared memory, and the trainer's thread
+    only takes them; see :mod:`overlord.dist.data_process`) or ``ray`` (every
+    role a Ray actor of job ``job``, on the
     cluster at ``address`` or a local instance of its own; joining a cluster
     gives up after ``connect_timeout`` seconds, None: ``OVERLORD_CONNECT_TIMEOUT``,
     else 60). With ``build_batches=False``
@@ -132,7 +139,14 @@ class Loader:
         self.node = stream_kind(self.plan, runtime, node) is StreamKind.NODE
         self._state = state
         self._stream: RankStream | None = None  # node mode: this process's, on first use
+        self._runtime = runtime
+        # runtime "process": the roles run in a data process; this one holds streams only
+        self._process: DataProcess | None = None
+        self._streams: dict[int, ProcessStream] = {}
         if self.node:
+            return
+        if runtime == "process":
+            self._process = DataProcess(self.plan, state, node=False)
             return
         base = str(self.plan.base_dir)
         # the job's data: listed once, here; every role reads this list
@@ -143,6 +157,7 @@ class Loader:
             {s.name: s.storage_options for s in self.plan.sources},
             timeout_s=self.plan.loading.timeout_s,
         )
+        check_quarantine(self.plan, self.files, state)  # before a planner is spawned
         self.job = job or f"overlord-{uuid.uuid4().hex[:8]}"
         self.runtime = make_runtime(runtime, self.job, address, connect_timeout)
         # roles in processes of their own (Ray's actors) can die alone: shadows and a planner
@@ -233,7 +248,7 @@ class Loader:
             return self._node_stream(stop_step, rank=rank)
         world = self.plan.world
         dp = world.dp
-        if not self._constructor_of:
+        if self._process is None and not self._constructor_of:
             raise ValueError("this Loader was made with build_batches=False: it has no clients")
         if world.peers > 1:
             raise ValueError(
@@ -243,6 +258,8 @@ class Loader:
             )
         if not 0 <= rank < dp:
             raise ValueError(f"rank {rank} is outside the plan's world: dp={dp}, ranks 0..{dp - 1}")
+        if self._process is not None:
+            return self._process_stream(rank, rank, stop_step)
         constructor = self._constructor_of[rank]
         return Client(
             *(rank, constructor, self.planner, self.start_step, stop_step, None, self._notices),
@@ -260,6 +277,10 @@ class Loader:
         """
         if self.node:
             return self._node_stream(stop_step, global_rank=global_rank)
+        if self._process is not None:
+            dp_rank = self.plan.world.coords(global_rank).dp  # ValueError outside the world
+            # a mesh's data process serves every global rank (a plan without one: DP ranks)
+            return self._process_stream(global_rank, dp_rank, stop_step)
         if not self._constructor_of:
             raise ValueError("this Loader was made with build_batches=False: it has no clients")
         dp = self.plan.world.coords(global_rank).dp  # ValueError outside the world
@@ -286,16 +307,50 @@ class Loader:
         """The stream of this process in node mode: one, started on first use (rank 0's roles)."""
         stream = open_stream(
             self.plan, rank, global_rank=global_rank, state=self._state, stop_step=stop_step,
-            loader=type(self), node=True,
+            loader=type(self), node=True, runtime=self._runtime,
         )  # fmt: skip
         if self._stream is None:
             self._stream = stream
         return self._stream
 
+    def _process_stream(self, rank: int, dp_rank: int, stop_step: int | None) -> RankStream:
+        """Stream ``rank`` of this Loader's data process (one per rank; asked again, the same)."""
+        stream = self._streams.get(rank)
+        if stream is None or stream.closed:
+            process = self._process
+            assert process is not None
+            stream = ProcessStream(
+                lambda _: process.endpoint, rank, dp_rank, stop_step, process.endpoint.start,
+                check=self._apart,
+            )  # fmt: skip
+            self._streams[rank] = stream
+        stream.stop_step = stop_step
+        return stream
+
+    def _apart(self, stream: ProcessStream) -> None:
+        """Refuse a step the data process cannot build until another rank of ours takes one."""
+        ranks = self.plan.world.size if self.plan.world.peers > 1 else self.plan.world.dp
+        start = self.start_step
+        positions = [self._streams[r].step if r in self._streams else start for r in range(ranks)]
+        lag = min(positions)
+        ahead = steps_ahead(self.plan.batch.prefetch_steps)  # the data process's bound
+        if stream.step - lag >= ahead:
+            slow = positions.index(lag)
+            raise RanksApart(
+                f"rank {stream.rank} asked for step {stream.step} while rank {slow} has "
+                f"consumed only up to step {lag}: with runtime 'process' ranks run at most "
+                f"{ahead} steps apart (consume every rank's batch of a step before the next)"
+            )
+
     def _roles_here(self) -> None:
         """Refuse what only the roles can do in node mode: they are rank 0's stream's."""
         if self.node:
             raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
+        if self._process is not None:
+            raise LoaderError(
+                "with runtime 'process' the roles run in the data process: steering and "
+                "figures are the inline runtime's (Loader(plan, runtime='inline'))"
+            )
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
@@ -309,6 +364,12 @@ class Loader:
         """
         if self.node:
             return self._node_stream(None).state_dict()
+        if self._process is not None:
+            ranks = self.plan.world.size if self.plan.world.peers > 1 else self.plan.world.dp
+            streams = [self._streams.get(r) for r in range(ranks)]
+            if any(s is None for s in streams):
+                return self._process.endpoint.start  # a rank that never read: the start
+            return min(streams, key=lambda s: s.step).state_dict()  # type: ignore[union-attr]
         self._notices.flush()
         return self.planner.call(PlannerRole.state_dict).result()
 
@@ -317,6 +378,8 @@ class Loader:
 
         In node mode: the node's Loader's, on rank 0 only.
         """
+        if self._process is not None:
+            self._roles_here()
         if self.node:
             host = getattr(self._stream, "loader", None)  # the NodeClient's, on rank 0
             if host is None:
@@ -350,6 +413,17 @@ class Loader:
         self._roles_here()
         return self._ops.call(OpsRole.feedback, step).result()
 
+    def quarantine(
+        self, ids: Sequence[str] = (), files: Sequence[str] = (), from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Skip samples ``ids`` and every sample of the files ``files`` match, from ``from_step``.
+
+        ``from_step`` None: the first step the planner has not planned yet (a step
+        already planned is refused, naming the earliest one). See the operating guide.
+        """
+        self._roles_here()
+        return self._ops.call(OpsRole.add_quarantine, list(ids), list(files), from_step).result()
+
     def slots(self) -> dict[str, list[list[Handle[LoaderRole]]]]:
         """Every loader slot's replicas, primary first, per source (kill one to test faults)."""
         self._roles_here()
@@ -374,6 +448,13 @@ class Loader:
         if self.node:
             if self._stream is not None:
                 self._stream.close()
+            return
+        if self._process is not None:
+            try:
+                for stream in self._streams.values():
+                    stream.close()
+            finally:
+                self._process.close()
             return
         try:
             for obj in self._owned:  # trainer-side constructors are not the runtime's

@@ -122,8 +122,10 @@ class PlanHost(Protocol):
 class Hosting(Protocol):
     """How a plan is run in this process: ``overlord.Loader`` (called with ``node=False``)."""
 
-    def __call__(self, plan: Plan, *, state: dict[str, Any] | None, node: bool) -> PlanHost:
-        """A running ``plan`` of this process's alone, from ``state``."""
+    def __call__(
+        self, plan: Plan, *, state: dict[str, Any] | None, node: bool, runtime: str = "inline"
+    ) -> PlanHost:
+        """A running ``plan`` of this process's alone, from ``state``, on ``runtime``."""
         ...
 
 
@@ -147,8 +149,8 @@ def stream_kind(
     is chosen with ``node=True``, or by default (``node=None``) where
     ``torchrun`` started several processes (``WORLD_SIZE`` > 1) and the plan's
     world has more than one. ``node=False``, and any
-    runtime but ``inline`` (whose roles are actors that every process could
-    reach), keep the stream this process's own. In node mode the launcher's
+    runtime but ``inline`` and ``process`` (``ray``, whose roles are actors
+    that every process could reach), keep the stream this process's own. In node mode the launcher's
     world must be the plan's.
 
     >>> from overlord.plan.spec import validate_plan
@@ -160,7 +162,7 @@ def stream_kind(
     >>> stream_kind(plan, "ray", env={"WORLD_SIZE": "2"}).value
     'embedded'
     """
-    if runtime != "inline" or node is False:
+    if runtime not in ("inline", "process") or node is False:
         return StreamKind.EMBEDDED
     launch = World.launch(env)
     torchrun = launch.launcher == "torchrun" and launch.size > 1  # SLURM alone may span nodes
@@ -187,6 +189,7 @@ def open_stream(
     node: bool | None = None,
     job: str | None = None,
     address: str | None = None,
+    runtime: str = "inline",
 ) -> RankStream:
     """The stream of this process: of ``plan`` (run by ``loader``), or of the running ``job``.
 
@@ -197,7 +200,9 @@ def open_stream(
     started on first use; ``rank`` defaults to 0) or, in node mode (see
     :func:`stream_kind`), a :class:`~overlord.dist.node.NodeClient` of this
     process's rank (``rank`` and ``global_rank``, where given, must be this
-    process's). ``state`` is where it starts.
+    process's). ``state`` is where it starts. ``runtime="process"`` runs the
+    roles in a data process instead (node mode: one for the node, started by
+    rank 0; see :mod:`overlord.dist.data_process`).
 
     A job (found on the Ray cluster at ``address``, ``RAY_ADDRESS`` when None,
     or a local instance) gives a :class:`~overlord.roles.client.Client`;
@@ -218,8 +223,13 @@ def open_stream(
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     if start is not None:
         check_state(start, plan)
-    if stream_kind(plan, node=node) is StreamKind.NODE:
+    if stream_kind(plan, runtime, node=node) is StreamKind.NODE:
         _check_node_rank(plan, rank, global_rank)
+        if runtime == "process":
+            from overlord.dist.data_process import node_stream
+
+            me = World.launch().rank
+            return node_stream(plan, start, stop_step, me, plan.world.coords(me).dp)
         from overlord.dist.node import NodeClient  # torch: only under torchrun
 
         make = loader
@@ -229,7 +239,9 @@ def open_stream(
             return make(plan, state=state, node=False)
 
         return NodeClient(plan, start, stop_step, serve=serve)
-    return EmbeddedStream(plan, rank, start, stop_step, loader, global_rank=global_rank)
+    return EmbeddedStream(
+        plan, rank, start, stop_step, loader, global_rank=global_rank, runtime=runtime
+    )
 
 
 def _check_node_rank(plan: Plan, rank: int | None, global_rank: int | None) -> None:
@@ -279,6 +291,7 @@ class EmbeddedStream:
         stop_step: int | None,
         loader: Hosting,
         global_rank: int | None = None,
+        runtime: str = "inline",
     ):
         dp = plan.world.dp
         if global_rank is not None:
@@ -289,7 +302,7 @@ class EmbeddedStream:
             check_state(state, plan)
         self.plan, self.stop_step = plan, stop_step
         self.rank, self.global_rank = rank or 0, global_rank
-        self._make = loader
+        self._make, self.runtime = loader, runtime
         self._pending = state
         self._loader: PlanHost | None = None
         self._client: RankStream | None = None
@@ -303,7 +316,9 @@ class EmbeddedStream:
 
     def _open(self) -> RankStream:
         if self._client is None:
-            self._loader = loader = self._make(self.plan, state=self._pending, node=False)
+            self._loader = loader = self._make(
+                self.plan, state=self._pending, node=False, runtime=self.runtime
+            )
             if self.global_rank is None:
                 self._client = loader.client(self.rank, stop_step=self.stop_step)
             else:

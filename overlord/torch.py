@@ -236,6 +236,7 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         stop_step: int | None = None,
         pin_memory: bool = False,
         device: torch.device | str | None = None,
+        runtime: str = "inline",
     ) -> OverlordIterableDataset:
         """Batches of ``rank`` from an embedded Loader (:func:`overlord.streams.open_stream`).
 
@@ -252,10 +253,14 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         with an error after a few steps when dp > 1). Several nodes: serve the
         plan (``overlord serve``) and use :meth:`from_job`. The Loader starts
         on first use; ``state`` (or :meth:`load_state_dict` before that)
-        resumes the stream exactly.
+        resumes the stream exactly. ``runtime="process"`` runs the roles in a
+        data process beside this one (under torchrun, one for the node) and
+        takes batches from shared memory (:mod:`overlord.dist.data_process`).
         """
         start = decode_state(state) if state is not None else None
-        stream = open_stream(plan, rank, state=start, stop_step=stop_step, loader=Loader)
+        stream = open_stream(
+            plan, rank, state=start, stop_step=stop_step, loader=Loader, runtime=runtime
+        )
         return cls(stream, pin_memory, device)
 
     @classmethod

@@ -141,3 +141,8 @@ def test_the_ledger_builds_a_kept_mark_into_the_state_of_its_step(job_plan):
     assert ledger.at(1) == want[1] and ledger.at(1) is ledger.at(1)  # built once
     assert ledger.state_dict(3)["sources"] == want[3]["sources"]
     assert want[3]["sources"][plan.source_names[0]]["cursor"]["skip"]  # a skip run was kept
+    # a quarantine added later reaches the built states and the marks not built yet alike
+    ledger.keep(4, ledger.mark(4, cursors, mix))
+    ledger.quarantine([{"ids": ["a:1"]}])
+    assert ledger.at(1)["quarantine"] == ledger.at(4)["quarantine"] == [{"ids": ["a:1"]}]
+    assert "quarantine" not in ledger.snapshot(4, cursors, mix)

@@ -38,6 +38,7 @@ def torchrun(
     loader: bool = False,
     mesh: bool = False,
     report: bool = False,
+    runtime: str = "inline",
 ) -> list[dict[str, Any]]:
     """Run the worker on ``RANKS`` CPU processes; each rank's result."""
     args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
@@ -46,6 +47,7 @@ def torchrun(
     env |= {"OVERLORD_TEST_LOADER": "1"} if loader else {}
     env |= {"OVERLORD_TEST_MESH": "1"} if mesh else {}
     env |= {"OVERLORD_TEST_REPORT": "1"} if report else {}
+    env |= {"OVERLORD_TEST_RUNTIME": runtime}
     done = subprocess.run(
         [*cmd, f"--nproc_per_node={RANKS}", str(WORKER), *args],
         capture_output=True,
@@ -204,13 +206,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _by_hand(plan: Path, out: Path, raises: int = -1) -> list[subprocess.Popen[bytes]]:
+def _by_hand(
+    plan: Path, out: Path, raises: int = -1, runtime: str = "inline"
+) -> list[subprocess.Popen[bytes]]:
     """``RANKS`` processes started as a scheduler starts them: the environment, no agent.
 
     Rank ``raises`` dies of an uncaught exception at step 3.
     """
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env["WORLD_SIZE"] = str(RANKS)
+    env["OVERLORD_TEST_RUNTIME"] = runtime
     env.pop("LOCAL_WORLD_SIZE", None)
     procs = []
     for r in range(RANKS):
@@ -232,11 +237,12 @@ def short_plan(tmp_path_factory) -> Path:
     )
 
 
+@pytest.mark.parametrize("runtime", ["inline", "process"])
 @pytest.mark.parametrize(
     ("death", "victim"), [("SIGKILL", 2), ("SIGKILL", 0), ("raise", 1), ("raise", 0)]
 )
 def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
-    short_plan, tmp_path, death, victim
+    short_plan, tmp_path, death, victim, runtime
 ):
     """A process killed, or dead of its own exception: every other one raises, naming it.
 
@@ -244,7 +250,7 @@ def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
     it does not wait for an orderly end that would never come).
     """
     out = tmp_path / "run"
-    procs = _by_hand(short_plan, out, raises=victim if death == "raise" else -1)
+    procs = _by_hand(short_plan, out, raises=victim if death == "raise" else -1, runtime=runtime)
     try:
         deadline = time.monotonic() + 120
         while not all(Path(f"{out}.{r}.step").exists() for r in range(RANKS)):
@@ -265,6 +271,11 @@ def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if runtime == "process":  # rank 0's data process ended too (its argv names its parent)
+        deadline = time.monotonic() + 20
+        while _data_processes_of(procs[0].pid):
+            assert time.monotonic() < deadline, "the data process outlived the node's ranks"
+            time.sleep(0.1)
     for r, p in enumerate(procs):
         if r == victim:
             continue
@@ -274,6 +285,69 @@ def test_a_rank_that_dies_without_torchrun_fails_every_other_rank_naming_it(
         err = Path(f"{out}.{r}.err").read_text()
         assert p.returncode == 1, (r, p.returncode, err)  # the worker's own exit, no abort
         assert "terminate called" not in err
+
+
+def _data_processes_of(parent: int) -> list[int]:
+    """Live data processes of ``parent`` (``python -m overlord.ops.data_process FD PID``)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+            state = (cmdline.parent / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        ours = b"overlord.ops.data_process" in argv and str(parent).encode() in argv[-3:]
+        if ours and state != "Z":
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_every_rank_gets_its_batches_from_the_nodes_data_process(plan_path, tmp_path):
+    """runtime 'process': one data process for the node; each rank the embedded batches."""
+    want = run_job(load_plan(plan_path), steps=8).lines
+    got = torchrun(plan_path, tmp_path / "run", 8, runtime="process")
+    assert all(r["error"] is None and r["kind"] == "ProcessStream" for r in got)
+    for rank, result in enumerate(got):
+        assert result["lines"] == want[rank::RANKS]
+    assert all(r["state"] == got[0]["state"] for r in got) and got[0]["state"]["step"] == 8
+    assert all(r["start"]["step"] == 0 for r in got)
+
+
+def test_rank_0_hosts_nothing_and_a_resume_continues_with_the_data_process(plan_path, tmp_path):
+    want = run_job(load_plan(plan_path), steps=10).lines
+    first = torchrun(plan_path, tmp_path / "a", 4, loader=True, runtime="process")
+    assert all(r["error"] is None and r["kind"] == "node" for r in first)
+    import pyarrow as pa
+
+    # the loaders run in the data process: rank 0's allocators are left as every rank's
+    assert {r["arrow_pool"] for r in first} == {pa.default_memory_pool().backend_name} != {"system"}
+    assert all(r["loader_state"] == r["state"] for r in first)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(first[1]["state"]))
+    second = torchrun(plan_path, tmp_path / "b", 10, state, loader=True, runtime="process")
+    for rank in range(RANKS):
+        assert first[rank]["lines"] + second[rank]["lines"] == want[rank::RANKS]
+
+
+def test_a_mesh_and_the_dataset_under_torchrun_with_the_data_process(plan_path, tmp_path):
+    plan = load_plan(plan_path)
+    data = plan.model_dump(mode="json")
+    data["world"] = {"dp": 1, "cp": 2, "tp": 2}
+    (tmp_path / "data").symlink_to(plan.base_dir / "data")
+    path = tmp_path / "mesh.yaml"
+    path.write_text(json.dumps(data))
+    want: list[list[Any]] = [[] for _ in range(RANKS)]
+    with Loader(validate_plan(data, base_dir=tmp_path)) as loader:
+        clients = [loader.rank_client(g) for g in range(RANKS)]
+        for _ in range(5):
+            for g, c in enumerate(clients):
+                want[g].append(json.loads(json.dumps(digest(next(c)))))
+    got = torchrun(path, tmp_path / "mesh", 5, mesh=True, runtime="process")
+    assert [r["lines"] for r in got] == want
+    assert all(r["state"] == got[0]["state"] and r["state"]["step"] == 5 for r in got)
+    ds = torchrun(plan_path, tmp_path / "ds", 6, dataset=True, runtime="process")
+    inline = torchrun(plan_path, tmp_path / "ds-inline", 6, dataset=True)
+    assert [r["lines"] for r in ds] == [r["lines"] for r in inline]
 
 
 DOCS = Path(__file__).resolve().parents[1]

@@ -308,3 +308,41 @@ def test_the_text_of_an_hf_tokenizer_is_its_records_text(tmp_path):
             assert text == texts[row] + " </s>"
             seen += 1
     assert seen > 4
+
+
+def test_replay_is_exact_across_a_mixture_change_and_a_quarantine(tmp_path):
+    """A run, then a resume with a source added, new weights and a quarantine from a step on.
+
+    Every step of both runs (before the resume, between it and the quarantine, after
+    it) replays as the trainers' dump of it.
+    """
+    from conftest import write_file
+
+    plan = _plan(tmp_path)
+    folder = tmp_path / "ckpt"
+    first = _by_step(_run(plan, 10, folder))
+    write_file(tmp_path / "data/books/part-0.jsonl", 30, "text", "books/part-0")
+    data = plan.model_dump(mode="json")
+    data["sources"].append({"name": "books", "path": "data/books/*", "format": "jsonl"})
+    data["mixture"] = {"schedule": [{"step": 0, "weights": {"web": 1, "code": 1, "books": 2}}]}
+    state = checkpoint.load(folder / "step-00000008.json")
+    free = _by_step(_run(overlord.validate_plan(data, base_dir=tmp_path), 16, tmp_path / "free",
+                         state))  # fmt: skip
+    later = [json.loads(x) for st in range(11, 16) for x in free[st]]  # taken without it
+    ids = [s["id"] for line in later for s in line["samples"] if s["source"] == "web"][:3]
+    assert len(ids) == 3
+    data["quarantine"] = {"ids": ids, "from_step": 11}
+    changed = overlord.validate_plan(data, base_dir=tmp_path)
+    second = _by_step(_run(changed, 16, folder, state))
+    assert any(s["source"] == "books" for x in second[9] for s in json.loads(x)["samples"])
+    for step in (3, 7):
+        assert [x.split(',"placement"')[0] for x in _replayed(folder, step)] == [
+            x[:-1] for x in first[step]
+        ]
+    for step in (8, 10, 11, 15):  # the resumed run's steps, before and after the quarantine
+        assert [x.split(',"placement"')[0] for x in _replayed(folder, step)] == [
+            x[:-1] for x in second[step]
+        ]
+    taken = {s["id"] for st in range(11, 16) for x in second[st] for s in json.loads(x)["samples"]}
+    assert not taken & set(ids)
+    assert second[10] == free[10]  # before the quarantine's step, the stream without it

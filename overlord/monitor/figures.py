@@ -57,6 +57,7 @@ class Figures:
         self.steps = 0
         self.tokens = np.zeros(len(names), dtype=np.int64)
         self.samples = np.zeros(len(names), dtype=np.int64)
+        self.skipped_q = np.zeros(len(names), dtype=np.int64)  # quarantined, in consumed steps
         self.wait = [Histogram(WAIT_BUCKETS) for _ in range(dp)]
         self.plan = Histogram(PLAN_BUCKETS)
         self.cost = [math.nan] * dp  # predicted cost of each rank's last consumed step
@@ -82,6 +83,11 @@ class Figures:
             self.steps += 1
             self.tokens += np.bincount(source, weights=tokens, minlength=n).astype(np.int64)
             self.samples += np.bincount(source, minlength=n)
+
+    def quarantined(self, source: np.ndarray) -> None:
+        """A step every rank consumed was planned without these quarantined items (by source)."""
+        with self._lock:
+            self.skipped_q += np.bincount(source, minlength=len(self.names))
 
     def trainer(self, rank: int, step: int, train_s: float | None, wait_s: float | None) -> None:
         """DP rank ``rank`` received ``step`` after waiting ``wait_s`` for it.
@@ -137,6 +143,7 @@ class Figures:
                 "steps": self.steps,
                 "tokens": dict(zip(self.names, self.tokens.tolist())),
                 "samples": dict(zip(self.names, self.samples.tolist())),
+                "quarantined": dict(zip(self.names, self.skipped_q.tolist())),
                 "share": {n: int(t) / total for n, t in zip(self.names, self.tokens.tolist())},
                 "wait": [h.as_dict() for h in self.wait],
                 "plan": self.plan.as_dict(),

@@ -47,6 +47,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "rank reported (client.report); NaN before",
     ),
     "overlord_refits_total": ("counter", "cost-model refits from the trainers' reports"),
+    "overlord_quarantined_samples_total": (
+        "counter",
+        "quarantined samples skipped in the steps every rank consumed, per source",
+    ),
 }
 
 
@@ -81,6 +85,7 @@ def _families(f: dict[str, Any]) -> Iterator[Any]:
         "overlord_buffered_tokens": "buffered_tokens",
         "overlord_reads_in_flight": "reads_in_flight",
         "overlord_read_retries_total": "retries",
+        "overlord_quarantined_samples_total": "quarantined",
     }
     for name, key in per_source.items():
         fam = family(name, ["source"])

@@ -1,4 +1,4 @@
-"""``overlord``: demo, validate, run, plan, simulate, serve, status, diff, replay, why."""
+"""``overlord``: the command line: every subcommand, its parser and its dispatch."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from overlord.errors import OverlordError
 from overlord.loader import Loader
 from overlord.ops import replay as replay_command
 from overlord.ops import why as why_command
+from overlord.ops.quarantine import non_negative_int
 from overlord.ops.run import close_dump, open_dump, run_plan
 from overlord.ops.run import dump_line as dump_line  # re-exported: its home was here
 from overlord.ops.run import summarize as summarize  # re-exported: its home was here
@@ -100,6 +101,9 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
             f"{r['epochs']} epoch(s) begun",
             file=out,
         )
+    if "quarantined_samples" in s:
+        counts = ", ".join(f"{n} {c}" for n, c in s["quarantined_samples"].items())
+        print(f"quarantined samples skipped in consumed steps: {counts}", file=out)
     if s["checkpoint_bytes"]:
         print(f"checkpoint: {s['checkpoint_bytes']} bytes", file=out)
     for name, sizes in s.get("scaling", {}).items():
@@ -258,6 +262,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
 
+def _cmd_quarantine(args: argparse.Namespace) -> int:
+    from overlord.ops.quarantine import quarantine
+
+    return quarantine(
+        args.job, args.action, args.ids, args.files, args.from_step, args.address,
+        args.connect_timeout,
+    )  # fmt: skip
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from overlord.ops.demo import run_demo
 
@@ -339,6 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--once", action="store_true", help="print the table once and exit")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     st.set_defaults(func=_cmd_status)
+
+    qu = sub.add_parser("quarantine", help="skip samples of a job served on Ray, from a step on")
+    qu.add_argument("job")
+    qu.add_argument("action", choices=["add", "list"], help="add to the quarantine, or print it")
+    qu.add_argument("ids", nargs="*", metavar="ID", help="sample ids, as FILE:ROW[#CHUNK]")
+    qu.add_argument(
+        "--files", nargs="+", default=[], metavar="GLOB", help="quarantine every sample of these"
+    )
+    qu.add_argument(
+        "--from-step", type=non_negative_int, metavar="S",
+        help="the first step without them (default: the first step not planned yet)",
+    )  # fmt: skip
+    qu.add_argument("--address", help="Ray cluster address (as for status)")
+    _connect_timeout(qu)
+    qu.set_defaults(func=_cmd_quarantine)
 
     q = sub.add_parser("plan", help="per-step balance and mixture, without building batches")
     q.add_argument("plan")

@@ -234,7 +234,16 @@ def summarize(
         "scaling": _scaling(stats.get("scaling", [])),
         "faults": [e for e in stats.get("events", []) if e["event"] != "repartition"],
         **_rank_costs(hist),
+        **_quarantine(stats),
     }
+
+
+def _quarantine(stats: dict[str, Any]) -> dict[str, Any]:
+    """A quarantined run's additions and the samples they skipped in consumed steps, per source."""
+    q = stats.get("quarantine")
+    if not q:
+        return {}
+    return {"quarantined_samples": dict(q["samples"]), "quarantine": list(q["entries"])}
 
 
 def _rank_costs(hist: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from overlord.plan.kinds import (
     TokenizerKind,
 )
 from overlord.plan.plan_file import read_plan_file
+from overlord.plan.quarantine import QuarantineSpec
 from overlord.plan.rules import semantic_problems
 from overlord.plan.settings import (
     AutoscaleSpec,
@@ -358,6 +359,11 @@ class Plan(_Model):
     vision: VisionSpec | None = Field(
         None, description="how images become patches and tokens (image-text sources)"
     )
+    quarantine: QuarantineSpec | None = Field(
+        None,
+        description="samples and files skipped from a step on, as if absent from their source "
+        "(kept in the state: a resume keeps it)",
+    )
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _fingerprints: dict[str, str] = PrivateAttr(default_factory=dict)  # a frozen plan's
@@ -399,6 +405,7 @@ class Plan(_Model):
             exclude={
                 *("world", "balance", "loading", "placement", "recovery", "autoscale"),
                 *("monitoring", "transforms"),
+                "quarantine",  # the state records it, with the step it applies from
             },
         )
         for s in data["sources"]:

@@ -202,6 +202,12 @@ class OpsRole(Protocol):
         """What a replay of ``step`` needs: the plan, the state before it if kept, the journal."""
         ...
 
+    def add_quarantine(
+        self, ids: list[str], files: list[str], from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Skip samples ``ids`` and the files of ``files`` from ``from_step`` on."""
+        ...
+
     def pid(self) -> int:
         """The planner's process."""
         ...

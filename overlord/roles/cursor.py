@@ -8,6 +8,11 @@ which the source yields them, whichever loader read them. The cursor keeps the
 Its checkpoint is where the pending items start plus the runs of items after
 that start which were already placed (a source may place a small item ahead of
 a large one that did not fit, up to the plan's lookahead).
+
+A quarantined source's cursor has a ``drop`` filter
+(:mod:`overlord.roles.quarantine`): the items it names leave the pending
+items, as blocks arrive and when an addition comes into force, and are kept
+in ``dropped`` until the planner hands them back to their loaders.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 
 from overlord.errors import LoaderError, SourceError
 from overlord.plan.partition import Span, owner
+from overlord.roles.quarantine import Dropper
 
 Key = tuple[int, int, int]
 _KEY = ("epoch", "shard_pos", "index")  # an item's position: its key's three parts
@@ -67,6 +73,10 @@ class SourceCursor:
         self._placed_ahead: list[Key] = [
             (e, p, i + j) for e, p, i, c in start.get("skip", []) for j in range(c)
         ]
+        # the quarantine's filter (None: nothing of this source is quarantined), and the
+        # items it took out: (loader, key) arrays, until the planner collects them
+        self.drop: Dropper | None = None
+        self.dropped: list[tuple[np.ndarray, np.ndarray]] = []
 
     def peek(self, i: int) -> int:
         """Tokens of the ``i``-th pending item."""
@@ -87,6 +97,8 @@ class SourceCursor:
                 f"loader {k} of '{self.name}' sent shard {got} where shard {(epoch, pos)} was "
                 "due: the loaders and the planner disagree on the source's order"
             )
+        if self.drop is not None:
+            block = self._without_dropped(block, k)
         n = len(block["index"])
         self.tokens += block["tokens"].tolist()
         self._parts.append(
@@ -114,12 +126,53 @@ class SourceCursor:
                     None,
                     None,
                     f"a whole epoch of its {pos} file(s) yielded no sample: every "
-                    "record is bad (skipped), empty, or dropped as longer than max_seq_len",
+                    "record is bad (skipped), empty, dropped as longer than max_seq_len, "
+                    "or quarantined",
                 )
             epoch, pos = epoch + 1, 0
             self._full_epoch, self._epoch_items = True, 0
         self._expect = (epoch, pos)
         self._start_index = 0
+
+    def _without_dropped(self, block: dict[str, Any], k: int) -> dict[str, Any]:
+        """``block`` (of loader ``k``) without the items the quarantine drops."""
+        assert self.drop is not None
+        if not len(block["index"]):
+            return block
+        drop = self.drop(
+            int(block["epoch"]), int(block["file_index"]), block["row"], block["chunk"]
+        )
+        if drop is None:
+            return block
+        index = block["index"][drop]
+        at = np.array([block["epoch"], block["shard_pos"]], dtype=np.int64)
+        keys = np.column_stack([np.broadcast_to(at, (len(index), 2)), index]).astype(np.int64)
+        self.dropped.append((np.full(len(index), k, dtype=np.int64), keys))
+        keep = ~drop
+        return {
+            **block,
+            **{c: block[c][keep] for c in ("index", "tokens", "row", "chunk", "patches")},
+        }
+
+    def purge(self) -> None:
+        """Take the items the quarantine drops out of the pending ones (an addition in force)."""
+        if self.drop is None or not self.tokens:
+            return
+        cols = self._joined()
+        drop = np.zeros(len(self.tokens), dtype=bool)
+        files = np.unique(np.stack([cols["epoch"], cols["file_index"]], axis=1), axis=0)
+        for e, f in files.tolist():
+            mine = (cols["epoch"] == e) & (cols["file_index"] == f)
+            found = self.drop(e, f, cols["row"][mine], cols["chunk"][mine])
+            if found is not None:
+                drop[np.flatnonzero(mine)[found]] = True
+        if not drop.any():
+            return
+        key = np.stack([cols[c][drop] for c in _KEY], axis=1)
+        self.dropped.append((cols["loader"][drop], key))
+        self._pending = {c: v[~drop] for c, v in cols.items()}
+        self.tokens = self._pending["tokens"].tolist()
+        self._behind()
 
     def loader_of(self, epoch: int, pos: int) -> int:
         """The loader that reads shard ``pos`` of epoch ``epoch``."""
@@ -167,6 +220,11 @@ class SourceCursor:
         else:  # every item before the first left was taken, none after it: a slice
             self._pending = {c: v[first_left:] for c, v in cols.items()}
             del self.tokens[:first_left]  # in place: no copy of what stays pending
+        self._behind()
+        return out
+
+    def _behind(self) -> None:
+        """Forget the placed items that the first pending one has passed."""
         # placed items at or before the first pending one are behind the cursor now; with
         # nothing pending, those not yet received stay placed ahead (a cursor that starts
         # from a state holds its skip runs before the loaders send their shard again)
@@ -176,7 +234,6 @@ class SourceCursor:
             self._placed_ahead = sorted(k for k in self._placed_ahead if k >= (e, p, i))
         else:
             self._placed_ahead = sorted(k for k in self._placed_ahead if k > start)
-        return out
 
     def _first(self) -> Key | None:
         """The key of the first pending item (None: nothing is pending)."""

@@ -43,13 +43,16 @@ class Ledger:
         cursors: Sequence[SourceCursor],
         mix: MixState,
         feedback: dict[str, Any] | None = None,
+        quarantine: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The state before ``step`` of cursors and a mixture that stand there (not kept).
 
         ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
         None leaves the key out, as a state without reports always had it.
+        ``quarantine``: its additions (:mod:`overlord.roles.quarantine`); the key is
+        left out when there are none, so a run without one writes what it always wrote.
         """
-        return self.mark(step, cursors, mix, feedback).state()
+        return self.mark(step, cursors, mix, feedback, quarantine).state()
 
     def mark(
         self,
@@ -57,6 +60,7 @@ class Ledger:
         cursors: Sequence[SourceCursor],
         mix: MixState,
         feedback: dict[str, Any] | None = None,
+        quarantine: list[dict[str, Any]] | None = None,
     ) -> Marked:
         """What :meth:`snapshot` builds its state from, as it stands now (kept as :meth:`keep`).
 
@@ -66,7 +70,7 @@ class Ledger:
         dropped = [dict(d) for d in self.dropped] if self.dropped else None
         return Marked(
             self, step, [c.mark() for c in cursors], mix.target.copy(), mix.placed.copy(),
-            dropped, feedback,
+            dropped, feedback, quarantine or None,
         )  # fmt: skip
 
     def _state(self, step: int, state: dict[str, Any] | Marked) -> dict[str, Any]:
@@ -78,6 +82,14 @@ class Ledger:
     def keep(self, step: int, state: dict[str, Any] | Marked) -> None:
         """Keep ``state``, the state before ``step`` (a :class:`Marked`: built when read)."""
         self._states[step] = state
+
+    def quarantine(self, entries: list[dict[str, Any]]) -> None:
+        """Every kept state holds ``entries``: a checkpoint taken from now on carries them."""
+        for state in self._states.values():
+            if isinstance(state, Marked):
+                state.quarantine = [dict(e) for e in entries]
+            else:
+                state["quarantine"] = [dict(e) for e in entries]
 
     def restart(self, step: int, state: dict[str, Any] | Marked) -> None:
         """Keep only ``state``, the state before ``step`` (planning starts there)."""
@@ -134,8 +146,8 @@ class Marked:
     """A state before one step, kept as the few values it is built from (:meth:`Ledger.mark`).
 
     Each source's cursor mark, the mixture's target and placed tokens (copies:
-    planning moves them on), the sources dropped and the feedback section as
-    they stood then.
+    planning moves them on), the sources dropped, the feedback section and the
+    quarantine's additions as they stood then.
     """
 
     def __init__(
@@ -147,9 +159,11 @@ class Marked:
         placed: np.ndarray,
         dropped: list[dict[str, Any]] | None,
         feedback: dict[str, Any] | None,
+        quarantine: list[dict[str, Any]] | None,
     ):
         self.ledger, self.step, self.cursors = ledger, step, cursors
         self.target, self.placed, self.dropped, self.feedback = target, placed, dropped, feedback
+        self.quarantine = quarantine  # None: the key is left out
 
     def state(self) -> dict[str, Any]:
         """The state document (:mod:`overlord.state.format`), as :meth:`Ledger.snapshot` made it."""
@@ -172,4 +186,6 @@ class Marked:
             state[DROPPED] = self.dropped
         if self.feedback is not None:
             state["feedback"] = self.feedback
+        if self.quarantine is not None:
+            state["quarantine"] = self.quarantine
         return state

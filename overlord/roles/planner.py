@@ -38,6 +38,7 @@ from overlord.monitor.prometheus import MetricsServer
 from overlord.plan.cost import CostModel
 from overlord.plan.hierarchy import group_count
 from overlord.plan.partition import partitions
+from overlord.plan.quarantine import entry
 from overlord.plan.schedule import Schedule
 from overlord.plan.select import MixState
 from overlord.plan.spec import BalanceMethod, Plan
@@ -49,6 +50,7 @@ from overlord.roles.cursor import SourceCursor
 from overlord.roles.feedback import Feedback
 from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
+from overlord.roles.quarantine import Quarantine, collect_dropped
 from overlord.roles.rewind import Stamps
 from overlord.runtime.base import Handle, RoleOptions, Runtime
 from overlord.sources.catalog import SourceFiles
@@ -130,6 +132,7 @@ class Planner:
             clock=lambda: self.next_step,
             journal=self.journal,
         )
+        self.quarantine = Quarantine(self.names, files)  # its additions, kept across rewinds
         self._build(recovered.state if recovered is not None else state)
         self._started = recovered is not None and recovered.loaders is not None
         if recovered is not None:
@@ -186,8 +189,16 @@ class Planner:
         # a resume that removed sources drops their state and records it (overlord.state.changes)
         self.ledger.dropped = dropped_sources(state, self.plan) if state else []
         self.next_step = self.start_step
+        q = self.quarantine
+        q.merge((state or {}).get("quarantine", []), "the state's quarantine")
+        if self.plan.quarantine is not None:  # resumed: from the resume step on, at the earliest
+            q.merge([entry(self.plan.quarantine)], "the plan's quarantine", self.start_step)
+        if q.entries:
+            self._arm(self.start_step, fresh=True)
         self.consumption.restart(self.start_step)
         self.plans: dict[int, dict[str, Any]] = {}  # step -> its columns, by rank and row
+        # step -> the quarantined items its planning took out of the cursors (released with it)
+        self.dropped: dict[int, dict[str, np.ndarray]] = {}
         self.ledger.restart(self.start_step, self._snapshot())
         self.consumption.origin = self.ledger.at(self.start_step)
         # the first step whose items no loader has released: a rewind to an earlier state
@@ -210,7 +221,9 @@ class Planner:
 
     def _snapshot(self) -> dict[str, Any]:
         """The state before the next step to plan."""
-        return self.ledger.snapshot(self.next_step, self.cursors, self.mix, self.loop.section())
+        return self.ledger.snapshot(
+            self.next_step, self.cursors, self.mix, self.loop.section(), self.quarantine.record()
+        )
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """State before ``step`` (JSON-serializable).
@@ -239,16 +252,24 @@ class Planner:
         t0 = time.perf_counter()
         # the cost model and weights in force: the plan's, or as reports moved them
         cost, weights = self.loop.before(step, self.schedule.weights(step))
+        if self.quarantine.due(step):  # an addition comes into force at this step
+            self._arm(step)
         run = self.assigners.run
         planned = plan_step(p, self.cursors, weights, self.mix, cost, self.groups, run)
         self.plans[step] = planned.columns
+        if self.quarantine.entries:  # the items it took out go back with the step's
+            dropped = collect_dropped(self.cursors)
+            if dropped is not None:
+                self.dropped[step] = dropped
         self.loop.planned(step, planned.columns, planned.rank_cost)
         self.loop.after(step, self.schedule.weights)  # what the next step is planned with
         self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
         self.history.append({"step": step, **planned.stats})
         self.next_step += 1
         # the state after it: built now for a journal, else only if a checkpoint asks for it
-        after = self.ledger.mark(self.next_step, self.cursors, self.mix, self.loop.section())
+        after = self.ledger.mark(
+            self.next_step, self.cursors, self.mix, self.loop.section(), self.quarantine.record()
+        )
         self.ledger.keep(self.next_step, after)
         journaled = self.journal is not None and self.journal.planned(
             step, self.ledger.at(step), self.ledger.at(self.next_step)
@@ -259,7 +280,7 @@ class Planner:
             self.journal.snapshot(self._snapshot(), done, self.pool.record())
         if step <= done:
             # a restarted planner re-plans a step every rank had consumed already
-            self._release(self.plans.pop(step))
+            self._release(step)
             self.held_from = max(self.held_from, step + 1)
             self.consumption.prune()
 
@@ -323,7 +344,7 @@ class Planner:
         out = []
         for _ in range(steps):
             self._plan_next()
-            self._release(self.plans.pop(self.next_step - 1))  # the loaders read on
+            self._release(self.next_step - 1)  # the loaders read on
             self.ledger.forget(self.next_step - 1)
             out.append(self.history[-1])
         return out
@@ -390,9 +411,11 @@ class Planner:
         for s in range(before + 1, done + 1):
             if s in self.plans:  # (a restarted planner may not have re-planned it yet)
                 self.figures.consumed(self.plans[s]["source"], self.plans[s]["tokens"])
+            if s in self.dropped:
+                self.figures.quarantined(self.dropped[s]["source"])
         keep = self.consumption.keep_from(done + 1)  # steps kept for trainers that rewind
         for s in sorted(s for s in self.plans if s < keep):
-            self._release(self.plans.pop(s))
+            self._release(s)
         self.held_from = max(self.held_from, keep)
         self.consumption.prune()
         self.pool.retire()
@@ -425,8 +448,40 @@ class Planner:
         how = "seek" if seek else "memory"
         self.pool.events.append({"event": "trainers-rewound", "step": step, "served_from": how})
 
-    def _release(self, cols: dict[str, Any]) -> None:
+    def _release(self, step: int) -> None:
+        """Let the loaders drop what ``step`` placed, and what its planning quarantined."""
+        cols = self.plans.pop(step)
+        dropped = self.dropped.pop(step, None)
+        if dropped is not None:  # in the same call per loader
+            cols = {c: np.concatenate([cols[c], dropped[c]]) for c in ("source", "loader", "key")}
         self.pool.release(cols["source"], cols["loader"], cols["key"])
+
+    # ---- the quarantine (overlord.roles.quarantine) ----------------------------------------
+
+    def _arm(self, step: int, fresh: bool = False) -> None:
+        """Give the cursors the quarantine in force at ``step`` (``fresh``: new cursors, all)."""
+        changed = self.quarantine.arm(step)
+        for s in range(len(self.cursors)) if fresh else changed:
+            self.cursors[s].drop = self.quarantine.dropper(s)
+            self.cursors[s].purge()
+
+    def add_quarantine(
+        self, ids: list[str], files: list[str], from_step: int | None = None
+    ) -> dict[str, Any]:
+        """Quarantine ``ids`` and the files of ``files`` from ``from_step``; what was added.
+
+        ``from_step`` None: the first step not planned yet.
+
+        A step already planned (planning runs ``batch.prefetch_steps`` ahead) is refused,
+        naming the earliest step it can take effect.
+        """
+        added = self.quarantine.addition(ids, files, from_step, self.next_step, self.plan)
+        new = self.quarantine.add(added)
+        if new:
+            self.ledger.quarantine(self.quarantine.record())
+            if self.journal is not None:
+                self.journal.quarantined(added)
+        return {**added, "added": new, "entries": len(self.quarantine.entries)}
 
     # ---- the loaders (PoolRole) ------------------------------------------------------------
 
@@ -480,7 +535,15 @@ class Planner:
             "loaders": self.pool.stats(),
             "autoscaler": self.pool.scaling_state(),
             "feedback": self.loop.stats(),
+            **self._quarantine_stats(),
         }
+
+    def _quarantine_stats(self) -> dict[str, Any]:
+        """The quarantine's additions and the samples it skipped in consumed steps (if any)."""
+        if not self.quarantine.entries:
+            return {}
+        samples = self.figures.as_dict()["quarantined"]
+        return {"quarantine": {"entries": self.quarantine.record(), "samples": samples}}
 
     def monitor(self) -> dict[str, Any]:
         """Everything monitoring shows: the planner's figures, its pool's and its loaders'.
@@ -508,6 +571,7 @@ class Planner:
                 "reads_in_flight": sum(int(s.get("reads_in_flight", 0)) for s in mine),
                 "skipped": sum(int(s.get("skipped", 0)) for s in mine),
                 "retries": sum(int(s.get("read_retries", 0)) for s in mine),
+                "quarantined": out["quarantined"][n],
             }
         events = list(self.pool.events)
         out["sources"] = sources

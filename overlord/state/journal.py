@@ -8,6 +8,10 @@ the step's plan is handed out; and a record each time the step that every
 rank consumed advances, written before the loaders release its items. The
 trainers' reports add records of their own (``fit``, ``mix``, ``rep``:
 :mod:`overlord.roles.feedback`); a reader skips the kinds it does not know.
+An addition to a live job's quarantine (:mod:`overlord.roles.quarantine`)
+is a record of its own (``"t": "quar"``); a resume holds every addition the
+journal recorded, whichever segment it starts from (each applies from its
+own step).
 
 Each snapshot starts a new segment file ``seg-<step>.log``. A record is one
 line: its digest, a space, its JSON text. The first line of a segment is a
@@ -146,6 +150,7 @@ class Recovered:
     segment: Path | None = None  # the segment read
     end: int = 0  # where its valid records end (bytes)
     chain: str | None = None  # the digest of its last valid record (None: format 1)
+    quarantine: list[dict[str, Any]] = field(default_factory=list)  # additions recorded
 
 
 def read_segment(path: Path, strict: bool = True) -> tuple[list[dict[str, Any]], int, str | None]:
@@ -251,6 +256,8 @@ def recover(directory: str | Path, only: list[Path] | None = None) -> list[Recov
                 r.consumed = max(r.consumed, int(rec["s"]))
             elif rec["t"] == "ldr":
                 r.loaders = rec["loaders"]
+            elif rec["t"] == "quar":
+                r.quarantine.append(rec["e"])
         if problem:
             r.problems.append(problem + "; the records before it are used")
         out.append(r)
@@ -302,7 +309,12 @@ def resume(directory: str | Path, weights: statefmt.Weights) -> Resume | None:
             + (f". Problems: {'; '.join(problems)}" if problems else "")
         )
     replan = {s: d for s, d in deltas.items() if s >= want}
-    return Resume(states[want], want, segments[-1].loaders, replan, problems, segments[-1])
+    state = states[want]
+    added = [e for r in segments for e in r.quarantine]
+    if added:  # a state holds every addition: each applies from its own step
+        held = list(state.get("quarantine", []))
+        state = {**state, "quarantine": held + [e for e in added if e not in held]}
+    return Resume(state, want, segments[-1].loaders, replan, problems, segments[-1])
 
 
 class Journal:
@@ -455,6 +467,10 @@ class Journal:
     def loaders(self, loaders: dict[str, Any]) -> None:
         """The replica sets, partitions or autoscaler state changed (failover, scaling)."""
         self._write({"t": "ldr", "loaders": loaders})
+
+    def quarantined(self, entry: dict[str, Any]) -> None:
+        """An addition to the quarantine (``{"ids", "files", "from_step"}``), made live."""
+        self._write({"t": "quar", "e": entry})
 
     def stats(self) -> dict[str, Any]:
         """Bytes and records written, per kind, and the time spent writing."""

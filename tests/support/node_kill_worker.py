@@ -8,6 +8,7 @@ cluster scheduler would: it iterates its rank's batches through
 ``{"error": ..., "at": time.time()}`` to ``OUT.RANK`` and exits 1. With
 ``OVERLORD_TEST_RAISE`` set it raises an uncaught ``RuntimeError`` at step 3
 instead (a trainer's bug), after writing the time to ``OUT.RANK.raised``.
+``OVERLORD_TEST_RUNTIME=process``: the node's roles run in a data process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def main() -> None:
     rank = dist.get_rank()
     progress = Path(f"{out}.{rank}.step")
     try:
-        with Loader(plan_path) as loader:
+        runtime = os.environ.get("OVERLORD_TEST_RUNTIME", "inline")
+        with Loader(plan_path, runtime=runtime) as loader:
             for batch in loader.client(rank):
                 progress.write_text(str(batch.step))
                 if batch.step == 3 and os.environ.get("OVERLORD_TEST_RAISE"):

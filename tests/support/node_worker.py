@@ -9,8 +9,9 @@ and writes a digest of each batch's ``input_ids``; with
 ``OVERLORD_TEST_LOADER=1`` it reads through ``overlord.Loader``; with
 ``OVERLORD_TEST_MESH=1`` through ``overlord.Loader(plan).rank_client(RANK)``,
 writing :func:`digest` of each batch; with ``OVERLORD_TEST_REPORT=1`` every rank
-reports each step (rank 0 writes what its planner received). Ray is blocked: node
-mode must not need it.
+reports each step (rank 0 writes what its planner received).
+``OVERLORD_TEST_RUNTIME=process`` runs the node's roles in a data process
+instead (every path above). Ray is blocked: node mode must not need it.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def digest(batch) -> list:  # type: ignore[no-untyped-def]
     return [batch.step, batch.rank, batch.cp_layout, batch.cp_rank, batch.cp_size, samples, arrays]
 
 
-def mesh(plan_path: str, steps: int, rank: int) -> dict:
+def mesh(plan_path: str, steps: int, rank: int, runtime: str) -> dict:
     """This process's mesh rank's batches through ``overlord.Loader`` (in node mode here)."""
     from overlord import Loader
 
     result: dict = {"lines": [], "error": None}
-    with Loader(plan_path) as loader:
+    with Loader(plan_path, runtime=runtime) as loader:
         result["kind"] = "node" if loader.node else "embedded"
         try:
             loader.client(rank)
@@ -64,12 +65,13 @@ def main() -> None:
     from overlord.streams import open_stream
 
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    runtime = os.environ.get("OVERLORD_TEST_RUNTIME", "inline")
     state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result: dict = {"lines": [], "error": None}
     if os.environ.get("OVERLORD_TEST_MESH"):
-        result = mesh(plan_path, steps, rank)
+        result = mesh(plan_path, steps, rank, runtime)
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
         dist.barrier()
@@ -80,7 +82,9 @@ def main() -> None:
 
         from overlord.torch import OverlordIterableDataset
 
-        ds = OverlordIterableDataset.from_plan(plan_path, state=state, stop_step=steps)
+        ds = OverlordIterableDataset.from_plan(
+            plan_path, state=state, stop_step=steps, runtime=runtime
+        )
         for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
             ids = batch["input_ids"].numpy().tobytes()
             result["lines"].append(hashlib.sha256(ids).hexdigest())
@@ -93,11 +97,13 @@ def main() -> None:
         return
     loader = None
     if os.environ.get("OVERLORD_TEST_LOADER"):  # overlord.Loader, as a user would write it
-        loader = Loader(plan_path, state=state)
+        loader = Loader(plan_path, state=state, runtime=runtime)
         result["kind"] = "node" if loader.node else "embedded"
         client = loader.client(rank, stop_step=steps)
     else:  # the stream opener: a NodeClient here
-        client = open_stream(plan_path, state=state, stop_step=steps, loader=Loader)
+        client = open_stream(
+            plan_path, state=state, stop_step=steps, loader=Loader, runtime=runtime
+        )
         result["kind"] = type(client).__name__
     try:
         result["start"] = client.state_dict()
@@ -116,7 +122,7 @@ def main() -> None:
 
             result["arrow_pool"] = pa.default_memory_pool().backend_name
             result["loader_state"] = loader.state_dict()
-            if rank == 0:
+            if rank == 0 and runtime == "inline":
                 result["records"] = sum(s["records"] for s in loader.stats()["loaders"])
     except LoaderError as e:
         result["error"] = str(e)
