@@ -104,7 +104,11 @@ def run_cell(root: Path, sources: int, dp: int, tokens: int, warmup: int, steps:
 
         for _ in range(warmup):
             step()
+        warm: list[dict[Any, Any]] = []  # each profile as it stood after the warm-up
         if profile:
+            for prof in profiles:
+                prof.snapshot_stats()
+                warm.append(dict(prof.stats))
             start()
         c0, w0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
@@ -117,12 +121,29 @@ def run_cell(root: Path, sources: int, dp: int, tokens: int, warmup: int, steps:
 
         threading.setprofile(None)  # type: ignore[arg-type]
         profiles[-1].disable()
+        for prof, before in itertools.zip_longest(profiles, warm, fillvalue={}):
+            prof.snapshot_stats()
+            prof.stats = _timed_part(prof.stats, before)
         stats = pstats.Stats(profiles[0])
         for prof in profiles[1:]:
             stats.add(prof)
         stats.dump_stats(profile)
     return {"cpu_per_step": cpu / steps, "wall_per_step": wall / steps,
             "tokens_per_step": seen / steps}  # fmt: skip
+
+
+def _timed_part(stats: dict[Any, Any], before: dict[Any, Any]) -> dict[Any, Any]:
+    """A thread's profile less what it held after the warm-up: the timed steps' part.
+
+    Callers' figures are dropped (a caller's share is not subtracted), so a
+    profile written here answers by function, not by call graph.
+    """
+    out = {}
+    for func, (cc, nc, tt, ct, _) in stats.items():
+        bcc, bnc, btt, bct, _ = before.get(func, (0, 0, 0.0, 0.0, {}))
+        if nc > bnc:
+            out[func] = (cc - bcc, nc - bnc, tt - btt, ct - bct, {})
+    return out
 
 
 def fit(cells: list[dict[str, Any]]) -> dict[str, float]:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from support.reference import rows_balanced_reference
 from support.windows import windows
 
+from overlord.plan import balance
 from overlord.plan.balance import (
     _improve,
     _rows_balanced,
@@ -102,6 +103,54 @@ def test_kk_partition_small_cases():
     labels = kk_partition(np.array([5.0]), 3)
     assert labels.tolist() == [0]
     assert kk_partition(np.zeros(0), 4).tolist() == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    n=st.integers(0, 300),
+    k=st.integers(1, 40),
+    kind=st.sampled_from(["long tail", "few values", "zeros"]),
+)
+def test_kk_partition_lists_are_the_arrays_groups(seed, n, k, kind):
+    """Small ``k`` runs Karmarkar-Karp over Python lists: the same groups as numpy's merges."""
+    rng = np.random.default_rng(seed)
+    cost = {
+        "long tail": rng.lognormal(0, 2, n),
+        "few values": rng.integers(0, 4, n).astype(np.float64),  # ties everywhere
+        "zeros": np.zeros(n),
+    }[kind]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balance, "KK_PYTHON_K", 0)  # every k by arrays
+        want = kk_partition(cost, k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balance, "KK_PYTHON_K", 10**6)  # every k by lists
+        got = kk_partition(cost, k)
+    assert got.tolist() == want.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    dp=st.integers(1, 8),
+    rpr=st.integers(1, 20),
+    cap=st.integers(2, 200),
+    n=st.integers(0, 200),
+)
+def test_pack_rows_lists_are_the_arrays_rows(seed, dp, rpr, cap, n):
+    """A few rows per rank are packed over Python lists: the same rows and overflow."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, cap + 1, n)
+    rank_of = rng.integers(0, dp, n)
+    order = np.lexsort((np.arange(n), -tokens))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balance, "FEW_ROWS", 0)
+        want = balance._pack_rows(order, tokens, rank_of, dp, rpr, cap)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balance, "FEW_ROWS", 10**6)
+        got = balance._pack_rows(order, tokens, rank_of, dp, rpr, cap)
+    assert got[0].tolist() == want[0].tolist() and got[1] == want[1]
+    assert (got[0] >= 0).sum() + len(got[1]) == n
 
 
 @settings(max_examples=80, deadline=None)

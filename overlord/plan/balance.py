@@ -48,7 +48,12 @@ def rank_costs(cost: np.ndarray, row: np.ndarray, dp: int, rows_per_rank: int) -
 def _pack_rows(
     order: np.ndarray, tokens: np.ndarray, rank_of: np.ndarray, dp: int, rpr: int, cap: int
 ) -> tuple[np.ndarray, list[int]]:
-    """First-fit decreasing of each rank's items into its rows; returns rows and overflow."""
+    """First-fit decreasing of each rank's items into its rows; returns rows and overflow.
+
+    Best fit: the row with the least room that takes the item (the first such).
+    """
+    if rpr <= FEW_ROWS:  # a few rows per rank: plain Python over them, the same choices
+        return _pack_rows_lists(order, tokens, rank_of, rpr, [[cap] * rpr for _ in range(dp)])
     free = np.full((dp, rpr), cap, dtype=np.int64)
     row = np.full(len(tokens), -1, dtype=np.int64)
     overflow = []
@@ -62,6 +67,33 @@ def _pack_rows(
         free[r, j] -= tokens[i]
         row[i] = r * rpr + j
     return row, overflow
+
+
+# up to this many rows per rank, a rank's rows are looked at in Python (numpy's calls on
+# a few numbers cost more than the loop)
+FEW_ROWS = 16
+
+
+def _pack_rows_lists(
+    order: np.ndarray, tokens: np.ndarray, rank_of: np.ndarray, rpr: int, free: list[list[int]]
+) -> tuple[np.ndarray, list[int]]:
+    """:func:`_pack_rows` over lists: ``free`` is each rank's rows' room (updated)."""
+    toks, ranks = tokens.tolist(), rank_of.tolist()
+    row = [-1] * len(toks)
+    overflow = []
+    for i in order.tolist():
+        r, t = ranks[i], toks[i]
+        room = free[r]
+        best = -1
+        for j in range(rpr):  # best fit: the least room that takes it, the first such
+            if room[j] >= t and (best < 0 or room[j] < room[best]):
+                best = j
+        if best < 0:
+            overflow.append(i)
+            continue
+        room[best] -= t
+        row[i] = r * rpr + best
+    return np.array(row, dtype=np.int64), overflow
 
 
 def _place_least_loaded(
@@ -139,6 +171,8 @@ def kk_partition(cost: np.ndarray, k: int) -> np.ndarray:
     n = len(cost)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if k <= KK_PYTHON_K:
+        return _kk_lists(np.asarray(cost, dtype=np.float64).tolist(), k)
     empty = -1
     # a tuple: (sums sorted descending, node id of each sum); leaves are items 0..n-1
     tuples: list[tuple[np.ndarray, np.ndarray]] = []
@@ -182,6 +216,55 @@ def kk_partition(cost: np.ndarray, k: int) -> np.ndarray:
         label[left[m][keep]] = label[ids[keep]]
         label[right[m][keep]] = label[ids[keep]]
     return label[:n]
+
+
+# up to this many groups, a merge's few sums cost less as Python floats than as numpy
+# calls (about ten per merge); the same additions and the same stable order either way
+KK_PYTHON_K = 32
+
+
+def _kk_lists(cost: list[float], k: int) -> np.ndarray:
+    """:func:`kk_partition` over Python lists: the same merges, ties and groups, for small ``k``.
+
+    >>> _kk_lists([8.0, 7, 6, 5, 4], 2).tolist()
+    [1, 0, 1, 0, 0]
+    """
+    n, empty = len(cost), -1
+    sums_of: list[list[float]] = [[c] + [0.0] * (k - 1) for c in cost]
+    nodes_of: list[list[int]] = [[i] + [empty] * (k - 1) for i in range(n)]
+    heap = [(-c, i) for i, c in enumerate(cost)]
+    heapq.heapify(heap)
+    merged: list[tuple[list[int], list[int]]] = []  # each merge's node pairs (left, right)
+    next_node = n
+    while len(heap) > 1:
+        _, a = heapq.heappop(heap)
+        _, b = heapq.heappop(heap)
+        na, nb = nodes_of[a], nodes_of[b][::-1]
+        sums = [x + y for x, y in zip(sums_of[a], sums_of[b][::-1])]
+        order = sorted(range(k), key=lambda j: -sums[j])  # stable, as numpy's argsort
+        nodes, left, right = [], [], []
+        for t, j in enumerate(order):
+            x, y = na[j], nb[j]
+            both = x != empty and y != empty
+            # a merged node with one empty side is just the other side: no new node needed
+            nodes.append(next_node + t if both else y if x == empty else x)
+            left.append(x if both else empty)
+            right.append(y if both else empty)
+        merged.append((left, right))
+        next_node += k
+        sums_of[a], nodes_of[a] = [sums[j] for j in order], nodes
+        sums_of[b], nodes_of[b] = [], []  # free memory
+        heapq.heappush(heap, (-(max(sums) - min(sums)), a))
+    label = [empty] * next_node
+    for g, node in enumerate(nodes_of[heap[0][1]]):
+        if node != empty:
+            label[node] = g
+    for m in range(len(merged) - 1, -1, -1):
+        base = n + m * k
+        for t, (x, y) in enumerate(zip(*merged[m])):
+            if x != empty:
+                label[x] = label[y] = label[base + t]
+    return np.array(label[:n], dtype=np.int64)
 
 
 # Karmarkar-Karp runs on this many of a step's costliest items per rank (at least

@@ -20,6 +20,9 @@ import numpy as np
 _DIGIT = 16  # bits of one radix pass
 _LANES = 8  # numpy's pairwise sum adds in eight lanes ...
 _BLOCK = 128  # ... over blocks of at most this many items; longer ones are split in halves
+# up to this many slices, a slice's own sum (a numpy call each) costs less than the lanes'
+# dozens of calls over every slice at once (a step of a few ranks: dp 1 has one)
+_FEW = 16
 
 
 def stable_order(keys: np.ndarray) -> np.ndarray:
@@ -53,6 +56,9 @@ def rank_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """
     lo = np.asarray(bounds[:-1], dtype=np.int64)
     n = np.asarray(bounds[1:], dtype=np.int64) - lo
+    if len(lo) <= _FEW:
+        sums = [x[a : a + m].sum() for a, m in zip(lo.tolist(), n.tolist())]
+        return np.array(sums, dtype=np.float64)
     out = np.zeros(len(lo))
     short = np.flatnonzero(n < _LANES)  # one after the other, from 0.0
     for j in range(_LANES - 1):

@@ -196,11 +196,14 @@ class SourceCursor:
         """
         cols = self._joined()
         idx = np.asarray(indices, dtype=np.int64)
-        out = {c: cols[c][idx] for c in _TAKEN}
-        out["key"] = np.stack([cols[c][idx] for c in _KEY], axis=1)
         n = len(self.tokens)
-        if len(idx) <= n and idx.tolist() == list(range(len(idx))):
-            first_left, ahead = len(idx), idx[:0]  # the first pending items: most takes
+        # the first pending items (most takes) are read by slices: views, not copies
+        prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
+        pick = slice(0, len(idx)) if prefix else idx
+        out = {c: cols[c][pick] for c in _TAKEN}
+        out["key"] = np.stack([cols[c][pick] for c in _KEY], axis=1)
+        if prefix:
+            first_left, ahead = len(idx), idx[:0]
         else:
             keep = np.ones(n, dtype=bool)
             keep[idx] = False
@@ -216,7 +219,7 @@ class SourceCursor:
             self.tokens = self._pending["tokens"].tolist()
         else:  # every item before the first left was taken, none after it: a slice
             self._pending = {c: v[first_left:] for c, v in cols.items()}
-            self.tokens = self.tokens[first_left:]
+            del self.tokens[:first_left]  # in place: no copy of what stays pending
         self._behind()
         return out
 
@@ -241,15 +244,36 @@ class SourceCursor:
 
     def state(self) -> dict[str, Any]:
         """Where to restart this source: the first pending item and the runs placed after it."""
+        return cursor_state(self.mark())
+
+    def mark(self) -> CursorMark:
+        """What :meth:`state` is built from, as it stands now (a few values, cheap to keep).
+
+        The planner keeps one per source after every step; a state is built from
+        it (:func:`cursor_state`) only when one is asked for.
+        """
         first = self._first()
-        if first is not None:
-            e, p, i = first
-        else:
+        if first is None:
             (e, p), i = self._expect, self._start_index
-        runs: list[list[int]] = []
-        for ke, kp, ki in self._placed_ahead:
-            if runs and runs[-1][:2] == [ke, kp] and runs[-1][2] + runs[-1][3] == ki:
-                runs[-1][3] += 1
-            else:
-                runs.append([ke, kp, ki, 1])
-        return {"epoch": e, "shard_pos": p, "index": i, "skip": runs}
+            first = (e, p, i)
+        return first, tuple(self._placed_ahead)
+
+
+# a cursor's place: its first pending key (or the next it expects) and the keys placed after it
+CursorMark = tuple[Key, tuple[Key, ...]]
+
+
+def cursor_state(mark: CursorMark) -> dict[str, Any]:
+    """The cursor state of a :meth:`SourceCursor.mark`: its first key and the runs placed after.
+
+    >>> cursor_state(((0, 2, 5), ((0, 2, 7), (0, 2, 8), (0, 3, 0))))
+    {'epoch': 0, 'shard_pos': 2, 'index': 5, 'skip': [[0, 2, 7, 2], [0, 3, 0, 1]]}
+    """
+    (e, p, i), placed = mark
+    runs: list[list[int]] = []
+    for ke, kp, ki in placed:
+        if runs and runs[-1][:2] == [ke, kp] and runs[-1][2] + runs[-1][3] == ki:
+            runs[-1][3] += 1
+        else:
+            runs.append([ke, kp, ki, 1])
+    return {"epoch": e, "shard_pos": p, "index": i, "skip": runs}

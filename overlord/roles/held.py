@@ -73,6 +73,9 @@ def by_shard(keys: np.ndarray) -> list[tuple[Position, np.ndarray]]:
         for r, (e, p) in enumerate(keys[:, :2].tolist()):
             groups.setdefault((e, p), []).append(r)
         return [(at, np.array(rows, dtype=np.int64)) for at, rows in sorted(groups.items())]
+    first = keys[0, :2]
+    if (keys[:, :2] == first).all():  # most often: a step's items of a loader in one shard
+        return [((int(first[0]), int(first[1])), np.arange(len(keys)))]
     order = np.lexsort((keys[:, 1], keys[:, 0]))
     shard = keys[order, :2]
     cuts = np.flatnonzero((shard[1:] != shard[:-1]).any(axis=1)) + 1

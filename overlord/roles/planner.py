@@ -266,10 +266,13 @@ class Planner:
         self.figures.planned(step, time.perf_counter() - t0, planned.rank_cost)
         self.history.append({"step": step, **planned.stats})
         self.next_step += 1
-        after = self._snapshot()
+        # the state after it: built now for a journal, else only if a checkpoint asks for it
+        after = self.ledger.mark(
+            self.next_step, self.cursors, self.mix, self.loop.section(), self.quarantine.record()
+        )
         self.ledger.keep(self.next_step, after)
         journaled = self.journal is not None and self.journal.planned(
-            step, self.ledger.at(step), after
+            step, self.ledger.at(step), self.ledger.at(self.next_step)
         )  # a re-planned step is checked against the journal instead
         done = self.consumption.done
         if journaled and self.next_step % p.recovery.snapshot_every == 0:

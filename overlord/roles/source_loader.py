@@ -68,7 +68,15 @@ from overlord.plan.partition import owner
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
-from overlord.roles.held import HeldItems, Key, Position, metadata_block, payload
+from overlord.roles.held import (
+    FEW,
+    HeldItems,
+    Key,
+    Position,
+    by_shard,
+    metadata_block,
+    payload,
+)
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
 from overlord.runtime import in_daemon_thread
@@ -334,15 +342,21 @@ class SourceLoader:
 
     def release(self, keys: np.ndarray) -> None:
         """Free items whose step every rank consumed. Idempotent; early for a lagging shadow."""
-        by_shard: dict[Position, list[int]] = {}
-        for e, p, i in np.asarray(keys, dtype=np.int64).reshape(-1, 3).tolist():
-            by_shard.setdefault((e, p), []).append(i)
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+        shards: list[tuple[Position, list[int] | np.ndarray]]
+        if len(keys) <= FEW:  # a few items (a step of many sources): plain Python over them
+            few: dict[Position, list[int]] = {}
+            for e, p, i in keys.tolist():
+                few.setdefault((e, p), []).append(i)
+            shards = list(few.items())
+        else:  # a step's items of a loader lie in a shard or two: grouped by arrays
+            shards = [(at, keys[rows, 2]) for at, rows in by_shard(keys)]
         with self._lock:
-            for at, index in by_shard.items():
+            for at, index in shards:
                 self._release_in(at, index)
             self._lock.notify_all()
 
-    def _release_in(self, at: Position, index: list[int]) -> None:
+    def _release_in(self, at: Position, index: list[int] | np.ndarray) -> None:
         """Release items ``index`` of shard ``at`` (lock held)."""
         last = self.progress.last
         if at > last[:2]:
