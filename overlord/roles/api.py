@@ -242,8 +242,8 @@ class ConstructorRole(Protocol):
         """The same, as ``[ref]``: one object of the store it was given (the wiring's choice)."""
         ...
 
-    def stats(self) -> dict[str, int]:
-        """Batches packed, of how many distinct ``(step, rank)``, and their bytes."""
+    def stats(self) -> dict[str, Any]:
+        """Batches packed, of how many distinct ``(step, rank)``, their bytes, calls sent."""
         ...
 
     def pid(self) -> int:

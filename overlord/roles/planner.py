@@ -50,7 +50,7 @@ from overlord.roles.feedback import Feedback
 from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.rewind import Stamps
-from overlord.runtime.base import Handle, RoleOptions, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime, calls_made
 from overlord.sources.catalog import SourceFiles
 from overlord.state.changes import dropped_sources
 from overlord.state.journal import Journal
@@ -479,6 +479,8 @@ class Planner:
             "loaders": self.pool.stats(),
             "autoscaler": self.pool.scaling_state(),
             "feedback": self.loop.stats(),
+            # the calls the planner's process sent to other processes (Ray), by method
+            "calls": {"pid": os.getpid(), "by_method": calls_made()},
         }
 
     def monitor(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from overlord.runtime.base import (
     Handle,
     Ref,
     RoleOptions,
+    count_call,
     found_or_spawned,
 )
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, drop, hosted, leaned
@@ -68,6 +69,10 @@ class RayHandle:
         sent; the error is the Ref's, as the role's own would be.
         """
         what = f"{self.name}.{method.__name__}"
+        # a call to a host names the member's method: count that one
+        hosted = method.__name__ in ("call", "call_each") and len(args) > 1
+        count_call(f"{method.__name__}:{args[1 if method.__name__ == 'call' else 0]}" if hosted
+                   else method.__name__)  # fmt: skip
         try:
             return RayRef(getattr(self.actor, method.__name__).remote(*args, **kwargs), what)
         except TypeError as e:
