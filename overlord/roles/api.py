@@ -28,7 +28,7 @@ class LoaderRole(Protocol):
     """A SourceLoader: reads one source's shards ahead and holds their tokens."""
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
-        """Blocks of item metadata read since the last call."""
+        """Blocks of item metadata read since the last call (``timeout`` 0: no wait, no error)."""
         ...
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
