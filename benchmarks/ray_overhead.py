@@ -75,20 +75,7 @@ client.flush()
 made = {os.getpid(): calls_made()}
 built = client._constructor.call(ConstructorRole.stats).result()
 made[built["pid"]] = built["calls"]
-# this process's CPU by thread name (Ray's own threads are named by what they do)
-threads = {}
-for task in os.listdir("/proc/self/task"):
-    try:
-        with open(f"/proc/self/task/{task}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        continue
-    name = raw[raw.index(b"(") + 1 : raw.rindex(b")")].decode()
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    threads[name] = round(threads.get(name, 0.0) + cpu, 2)
-print(json.dumps({"waits": waits[warm:], "tokens": tokens, "seconds": seconds, "calls": made,
-                  "threads": threads}))
+print(json.dumps({"waits": waits[warm:], "tokens": tokens, "seconds": seconds, "calls": made}))
 """
 
 
@@ -199,7 +186,6 @@ def on_ray(plan_path: Path, steps: int, warm: int, pace: float = 0.0) -> dict:
         "cpu": cpu,
         "tokens": tokens,
         "calls_per_step": sum(by_method.values()) / steps,
-        "threads": outs[0]["threads"],
         "by_method": by_method,
         "by_title": {k: v - titles0.get(k, 0.0) for k, v in titles.items()},
     }
@@ -300,7 +286,6 @@ def main() -> int:
                         if args.calls and name != "embedded":
                             cpu = {k: round(v, 2) for k, v in r["by_title"].items() if v >= 0.01}
                             print(f"  calls {r['by_method']}\n  CPU s {cpu}", flush=True)
-                            print(f"  trainer threads, CPU s {r['threads']}", flush=True)
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
         if args.no_waits:
             return 0
