@@ -5,8 +5,13 @@ Ray: the job's roles are Ray actors, and 2 to 4 trainer processes connect to it
 (``overlord.connect``), each consuming its own rank, as under ``torchrun``.
 
 Reported per setting: tokens/s delivered to the trainers (all ranks together),
-and the wait per batch a trainer sees (p50, p99), after a warm-up. Target: Ray
-at least 0.7 of the embedded tokens/s on a 2-core machine, p99 wait under 10 ms.
+tokens per CPU-second (the CPU of every process of the run, Ray's own included,
+read from /proc over the same timed steps), Ray's calls per step (each process
+counts the calls it sends: ``overlord.runtime.base.calls_made``; ``--calls``
+lists them by method, with the CPU by process), and the wait per batch a
+trainer sees (p50, p99), after a warm-up. Target: Ray at least 0.7 of the
+embedded tokens per CPU-second, p99 wait under 10 ms. On Ray each loader has a
+hot standby unless ``--shadows 0``; the embedded runtime runs none.
 
 Settings: the bytes tokenizer (almost free: the embedded runtime then delivers
 tens of millions of tokens/s and every Ray call shows) and a byte-level BPE
