@@ -69,14 +69,24 @@ class RayHandle:
         sent; the error is the Ref's, as the role's own would be.
         """
         what = f"{self.name}.{method.__name__}"
-        # a call to a host names the member's method: count that one
-        hosted = method.__name__ in ("call", "call_each") and len(args) > 1
-        count_call(f"{method.__name__}:{args[1 if method.__name__ == 'call' else 0]}" if hosted
-                   else method.__name__)  # fmt: skip
+        count_call(_counted_as(method.__name__, args))
         try:
             return RayRef(getattr(self.actor, method.__name__).remote(*args, **kwargs), what)
         except TypeError as e:
             return Done(error=LoaderError(f"{what} failed: TypeError: {e}"))
+
+
+def _counted_as(method: str, args: tuple[Any, ...]) -> str:
+    """A call's name in the counts: a call to a host (hosting.HostRole) names its member's method.
+
+    ``HostRole.call(member, method, ...)`` counts as ``call:method``,
+    ``HostRole.call_each(method, ...)`` as ``call_each:method``.
+    """
+    if method == "call" and len(args) > 1:
+        return f"call:{args[1]}"
+    if method == "call_each" and len(args) > 1:
+        return f"call_each:{args[0]}"
+    return method
 
 
 class RayObjects:
