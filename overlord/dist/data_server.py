@@ -131,6 +131,7 @@ class DataServer:
         self.pool = SlotPool("batches")
         self._cv = threading.Condition()
         self._pool_lock = threading.Lock()
+        self._finishing = threading.Lock()  # held while an ending is sent to every rank
         self.ending: bytes | None = None  # the end or error every rank receives
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -309,19 +310,25 @@ class DataServer:
         self.finish(encode(what if error is None else what | {"error": describe(error)}))
 
     def finish(self, ending: bytes) -> None:
-        """Send ``ending`` to every rank (and to any that connects later); build no more."""
-        with self._cv:
-            if self.ending is not None:
-                return
-            self.ending = ending
-            self._cv.notify_all()
-        for rank in self.ranks:
-            with rank.lock:
-                if rank.conn is not None and not rank.bye:
-                    try:
-                        rank.conn.send_bytes(ending)
-                    except OSError:
-                        pass
+        """Send ``ending`` to every rank (and to any that connects later); build no more.
+
+        A second caller (a rank's reader and the parent's watch can both see the
+        end) returns once the first has told every rank: what follows, closing the
+        connections and unlinking the slots, must not overtake the ending.
+        """
+        with self._finishing:
+            with self._cv:
+                if self.ending is not None:
+                    return
+                self.ending = ending
+                self._cv.notify_all()
+            for rank in self.ranks:
+                with rank.lock:
+                    if rank.conn is not None and not rank.bye:
+                        try:
+                            rank.conn.send_bytes(ending)
+                        except OSError:
+                            pass
 
     def wait_for_byes(self, timeout_s: float) -> None:
         """Wait until every connected rank closed its stream (or died), at most ``timeout_s``."""
@@ -335,7 +342,8 @@ class DataServer:
 
     def close(self) -> None:
         """Stop every thread's work, close every connection and unlink the slots."""
-        self.stopping.set()
+        with self._finishing:  # an ending on its way to the ranks goes first
+            self.stopping.set()
         with self._cv:
             self._cv.notify_all()
         try:
