@@ -85,7 +85,9 @@ def write_plan(root: Path, beta: float, refit: dict[str, int] | None, dp: int, s
     return path
 
 
-def run(path: Path, steps: int, noise: float, seed: int) -> dict[str, Any]:
+def run(
+    path: Path, steps: int, noise: float, seed: int, true_beta: float = B
+) -> dict[str, Any]:
     """Every step's most loaded rank: predicted and measured seconds; the refits."""
     rng = np.random.default_rng(seed)
     plan = load_plan(path)
@@ -99,7 +101,7 @@ def run(path: Path, steps: int, noise: float, seed: int) -> dict[str, Any]:
             seconds = []
             for b in batches:
                 t = np.array([s.tokens for s in b.samples], dtype=np.float64)
-                true = A * t.sum() + B * (t * t).sum()
+                true = A * t.sum() + true_beta * (t * t).sum()
                 seconds.append(true * (1.0 + noise * rng.standard_normal()))
             top = int(np.argmax([b.cost for b in batches]))
             predicted = seen[batches[top].rank].get("predicted_seconds", float("nan"))
@@ -122,23 +124,30 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--noise", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attention-at", type=float, default=A / B, metavar="L",
+        help="the document length at which attention equals the linear term (A / B; "
+        "smaller: attention dominates more of the step)",
+    )  # fmt: skip
     args = p.parse_args()
+    b = A / args.attention_at
     refit = {"every": args.every, "window": args.window, "min_samples": 2 * args.dp}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         corpus(root, 6000, args.seed)
-        base = run(write_plan(root, B, None, args.dp, args.seq), args.steps, args.noise, 1)
+        base = run(write_plan(root, b, None, args.dp, args.seq), args.steps, args.noise, 1, b)
         print(
             f"DP {args.dp}, {args.seq}-token rows, 2 rows per rank; true beta/alpha "
-            f"1/{A / B:.0f}; refit every {args.every} steps on {args.window}; "
+            f"1/{A / b:.0f}; refit every {args.every} steps on {args.window}; "
             f"noise {args.noise:.0%}"
         )
-        for case, beta in (("half", B / 2), ("double", 2 * B)):
-            got = run(write_plan(root, beta, refit, args.dp, args.seq), args.steps, args.noise, 1)
+        for case, beta in (("half", b / 2), ("double", 2 * b)):
+            plan = write_plan(root, beta, refit, args.dp, args.seq)
+            got = run(plan, args.steps, args.noise, 1, b)
             ratio = np.array(got["max"]) / np.array(base["max"])
             refits = np.array(got["refits"])
             third = int(np.argmax(refits >= 3)) if (refits >= 3).any() else len(refits)
-            print(f"\nplan beta = {case} the truth; refit beta/true: {got['beta'][0] / B:.4f}")
+            print(f"\nplan beta = {case} the truth; refit beta/true: {got['beta'][0] / b:.4f}")
             print("| step | refits | err | max/true |")
             print("|---:|---:|---:|---:|")
             for s in range(args.steps):
