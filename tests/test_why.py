@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import make_corpus
@@ -152,3 +153,37 @@ def test_the_run_report_plots_predicted_against_measured_when_ranks_report(
     run_plan(plan, 6, progress=False, report=str(tmp_path / "plain"))  # nobody reports
     assert "Predicted against" not in (tmp_path / "plain" / "report.md").read_text()
     assert not (tmp_path / "plain" / "measured.png").exists()
+
+
+def test_why_gives_the_images_and_the_encoders_share_of_an_image_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from overlord import validate_plan
+    from overlord.ops.vision_data import image_text_tar, random_images
+
+    image_text_tar(tmp_path / "a.tar", random_images(12, seed=8, sizes=(20, 300)))
+    plan = validate_plan(
+        {
+            "seed": 5,
+            "sources": [{"name": "w", "path": "a.tar", "format": "webdataset",
+                         "text_field": "txt"}],  # fmt: skip
+            "batch": {"tokens_per_step": 2048, "max_seq_len": 1024},
+            "world": {"dp": 2},
+            "vision": {},
+            "balance": {"cost": {"alpha": 1.0, "beta": 0.001, "patch_alpha": 2.0,
+                                 "patch_beta": 0.01}},  # fmt: skip
+        },
+        base_dir=tmp_path,
+    )
+    folder = tmp_path / "ckpt"
+    with Loader(plan, journal_dir=folder / "journal") as loader:
+        clients = [loader.client(r) for r in range(2)]
+        batches = [[next(c) for c in clients] for _ in range(2)]
+    out = why("1", str(folder), "--json", str(tmp_path / "w.json"), capsys=capsys)
+    got = json.loads((tmp_path / "w.json").read_text())
+    slow = next(b for b in batches[1] if b.rank == got["slowest"])
+    grid = np.asarray(slow.image_grid)
+    assert got["images"] == len(grid) > 0
+    assert got["patches"] == int((grid[:, 0] * grid[:, 1]).sum())
+    assert got["encoder_share"] == pytest.approx(slow.cost_encoder / slow.cost)
+    assert f"its images: {got['images']} of {got['patches']} patches" in out

@@ -5,8 +5,9 @@ was balanced with) and, where the trainers reported (``client.report``), its
 measured seconds; the slowest rank (by measured time where every rank
 reported, else by predicted cost); and, for that rank, the sources and the
 samples that made it slow: each source's share of the rank's cost, and its
-costliest documents (the longest: attention costs about ``L**2``), with the
-images they carry where the plan has an encoder term.
+costliest documents (the longest: attention costs about ``L**2``); where the
+plan has image sources, the rank's images, their patches and the encoder's
+share of its cost.
 
 ``WHERE`` is a checkpoint folder of ``overlord run --checkpoint-dir`` (its kept
 journal: the step's samples and the reports recorded there), a run folder of
@@ -55,8 +56,7 @@ class Culprit:
     source: str
     id: str
     tokens: int
-    share: float  # of the rank's cost
-    images: int = 0
+    share: float  # of the rank's LLM cost
 
 
 @dataclass
@@ -69,6 +69,9 @@ class Why:
     by: str  # "measured" or "predicted": what picked the slowest rank
     sources: dict[str, float] = field(default_factory=dict)  # share of its cost per source
     culprits: list[Culprit] = field(default_factory=list)
+    images: int = 0  # the slowest rank's images (a plan with image sources)
+    patches: int = 0  # ... and their patches, which the encoder's cost grows with
+    encoder_share: float | None = None  # the encoder's part of the rank's predicted cost
 
     def as_dict(self) -> dict[str, Any]:
         """The answer as JSON-ready data (``--json``)."""
@@ -79,6 +82,9 @@ class Why:
             "ranks": [vars(r) for r in self.ranks],
             "sources": self.sources,
             "culprits": [vars(c) for c in self.culprits],
+            "images": self.images,
+            "patches": self.patches,
+            "encoder_share": self.encoder_share,
         }
 
 
@@ -138,9 +144,7 @@ def explain(
         )
         for i in order.tolist()
     ]
-    if batch.image_grid is not None and len(batch.image_grid):
-        _count_images(batch, culprits)
-    return Why(
+    why = Why(
         point.step,
         ranks,
         slowest,
@@ -148,16 +152,12 @@ def explain(
         dict(sorted(sources.items(), key=lambda kv: -kv[1])),
         culprits,
     )
-
-
-def _count_images(batch: Batch, culprits: list[Culprit]) -> None:
-    """The images each culprit carries, where the batch says which sample holds which."""
-    owners = getattr(batch, "image_samples", None)
-    if owners is None:  # the batch holds its images in sample order, without owners
-        return
-    for c in culprits:
-        idx = [i for i, s in enumerate(batch.samples) if s.id == c.id]
-        c.images = int(sum(1 for o in owners if o in idx))
+    if batch.image_grid is not None and len(batch.image_grid):  # the encoder's part
+        grid = np.asarray(batch.image_grid, dtype=np.int64)
+        why.images, why.patches = len(grid), int((grid[:, 0] * grid[:, 1]).sum())
+        if batch.cost_encoder is not None and batch.cost > 0:
+            why.encoder_share = float(batch.cost_encoder) / float(batch.cost)
+    return why
 
 
 def locate(where: str, step: int, plan: Plan | None, address: str | None,
@@ -217,10 +217,13 @@ def print_why(why: Why, out: TextIO) -> None:
               "(no step times reported for every rank)", file=out)  # fmt: skip
     shares = ", ".join(f"{s} {100 * v:.0f}%" for s, v in why.sources.items())
     print(f"its cost by source: {shares}", file=out)
-    print("its costliest documents:", file=out)
+    if why.images:
+        enc = "" if why.encoder_share is None else f", {100 * why.encoder_share:.0f}% of its cost"
+        print(f"its images: {why.images} of {why.patches} patches in all (the encoder{enc})",
+              file=out)  # fmt: skip
+    print("its costliest documents (share of its LLM cost):", file=out)
     for c in why.culprits:
-        img = f", {c.images} image(s)" if c.images else ""
-        print(f"  {100 * c.share:5.1f}%  {c.tokens:>7} tokens  {c.source}  {c.id}{img}", file=out)
+        print(f"  {100 * c.share:5.1f}%  {c.tokens:>7} tokens  {c.source}  {c.id}", file=out)
 
 
 def add_parser(sub: Any, connect_timeout: Any) -> None:
