@@ -106,12 +106,16 @@ def plan_step(
     cost: CostModel,
     groups: int = 1,
     run: Runner = run_here,
+    furthest: bool = False,
 ) -> StepColumns:
     """Plan one step: its items from ``windows`` at mixture ``weights``, balanced over the ranks.
 
     ``mix``: the mixture's account so far (advanced by the step); ``groups``:
     groups of ranks balanced apart (:func:`overlord.plan.hierarchy.group_count`),
     by ``run`` (where the groups are balanced: here, or on assigners).
+    ``furthest``: the statistics also give each source's furthest item
+    (``"last"``, what ``overlord simulate`` counts epochs by); a sort of the
+    step's items that a run does not need.
     """
     p = plan
     sel = select_items(
@@ -167,7 +171,6 @@ def plan_step(
         "mean_cost": float(per_rank.mean()),
         "baseline_max_cost": float(baseline.max()),
         "equal_docs_max_cost": equal_docs_max_cost(item_cost, dp),
-        "last": last_keys(src, taken["key"], len(windows)),
         "lower_bound": lower_bound(item_cost, dp),
         "fill": float(tokens.sum()) / p.batch.tokens_per_step,
         **(
@@ -176,6 +179,8 @@ def plan_step(
             else {}
         ),
     }
+    if furthest:
+        stats["last"] = last_keys(src, taken["key"], len(windows))
     return StepColumns(cols, per_rank, stats)
 
 

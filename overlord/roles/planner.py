@@ -92,6 +92,7 @@ class Planner:
         keep_journal: bool = False,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
+        self._dry = False  # planning in dry_run: its steps' statistics give the furthest items
         self.wait_for_ranks = wait_for_ranks
         # asked at every rank's call for its plan: read once (a plan never changes)
         self._dp, self._rows_per_rank = plan.world.dp, plan.rows_per_rank
@@ -255,7 +256,9 @@ class Planner:
         if self.quarantine.due(step):  # an addition comes into force at this step
             self._arm(step)
         run = self.assigners.run
-        planned = plan_step(p, self.cursors, weights, self.mix, cost, self.groups, run)
+        planned = plan_step(
+            p, self.cursors, weights, self.mix, cost, self.groups, run, self._dry
+        )
         self.plans[step] = planned.columns
         if self.quarantine.entries:  # the items it took out go back with the step's
             dropped = collect_dropped(self.cursors)
@@ -342,11 +345,15 @@ class Planner:
         consumed it, so that the loaders read on within their budget.
         """
         out = []
-        for _ in range(steps):
-            self._plan_next()
-            self._release(self.next_step - 1)  # the loaders read on
-            self.ledger.forget(self.next_step - 1)
-            out.append(self.history[-1])
+        self._dry = True  # its statistics say how far each source read (plan_step's furthest)
+        try:
+            for _ in range(steps):
+                self._plan_next()
+                self._release(self.next_step - 1)  # the loaders read on
+                self.ledger.forget(self.next_step - 1)
+                out.append(self.history[-1])
+        finally:
+            self._dry = False
         return out
 
     # ---- consumption (overlord.roles.consumption) ------------------------------------------
