@@ -3,17 +3,19 @@
 A run of ``--steps`` small steps (two JSONL sources of many small files, the
 bytes tokenizer, 128 tokens per step, dp 2) checkpoints into a folder, which
 keeps its planner's journal. Then step ``--step`` (default: 100 before the
-end) is rebuilt twice, each in a child process of its own so that the counts
-are that work's alone:
+end) is rebuilt three times, each in a child process of its own so that the
+counts are that work's alone:
 
 - *replay*: ``overlord.replay(folder, step)``: the journal's segment for the
   step, then a Loader started from the state before it;
-- *from the start* (the baseline): a Loader from step 0, every rank consumed up
-  to the step.
+- *from the newest checkpoint* (the baseline a user without replay runs): a
+  Loader resumed from the newest checkpoint at or before the step (every
+  1,000 steps), every rank consuming up to the step;
+- *from the start*: a Loader from step 0, every rank consumed up to the step.
 
 Each child reports its wall time, the bytes it read (``rchar`` of
 ``/proc/self/io``: every read call, the journal's and the checkpoint's
-included, after its imports), and the data files it opened. The two batches
+included, after its imports), and the data files it opened. The three batches
 must be equal (samples and arrays), or the benchmark fails.
 
     .venv/bin/python -m benchmarks.replay            # about a minute on 2 cores
@@ -93,6 +95,17 @@ opened.clear()
 r0, t0 = rchar(), time.perf_counter()
 if mode == "replay":
     batches = overlord.replay(folder, step)
+elif mode == "checkpoint":  # what a user without replay does: resume the newest one before
+    import overlord.checkpoint
+    from pathlib import Path
+    newest = max(
+        (p for p in Path(folder).glob("step-*.json") if int(p.stem[5:]) <= step),
+        key=lambda p: int(p.stem[5:]),
+    )
+    with overlord.Loader(plan, state=overlord.checkpoint.load(newest)) as loader:
+        clients = [loader.client(r, stop_step=step + 1) for r in range(plan.world.dp)]
+        for _ in range(loader.start_step, step + 1):
+            batches = [next(c) for c in clients]
 else:
     with overlord.Loader(plan) as loader:
         clients = [loader.client(r, stop_step=step + 1) for r in range(plan.world.dp)]
@@ -158,11 +171,13 @@ def main() -> int:
     print("| how | seconds | bytes read | data files opened | files the step's samples live in |")
     print("|---|---:|---:|---:|---:|")
     got = {}
-    for mode in ("replay", "from the start"):
-        r = child("replay" if mode == "replay" else "start", plan_path, folder, step, warm)
+    arms = {"replay": "replay", "from the newest checkpoint": "checkpoint",
+            "from the start": "start"}  # fmt: skip
+    for mode, arg in arms.items():
+        r = child(arg, plan_path, folder, step, warm)
         got[mode] = r
         print(f"| {mode} | {r['seconds']:.2f} | {r['bytes']:,} | {r['files']} | {r['lived']} |")
-    rep, base = got["replay"], got["from the start"]
+    rep, base, ck = got["replay"], got["from the start"], got["from the newest checkpoint"]
     segs = sorted((folder / "journal" / "run-0000").glob("seg-*.log"))
     at = [p for p in segs if int(p.name[4:-4]) <= step][-1]
     seg_bytes = at.stat().st_size + (segs[-1].stat().st_size if segs[-1] != at else 0)
@@ -171,7 +186,15 @@ def main() -> int:
         f"\nreplay: {base['seconds'] / rep['seconds']:.0f}x faster, "
         f"{base['bytes'] / max(rep['bytes'], 1):.0f}x fewer bytes read"
     )
-    same = rep["digest"] == base["digest"] and rep["step"] == base["step"] == step
+    print(
+        f"replay against resuming the newest checkpoint before the step: "
+        f"{ck['seconds'] / rep['seconds']:.1f}x faster, "
+        f"{ck['bytes'] / max(rep['bytes'], 1):.1f}x fewer bytes read"
+    )
+    same = (
+        rep["digest"] == base["digest"] == ck["digest"]
+        and rep["step"] == base["step"] == ck["step"] == step
+    )
     print("same batches (samples and arrays):", same)
     return 0 if same else 1
 
