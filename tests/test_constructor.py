@@ -86,3 +86,38 @@ def test_one_constructor_builds_its_ranks_together_as_each_would_alone(job_plan)
             y = b.arrays()[name]
             assert x.dtype == y.dtype and x.shape == y.shape, name
             assert (x == y).all(), (a.step, a.rank, name)
+
+
+def test_sample_records_are_made_when_read_and_read_as_a_list(job_plan, monkeypatch):
+    import pickle
+
+    from overlord.batch import Sample, Samples
+    from overlord.roles import constructor
+
+    made: list[tuple[int, int]] = []
+    original = constructor.Samples
+
+    def counting(make: Callable[..., Any], lengths: Any) -> Samples:
+        def counted(lo: int, hi: int) -> list[Sample]:
+            made.append((lo, hi))
+            return make(lo, hi)
+
+        return original(counted, lengths)
+
+    monkeypatch.setattr(constructor, "Samples", counting)
+    plan = load_plan(job_plan).with_dp(2)
+    with Loader(plan) as loader:
+        clients = [iter(loader.client(r)) for r in range(2)]
+        first = [next(c) for c in clients]
+        assert all(b.num_tokens > 0 for b in first)
+        assert made == []  # the token count needs no records
+        b = first[1]
+        n = len(b.samples)
+        records = list(b.samples)
+        assert made and len(records) == n and all(isinstance(s, Sample) for s in records)
+        assert b.samples == records and b.samples[1:] == records[1:]
+        assert b.num_tokens == sum(s.tokens for s in records)
+        copied = pickle.loads(pickle.dumps(b.samples))
+        assert type(copied) is list and copied == records
+        second = next(clients[0])  # a later batch's records are made from its own columns
+        assert [s.id for s in second.samples] != [s.id for s in first[0].samples]

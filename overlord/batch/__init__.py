@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -15,6 +16,78 @@ class Sample(NamedTuple):
     id: str  # file relative to the plan's folder, ':', 0-based row, '#k' for the k-th chunk
     tokens: int
     row: int  # row of the batch that holds it
+
+
+class Samples(Sequence[Sample]):
+    """A batch's sample records, made when first read.
+
+    A step has a record per document, and most training loops never read
+    them: the constructor hands over a function that makes records
+    ``lo:hi`` of the step's and their token counts, and the records are made
+    on the first read (``len`` and :attr:`tokens` need none). It reads as a
+    list does (indexing, slicing, iteration, ``==`` with a list), and a copy or
+    a pickle of it is a plain list.
+
+    >>> s = Samples(lambda lo, hi: [Sample("a", f"f:{i}", 2, 0) for i in range(lo, hi)],
+    ...             np.array([2, 2, 2]))
+    >>> len(s), s.tokens, s[1:][0].id, s == list(s)
+    (3, 6, 'f:1', True)
+    """
+
+    __slots__ = ("_make", "_lengths", "_lo", "_hi", "_list")
+
+    def __init__(
+        self,
+        make: Callable[[int, int], list[Sample]],
+        lengths: np.ndarray,
+        lo: int = 0,
+        hi: int | None = None,
+    ):
+        self._make: Callable[[int, int], list[Sample]] | None = make
+        self._lengths = lengths
+        self._lo, self._hi = lo, len(lengths) if hi is None else hi
+        self._list: list[Sample] | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of these samples, without making their records."""
+        return int(self._lengths[self._lo : self._hi].sum())
+
+    def _records(self) -> list[Sample]:
+        if self._list is None:
+            assert self._make is not None
+            self._list, self._make = self._make(self._lo, self._hi), None
+        return self._list
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @overload
+    def __getitem__(self, i: int) -> Sample: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Sample]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice) and self._list is None and i.step in (None, 1):
+            lo, hi, _ = i.indices(len(self))  # a slice made later too
+            assert self._make is not None
+            return Samples(self._make, self._lengths, self._lo + lo, self._lo + max(lo, hi))
+        return self._records()[i]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self._records())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, Samples)):
+            return self._records() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._records())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self._records(),))
 
 
 @dataclass
@@ -45,7 +118,7 @@ class Batch:
     position_ids: np.ndarray
     segment_ids: np.ndarray
     cu_seqlens: np.ndarray
-    samples: list[Sample]
+    samples: Sequence[Sample]  # a list, or records made when first read (Samples)
     cost: float  # the rank's cost under the plan's cost model
     global_positions: np.ndarray | None = None
     cp_layout: str | None = None  # zigzag | per_document | dynamic, None without CP
@@ -61,6 +134,8 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         """Tokens of real documents (padding excluded) in the DP rank's whole batch."""
+        if isinstance(self.samples, Samples):
+            return self.samples.tokens
         return int(sum(s.tokens for s in self.samples))
 
     def arrays(self) -> dict[str, np.ndarray]:

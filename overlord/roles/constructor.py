@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from overlord.batch import Batch, Sample
+from overlord.batch import Batch, Sample, Samples
 from overlord.batch.cp import cp_slices
 from overlord.batch.cp_dynamic import dynamic_slices
 from overlord.batch.images import BatchImages
@@ -350,28 +350,37 @@ class DataConstructor:
 
     def _samples(
         self, rp: dict[str, Any], lengths: np.ndarray, names: list[str | None] | None
-    ) -> list[Sample]:
-        """Each planned item's record: its source, where it was read, its tokens and row."""
-        src, keys = rp["source"], rp["key"]
-        if names is None:
-            names = [None] * len(src)
-        files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
-        samples = []
-        for s, e, f, r, c, t, row, name in zip(
-            src.tolist(),
-            keys[:, 0].tolist(),
-            rp["file_index"].tolist(),
-            rp["rec_row"].tolist(),
-            rp["chunk"].tolist(),
-            lengths.tolist(),
-            rp["row"].tolist(),
-            names,
-        ):
-            file = files.get((s, e, f))
-            if file is None:
-                file = files[(s, e, f)] = self.files[self.names[s]].at(e)[f].name
-            samples.append(Sample(self.names[s], _sample_id(file, r, c, name), t, row))
-        return samples
+    ) -> Samples:
+        """Each planned item's record (its source, where it was read, its tokens and row).
+
+        Made when a trainer first reads them (:class:`~overlord.batch.Samples`):
+        a loop that never does pays nothing for them.
+        """
+        src, epoch, file_index = rp["source"], rp["key"][:, 0], rp["file_index"]
+        rec_row, chunk, row = rp["rec_row"], rp["chunk"], rp["row"]
+        source_names, catalogs = self.names, self.files
+
+        def make(lo: int, hi: int) -> list[Sample]:
+            files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
+            samples = []
+            keys = [None] * (hi - lo) if names is None else names[lo:hi]
+            for s, e, f, r, c, t, w, name in zip(
+                src[lo:hi].tolist(),
+                epoch[lo:hi].tolist(),
+                file_index[lo:hi].tolist(),
+                rec_row[lo:hi].tolist(),
+                chunk[lo:hi].tolist(),
+                lengths[lo:hi].tolist(),
+                row[lo:hi].tolist(),
+                keys,
+            ):
+                file = files.get((s, e, f))
+                if file is None:
+                    file = files[(s, e, f)] = catalogs[source_names[s]].at(e)[f].name
+                samples.append(Sample(source_names[s], _sample_id(file, r, c, name), t, w))
+            return samples
+
+        return Samples(make, lengths)
 
     def stats(self) -> dict[str, int]:
         """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.
