@@ -47,6 +47,13 @@ class GrowingWindow:
         self.tokens = [x for i, x in enumerate(self.tokens) if i not in gone]
 
 
+class ArrayWindow(GrowingWindow):
+    """A GrowingWindow that also gives its pending tokens as an int64 array, as a cursor does."""
+
+    def token_array(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.int64)
+
+
 def _lengths(rng: np.random.Generator, n: int, cap: int, specials: float) -> list[int]:
     """Long-tailed lengths, with empty, full-length and too-long items among them."""
     x = np.clip(rng.lognormal(rng.uniform(0, 6), 1.5, n).astype(int), 1, max(cap, 1))
@@ -90,21 +97,26 @@ def _same(a: Any, b: Any) -> None:
     specials=st.sampled_from([0.0, 0.05, 0.3]),
     mix_kind=st.sampled_from(["zeros", "ties", "random"]),
     weight_kind=st.sampled_from(["dirichlet", "equal", "odd"]),
+    arrays=st.booleans(),
 )
 def test_the_kernel_selects_what_select_step_selects_and_peeks_the_same(
-    seed, n_sources, rows, cap, lookahead, fetched, block, specials, mix_kind, weight_kind
+    seed, n_sources, rows, cap, lookahead, fetched, block, specials, mix_kind, weight_kind, arrays
 ):
-    """Same Selection, same ``mix`` bits, same peeks (indices and order) over three steps."""
+    """Same Selection, same ``mix`` bits, same peeks (indices and order) over three steps.
+
+    ``arrays``: the kernel's windows give their tokens as arrays (copied whole), not lists.
+    """
     rng = np.random.default_rng(seed)
     lengths = [_lengths(rng, 2000, cap, specials) for _ in range(n_sources)]
     weights = _weights(rng, n_sources, weight_kind)
     mix = _mix(rng, n_sources, mix_kind)
+    kinds = (ArrayWindow if arrays else GrowingWindow, GrowingWindow)
     runs = [
         (
-            [GrowingWindow(x, fetched, block) for x in lengths],
+            [kind(x, fetched, block) for x in lengths],
             MixState(mix.target.copy(), mix.placed.copy()),
         )
-        for _ in range(2)
+        for kind in kinds
     ]
     for _ in range(3):
         (fast_wins, fast_mix), (py_wins, py_mix) = runs

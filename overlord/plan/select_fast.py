@@ -249,27 +249,31 @@ def run(
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """``select_step`` with its loop compiled: sources, pending indices, tokens, ref rows.
 
-    ``target`` and ``placed`` (a MixState's) are updated in place. A window's
-    tokens are converted to an array a chunk at a time (doubling); an item
-    past those fetched is ``peek``-ed where ``select_step`` peeks it. Tokens
-    must not be negative.
+    ``target`` and ``placed`` (a MixState's) are updated in place. A window
+    with a ``token_array()`` (its pending tokens as an int64 array, as the
+    planner's cursors have) is copied whole; a window's ``tokens`` list is
+    converted a chunk at a time (doubling). An item past those fetched is
+    ``peek``-ed where ``select_step`` peeks it. Tokens must not be negative.
     """
     select = kernel()
     if select is None:
         raise ImportError("numba does not import: pip install 'overlord-data[fast]'")
     n = len(windows)
-    w = np.array([float(x) for x in weights], dtype=np.float64)
-    now = np.array([float(x) for x in placed], dtype=np.float64)
+    w = np.array(weights, dtype=np.float64)
+    now = np.array(placed, dtype=np.float64)
     step = np.zeros(1)
     got: list[list[int]] = [[], [], [], []]
-    live = np.array([s for s in range(n) if not w[s] <= 0.0], dtype=np.int64)
+    live = np.flatnonzero(~(w <= 0.0)).astype(np.int64)  # NaN weights stay, as in select_step
     if len(live) and rows > 0 and capacity > 0:
-        goal = np.array([float(x) for x in target], dtype=np.float64)
-        toks = [win.tokens for win in windows]
+        goal = np.array(target, dtype=np.float64)
+        # a window that has its pending tokens as an array (the planner's cursors) is copied
+        # from it whole; a list is converted a chunk at a time
+        toks: list[Any] = [_tokens_of(win) for win in windows]
         have = np.zeros(n, dtype=np.int64)
         tok = np.zeros((n, 0), dtype=np.int64)
         for s in live.tolist():
-            have, tok = _convert(toks[s], s, min(len(toks[s]), _FIRST_CHUNK), have, tok)
+            first = len(toks[s]) if isinstance(toks[s], np.ndarray) else _FIRST_CHUNK
+            have, tok = _convert(toks[s], s, min(len(toks[s]), first), have, tok)
         st = np.zeros(9, dtype=np.int64)
         st[[_ROWS, _CAP, _LOOK, _NLIVE, _HI]] = rows, capacity, lookahead, len(live), capacity
         scan, skips = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -292,8 +296,9 @@ def run(
             s, i = int(st[_S]), int(st[_I])
             if i >= len(toks[s]):  # where select_step peeks
                 windows[s].peek(i)
-                toks[s] = windows[s].tokens
-            more = min(len(toks[s]), max(i + 1, 2 * int(have[s])))
+                toks[s] = _tokens_of(windows[s])
+            grow = len(toks[s]) if isinstance(toks[s], np.ndarray) else 2 * int(have[s])
+            more = min(len(toks[s]), max(i + 1, grow))
             have, tok = _convert(toks[s], s, more, have, tok)
         got = [out[j, : st[_NOUT]].tolist() for j in range(4)]
     target += w * float(step[0])
@@ -301,8 +306,14 @@ def run(
     return got[0], got[1], got[2], got[3]
 
 
+def _tokens_of(window: Any) -> Any:
+    """A window's pending tokens: an int64 array where it has one, else its list."""
+    as_array = getattr(window, "token_array", None)
+    return window.tokens if as_array is None else as_array()
+
+
 def _convert(
-    toks: list[int], s: int, upto: int, have: np.ndarray, tok: np.ndarray
+    toks: list[int] | np.ndarray, s: int, upto: int, have: np.ndarray, tok: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Source ``s``'s tokens converted up to item ``upto`` (the array grown if needed)."""
     start = int(have[s])
@@ -311,7 +322,7 @@ def _convert(
         grown[:, : tok.shape[1]] = tok
         tok = grown
     if upto > start:
-        part = np.array(toks[start:upto], dtype=np.int64)
+        part = np.asarray(toks[start:upto], dtype=np.int64)
         if part.min() < 0:
             raise ValueError(
                 f"a window's item has {int(part.min())} tokens: an item's tokens are a count "

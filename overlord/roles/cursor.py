@@ -78,6 +78,10 @@ class SourceCursor:
         self.drop: Dropper | None = None
         self.dropped: list[tuple[np.ndarray, np.ndarray]] = []
 
+    def token_array(self) -> np.ndarray:
+        """The pending items' tokens as an int64 array (``tokens``, without a conversion)."""
+        return self._joined()["tokens"]
+
     def peek(self, i: int) -> int:
         """Tokens of the ``i``-th pending item."""
         while i >= len(self.tokens):
