@@ -128,8 +128,11 @@ class Ledger:
         }
 
     def cursor(self, step: int, source: str) -> dict[str, Any]:
-        """Where ``source``'s order stands before ``step``."""
-        cursor: dict[str, Any] = self.at(step)["sources"][source]["cursor"]
+        """Where ``source``'s order stands before ``step`` (a kept mark is read, not built)."""
+        kept = self._states[step]
+        if isinstance(kept, Marked):
+            return cursor_state(kept.cursors[self.names.index(source)])
+        cursor: dict[str, Any] = kept["sources"][source]["cursor"]
         return cursor
 
     def prune(self, first: int) -> None:

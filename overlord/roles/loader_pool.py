@@ -308,6 +308,8 @@ class LoaderPool:
     def retire(self) -> None:
         """Close partitions whose every item every rank has consumed."""
         for source, parts in self.parts.items():
+            if all(part.limit is None for part in parts):  # none ends: nothing to ask
+                continue
             c = self._consumed(source)
             done = (c["epoch"], c["shard_pos"])
             for k, part in enumerate(parts):
