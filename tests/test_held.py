@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.roles.held import FEW, HeldItems, by_shard, payload
+from overlord.roles.held import FEW, HeldItems, _runs, by_shard, payload, payload_of_runs
 from overlord.sources.shard import ShardItems
 
 
@@ -116,3 +116,37 @@ def test_take_few_or_many_finds_each_item_or_names_one_not_held(released, asked)
     assert [(items.length[k], k) for items, k in picked] == [
         (i % 10 % 3 + 1, i % 10) for i in asked
     ]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    released=st.sets(st.integers(0, 59), max_size=3),
+    asked=st.lists(st.integers(0, 59), min_size=1, max_size=60),
+    start=st.integers(0, 59),
+    sorted_run=st.booleans(),
+    other_shard=st.booleans(),
+)
+def test_take_runs_are_the_runs_of_take(released, asked, start, sorted_run, other_shard):
+    """The items' runs, found by arrays for many keys of a shard, are those of ``take``."""
+    held = HeldItems({})
+    shards = [(1, 4), (1, 5)]
+    for at in shards:
+        held.open_shard(at)
+        for base in (0, 10, 20, 30, 40, 50):  # six pieces of ten items
+            held.add(at, base, _items([k % 3 + 1 for k in range(10)]), np.ones(10, dtype=bool))
+        held.release(at, sorted(released))
+    # a step's items are mostly in order: a run from ``start``, then those asked
+    index = [*range(start, 60), *(sorted(set(asked)) if sorted_run else asked)]
+    keys = np.array([[1, 4, i] for i in index], dtype=np.int64)
+    if other_shard:
+        keys[-1, 1] = 5
+    runs, missing = held.take_runs(keys)
+    picked, want_missing = held.take(keys)
+    assert (missing is None) == (want_missing is None)
+    if missing is not None:
+        assert missing[:2] in shards and missing[2] in released
+        return
+    assert [(id(items), lo, hi) for items, lo, hi in runs] == [
+        (id(items), lo, hi) for items, lo, hi in _runs(picked)
+    ]
+    assert payload_of_runs(runs)["tokens"].tolist() == payload(picked)["tokens"].tolist()

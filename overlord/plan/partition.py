@@ -94,6 +94,8 @@ def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.n
         for i, slot in enumerate(zip(source.tolist(), loader.tolist())):
             groups.setdefault(slot, []).append(i)
         return [(s, k, np.array(i, dtype=np.int64)) for (s, k), i in sorted(groups.items())]
+    if (source == source[0]).all() and (loader == loader[0]).all():  # one slot: most steps
+        return [(int(source[0]), int(loader[0]), np.arange(len(source), dtype=np.int64))]
     key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
     order = np.argsort(key, kind="stable")
     cuts = np.flatnonzero(np.diff(key[order])) + 1

@@ -85,16 +85,24 @@ def by_shard(keys: np.ndarray) -> list[tuple[Position, np.ndarray]]:
 def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
     """What ``take`` answers for items ``(piece items, index in the piece)``, in order.
 
+    See :func:`payload_of_runs`, which this is for the items' runs.
+    """
+    return payload_of_runs(_runs(picked))
+
+
+def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.ndarray]:
+    """What ``take`` answers for runs of items ``(piece items, lo, hi)``, in order.
+
     ``tokens`` (int32, back to back) and ``lengths``; from an image source also
     ``pixels`` (uint8 patches of the items' images, back to back), ``grid``
     (int32 ``(items, 2)``, ``(0, 0)`` for an item without an image) and, from
     a tar, ``keys`` (UTF-8 bytes back to back) with ``key_lengths``.
     """
-    lengths = np.empty(len(picked), dtype=np.int32)
+    lengths = np.empty(sum(hi - lo for _, lo, hi in runs), dtype=np.int32)
     parts: list[slice] = []
     pieces: list[ShardItems] = []  # the piece of each slice
     j = 0
-    for items, lo, hi in _runs(picked):
+    for items, lo, hi in runs:
         lengths[j : j + hi - lo] = items.length[lo:hi]
         start = items.start[lo:hi]
         if hi - lo == 1 or (np.diff(start) == items.length[lo : hi - 1]).all():
@@ -110,13 +118,13 @@ def payload(picked: list[tuple[ShardItems, int]]) -> dict[str, np.ndarray]:
         "tokens": _joined([p.tokens[s] for p, s in zip(pieces, parts)], np.int32),
         "lengths": lengths,
     }
-    if picked and picked[0][0].mask is not None:  # a chat source's: sliced as its tokens are
+    if runs and runs[0][0].mask is not None:  # a chat source's: sliced as its tokens are
         out["mask"] = _joined(
             [p.mask[s] for p, s in zip(pieces, parts) if p.mask is not None], np.uint8
         )
-    if picked and picked[0][0].pixels is not None:
+    if runs and runs[0][0].pixels is not None:
         grids, pixels, keys = [], [], []
-        for items, k in picked:
+        for items, k in ((items, k) for items, lo, hi in runs for k in range(lo, hi)):
             assert items.pixels is not None and items.grid is not None
             assert items.patch_start is not None
             grids.append(items.grid[k])
@@ -259,6 +267,34 @@ class HeldItems:
             for r, q, i in zip(rows.tolist(), found.tolist(), keys[rows, 2].tolist()):
                 slots[r] = (pieces[q].items, i - pieces[q].base)
         return slots, None
+
+    def take_runs(
+        self, keys: np.ndarray
+    ) -> tuple[list[tuple[ShardItems, int, int]], Key | None]:
+        """:meth:`take` as runs ``(piece items, lo, hi)`` of items next to each other, in order.
+
+        Many keys of one shard (a step's items of a loader, most often) are
+        found and cut into runs with a few numpy calls, without an entry per item.
+        """
+        if len(keys) > FEW:
+            groups = by_shard(keys)
+            if len(groups) == 1:
+                at = groups[0][0]
+                index = keys[:, 2]
+                pieces, found = self.pick(at, index)
+                if (found < 0).any():
+                    return [], (*at, int(index[np.flatnonzero(found < 0)[0]]))
+                bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
+                k = index - bases[found]
+                cuts = np.flatnonzero((found[1:] != found[:-1]) | (k[1:] != k[:-1] + 1)) + 1
+                lo = np.concatenate(([0], cuts))
+                hi = np.concatenate((cuts, [len(k)]))
+                return [
+                    (pieces[q].items, a, a + n)
+                    for q, a, n in zip(found[lo].tolist(), k[lo].tolist(), (hi - lo).tolist())
+                ], None
+        picked, missing = self.take(keys)
+        return _runs(picked), missing
 
     def pick(self, at: Position, index: np.ndarray) -> tuple[list[HeldPiece], np.ndarray]:
         """The held pieces of shard ``at`` and, per item ``index``, its piece there (-1: not held).

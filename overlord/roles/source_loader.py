@@ -75,7 +75,7 @@ from overlord.roles.held import (
     Position,
     by_shard,
     metadata_block,
-    payload,
+    payload_of_runs,
 )
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
@@ -296,7 +296,7 @@ class SourceLoader:
                 e, p, i = max(keys.tolist())
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
-            picked, missing = self._held.take(keys)
+            runs, missing = self._held.take_runs(keys)
             if missing is not None:
                 e, p, i = missing
                 raise LoaderError(
@@ -304,7 +304,7 @@ class SourceLoader:
                     f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
                     "consumed) or never read"
                 )
-        return payload(picked)
+        return payload_of_runs(runs)
 
     def _wait_until_read(self, key: Key) -> None:
         """Wait (lock held) until item ``key`` is read: a promoted shadow may lag its primary."""
