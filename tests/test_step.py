@@ -115,3 +115,16 @@ def test_taken_columns_follow_the_selection_order_whichever_windows_gave_items()
     assert all(len(windows[s].pending) == 31 for s in untouched)
     assert len(windows[7].pending) == 31 - 3 and len(windows[2].pending) == 31 - 2
     assert take_columns(windows, source[:0], pending[:0])["key"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_ranks_statistics_are_its_whole_step_as_the_general_sums_give_them(plan, seed):
+    from overlord.plan.balance import rank_costs
+    from overlord.plan.step import equal_docs_max_cost
+
+    one = plan.with_dp(1)
+    step = _step(one, _windows(one, seed))
+    cost, rows = step.columns["cost"], one.rows_per_rank
+    whole = rank_costs(cost, np.zeros(len(cost), dtype=np.int64), 1, rows)
+    assert step.stats["max_cost"] == step.stats["baseline_max_cost"] == float(whole[0])
+    assert step.stats["equal_docs_max_cost"] == equal_docs_max_cost(cost, 1) == float(whole[0])

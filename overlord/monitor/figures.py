@@ -8,6 +8,7 @@ names of its ``METRICS`` table. The figures are kept whether or not an endpoint 
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from typing import Any
@@ -20,6 +21,7 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 PLAN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                 0.5, 1.0, 5.0)  # fmt: skip
 COST_STEPS_KEPT = 1024  # steps whose per-rank predicted cost is kept to pair with step times
+COST_STEPS_PRUNED = 64  # how many more are kept before the oldest are forgotten together
 
 
 class Histogram:
@@ -35,7 +37,7 @@ class Histogram:
 
     def observe(self, value: float) -> None:
         """Count ``value`` in its bucket."""
-        self.counts[int(np.searchsorted(self.bounds, value, side="left"))] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
         self.sum += value
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,9 +74,10 @@ class Figures:
         """Step ``step`` was planned in ``seconds``; ``rank_costs`` is each rank's cost."""
         with self._lock:
             self.plan.observe(seconds)
-            self._costs[step] = [float(c) for c in rank_costs]
-            while len(self._costs) > COST_STEPS_KEPT:
-                del self._costs[min(self._costs)]
+            self._costs[step] = np.asarray(rank_costs, dtype=np.float64).tolist()
+            if len(self._costs) > COST_STEPS_KEPT + COST_STEPS_PRUNED:  # the oldest, at once
+                for old in sorted(self._costs)[: len(self._costs) - COST_STEPS_KEPT]:
+                    del self._costs[old]
 
     def consumed(self, source: np.ndarray, tokens: np.ndarray) -> None:
         """Every rank consumed a step whose items come from ``source`` with ``tokens`` each."""

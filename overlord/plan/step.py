@@ -162,7 +162,9 @@ def plan_step(
         if c in cols:
             cols[SUMS[c]] = rank_sums(cols[c], cols["bounds"])
     per_rank = rank_costs(item_cost, row, dp, rows_per_rank)
-    baseline = rank_costs(item_cost, ref_row, dp, rows_per_rank)
+    # one rank: the baselines hold its whole step too, summed in the same order
+    baseline = per_rank if dp == 1 else rank_costs(item_cost, ref_row, dp, rows_per_rank)
+    equal_docs = float(per_rank[0]) if dp == 1 else equal_docs_max_cost(item_cost, dp)
     stats = {
         "tokens": np.bincount(src, weights=tokens, minlength=len(windows)).tolist(),
         "samples": np.bincount(src, minlength=len(windows)).tolist(),
@@ -170,7 +172,7 @@ def plan_step(
         "max_cost": float(per_rank.max()),
         "mean_cost": float(per_rank.mean()),
         "baseline_max_cost": float(baseline.max()),
-        "equal_docs_max_cost": equal_docs_max_cost(item_cost, dp),
+        "equal_docs_max_cost": equal_docs,
         "lower_bound": lower_bound(item_cost, dp),
         "fill": float(tokens.sum()) / p.batch.tokens_per_step,
         **(
