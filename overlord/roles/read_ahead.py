@@ -258,6 +258,9 @@ class Reader:
         self.files = files
         self.tokenizer = tokenizer
         self.lock = lock
+        # the window thread waits on a condition of its own (on the same lock), woken only by
+        # what lets it read on: not by every release, take and publication of the loader
+        self.window_turn = threading.Condition(lock)  # type: ignore[arg-type]  # a lock too
         self.policy = policy
         self.outlet = outlet
         self.cache = ShardIO(plan.loading.retries)  # line indexes (every epoch), retries
@@ -363,11 +366,11 @@ class Reader:
             return not self.closed
 
     def _wait(self, waiting: Callable[[], bool]) -> None:
-        """The window thread waits (lock held) while ``waiting()``."""
+        """The window thread waits (lock held) while ``waiting()``, on :attr:`window_turn`."""
         self._window_waits_on = waiting
         try:
             while waiting():
-                self.lock.wait(0.5)
+                self.window_turn.wait(0.5)
         finally:
             self._window_waits_on = None
 
@@ -414,7 +417,7 @@ class Reader:
                 raise got
             if isinstance(got, Task):  # a shard's end
                 self.windows.popleft()
-                self.lock.notify_all()
+                self.window_turn.notify_all()
                 self.pending.append(got)
                 return got
             left = list(got.cut)
@@ -422,7 +425,7 @@ class Reader:
             if left and not self._admit(got, *(parts[0] if parts else (*left[0], None))):
                 return None
             self.windows.popleft()
-            self.lock.notify_all()
+            self.window_turn.notify_all()
             self.cutting = Cutting(got, left)
             task = Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
             self.pending.append(task)
@@ -443,7 +446,7 @@ class Reader:
             left.pop(0)
             cutting.parts = None
         # the window thread may read the next window now (it waits on what is left of this one)
-        self.lock.notify_all()
+        self.window_turn.notify_all()
         piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
         piece.add_done_callback(self._wake)
         task = Task((window.epoch, window.shard_pos), window.file_index, window, plo, phi, piece)
@@ -540,8 +543,12 @@ class Reader:
             if self.next is not None and self.next > limit:
                 return self.next
             self.frozen = False
-            self.lock.notify_all()
+            self.window_turn.notify_all()
             return None
+
+    def primary_changed(self) -> None:
+        """The loader was promoted (lock held): a primary reads further ahead than a standby."""
+        self.window_turn.notify_all()
 
     def set_threads(self, threads: int) -> None:
         """Tokenize ``threads`` pieces at once from now on."""
@@ -568,6 +575,7 @@ class Reader:
         with self.lock:
             self.closed = True
             self.lock.notify_all()
+            self.window_turn.notify_all()
         self._workers.shutdown()  # once the pieces in flight are tokenized
 
     def join(self, timeout: float) -> None:
