@@ -95,6 +95,53 @@ def test_a_caller_waiting_for_the_next_shard_lifts_the_budget(tmp_path):
         fresh.close()
 
 
+def test_a_release_wakes_a_reader_held_by_its_budget_once_its_next_piece_fits(
+    tmp_path, monkeypatch
+):
+    """Releases one document at a time: the reader stays held until its next piece fits, then
+    the release that made the room wakes it.
+
+    Nothing else happens meanwhile (no metadata call, no caller waiting) and the reader's
+    threads do not look again on their own within the test, so only the release can let
+    the reader read on: if it did not wake it, the reader would stay held.
+    """
+    from overlord.roles import read_ahead
+
+    monkeypatch.setattr(read_ahead, "POLL_S", 3600.0)
+    loader = lone_loader(tmp_path, 1, docs=3)
+    try:
+        held_back(loader)
+        blocks: list[dict[str, Any]] = []
+        while not blocks:  # what it holds, as the planner received it
+            blocks = loader.metadata(HANG_GUARD_S)
+        keys = [
+            [b["epoch"], b["shard_pos"], i] for b in blocks if not b["last"] for i in b["index"]
+        ]
+        deadline = time.monotonic() + HANG_GUARD_S
+        # both threads asleep: the window thread (nor will it wake the scheduler) and the
+        # scheduler, the only thread that waits on the loader's condition here
+        while not (loader.reader.view().window_thread_waits and loader._lock._waiters):  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the reader's threads never settled"
+            time.sleep(0.01)
+        read = loader.stats()["tokens"]
+        for key in keys:
+            with loader.reader.lock:
+                assert loader.reader.waits_on == "budget" and not loader.reader.released_enough()
+                assert loader.stats()["tokens"] == read, "it read on before its piece fit"
+            loader.release(np.array([key], dtype=np.int64))
+            with loader.reader.lock:
+                if loader.reader.released_enough() or loader.reader.waits_on != "budget":
+                    break
+        else:
+            pytest.fail(f"releasing all {len(keys)} documents it held left no room")
+        deadline = time.monotonic() + HANG_GUARD_S
+        while loader.stats()["tokens"] == read:  # the reader woke and read on
+            assert time.monotonic() < deadline, f"the release did not wake it: {loader.stats()}"
+            time.sleep(0.01)
+    finally:
+        loader.close()
+
+
 def test_loaders_measure_what_a_token_costs_them(tmp_path):
     """The autoscaler's input: CPU seconds per token and per sample, memory, queue depth."""
     plan = make_corpus(

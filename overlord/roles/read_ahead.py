@@ -47,6 +47,8 @@ from overlord.sources.window import Window
 RAMP = 32  # a new loader reads 1/RAMP of its budget ahead before the planner asks for more
 CLOSE_WAIT_S = 10.0  # longest wait for reads in flight when a loader closes
 LEAD_SHARE = 0.5  # a primary reads its next window once this share of the one being cut is left
+# the longest a thread of the reader sleeps without a wake-up (it looks again, e.g. at close)
+POLL_S = 0.5
 
 Tokenized = tuple[ShardItems, float]  # a tokenized piece's items, and the CPU seconds it took
 
@@ -277,6 +279,7 @@ class Reader:
         self.error: BaseException | None = None  # handed to the planner by metadata()
         self.reading = ""  # the shard the window thread is on, for error messages
         self.waits_on: str | None = None  # what holds the scheduler back: "budget" or "queue"
+        self._held_back = 0  # the estimate of the piece the budget held back last
         # while the window thread waits: what it waits on (it waits while this is true)
         self._window_waits_on: Callable[[], bool] | None = None
         self._shards = shards
@@ -370,7 +373,7 @@ class Reader:
         self._window_waits_on = waiting
         try:
             while waiting():
-                self.window_turn.wait(0.5)
+                self.window_turn.wait(POLL_S)
         finally:
             self._window_waits_on = None
 
@@ -389,7 +392,7 @@ class Reader:
                         task = self._next_task()
                         if task is not None:
                             break
-                        self.lock.wait(0.5)
+                        self.lock.wait(POLL_S)
                     if self.closed:
                         return
                 if task is None:
@@ -481,7 +484,27 @@ class Reader:
         if reason == "threads":
             return 0
         self.waits_on = reason
+        self._held_back = estimate
         return 0 if reason else estimate
+
+    def released_enough(self) -> bool:
+        """Whether the scheduler, held back by the budget, may start its piece now (lock held).
+
+        A release wakes the scheduler only then: its next piece is not admitted
+        a token at a time, with a wake-up per step that finds the budget still short.
+        """
+        if self.waits_on != "budget":
+            return False  # not held by the budget: a release does not let it go on
+        state = self.outlet.state()
+        reason = self.policy.holds_back(
+            held=state.held,
+            in_flight=self.in_flight,
+            estimate=self._held_back,
+            served=state.served,
+            asked=state.asked,
+            pieces=self.reads_in_flight(),
+        )
+        return reason != "budget"
 
     def _wake(self, _: Future[Any]) -> None:
         with self.lock:
@@ -505,7 +528,7 @@ class Reader:
         with self.lock:
             while not self.closed and self.outlet.backlogged():
                 self.waits_on = "queue"
-                self.lock.wait(0.5)
+                self.lock.wait(POLL_S)
             self.waits_on = None
             if self.closed:
                 return

@@ -354,7 +354,8 @@ class SourceLoader:
         with self._lock:
             for at, index in shards:
                 self._release_in(at, index)
-            self._lock.notify_all()
+            if self.reader.released_enough():  # else nothing waits on what was released
+                self._lock.notify_all()
 
     def _release_in(self, at: Position, index: list[int] | np.ndarray) -> None:
         """Release items ``index`` of shard ``at`` (lock held)."""
