@@ -224,20 +224,17 @@ def select_items(
     rows: int,
     capacity: int,
     lookahead: int,
+    how: str | None = None,
 ) -> Selection:
     """:func:`select_step` as the planner runs it: compiled where numba imports.
 
-    The environment variable ``OVERLORD_SELECT``, read at each call, chooses:
-    ``auto`` (or unset: :func:`select_step_fast` where numba imports, else
+    ``how`` (by default the environment variable ``OVERLORD_SELECT``, read at
+    each call; the planner reads it once, when it starts: :func:`select_how`)
+    chooses: ``auto`` (:func:`select_step_fast` where numba imports, else
     :func:`select_step`), ``python`` or ``numba`` (an error without numba).
     Both give the same Selection.
     """
-    how = os.environ.get("OVERLORD_SELECT") or "auto"
-    if how not in ("auto", "python", "numba"):
-        raise ValueError(
-            f"OVERLORD_SELECT is {how!r}; expected 'auto', 'python' or 'numba' (how the "
-            "planner selects a step's items: compiled with numba, or its Python loop)"
-        )
+    how = select_how() if how is None else how
     if how != "python":
         from overlord.plan import select_fast
 
@@ -249,6 +246,17 @@ def select_items(
                 "pip install 'overlord-data[fast]', or unset OVERLORD_SELECT to use the Python loop"
             )
     return select_step(windows, weights, mix, rows, capacity, lookahead)
+
+
+def select_how() -> str:
+    """How :func:`select_items` selects, from ``OVERLORD_SELECT`` (unset: ``auto``), checked."""
+    how = os.environ.get("OVERLORD_SELECT") or "auto"
+    if how not in ("auto", "python", "numba"):
+        raise ValueError(
+            f"OVERLORD_SELECT is {how!r}; expected 'auto', 'python' or 'numba' (how the "
+            "planner selects a step's items: compiled with numba, or its Python loop)"
+        )
+    return how
 
 
 def _peek(window: Window, i: int, toks: list[list[int]], s: int) -> int:

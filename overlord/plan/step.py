@@ -107,6 +107,7 @@ def plan_step(
     groups: int = 1,
     run: Runner = run_here,
     furthest: bool = False,
+    select: str | None = None,
 ) -> StepColumns:
     """Plan one step: its items from ``windows`` at mixture ``weights``, balanced over the ranks.
 
@@ -115,11 +116,12 @@ def plan_step(
     by ``run`` (where the groups are balanced: here, or on assigners).
     ``furthest``: the statistics also give each source's furthest item
     (``"last"``, what ``overlord simulate`` counts epochs by); a sort of the
-    step's items that a run does not need.
+    step's items that a run does not need. ``select``: how the items are selected
+    (:func:`overlord.plan.select.select_items`; None: as ``OVERLORD_SELECT`` says now).
     """
     p = plan
     sel = select_items(
-        windows, weights, mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead
+        windows, weights, mix, p.rows_per_step, p.batch.max_seq_len, p.batch.lookahead, select
     )
     n = len(sel.source)
     src, tokens, ref_row, pending = (

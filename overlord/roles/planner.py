@@ -40,7 +40,7 @@ from overlord.plan.hierarchy import group_count
 from overlord.plan.partition import partitions
 from overlord.plan.quarantine import entry
 from overlord.plan.schedule import Schedule
-from overlord.plan.select import MixState
+from overlord.plan.select import MixState, select_how
 from overlord.plan.spec import BalanceMethod, Plan
 from overlord.plan.step import plan_step, rank_slice, ranks_slice
 from overlord.roles.api import LoaderRole, OpsRole, PlannerRole, PoolRole
@@ -93,6 +93,7 @@ class Planner:
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
         self._dry = False  # planning in dry_run: its steps' statistics give the furthest items
+        self._select = select_how()  # OVERLORD_SELECT, read (and checked) once
         self.wait_for_ranks = wait_for_ranks
         # asked at every rank's call for its plan: read once (a plan never changes)
         self._dp, self._rows_per_rank = plan.world.dp, plan.rows_per_rank
@@ -257,7 +258,7 @@ class Planner:
             self._arm(step)
         run = self.assigners.run
         planned = plan_step(
-            p, self.cursors, weights, self.mix, cost, self.groups, run, self._dry
+            p, self.cursors, weights, self.mix, cost, self.groups, run, self._dry, self._select
         )
         self.plans[step] = planned.columns
         if self.quarantine.entries:  # the items it took out go back with the step's
