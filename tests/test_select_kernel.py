@@ -165,9 +165,10 @@ def test_a_step_of_more_items_than_first_allotted_and_long_windows():
     assert [w.peeks for w in wins[0]] == [w.peeks for w in wins[1]] and wins[1][2].peeks
 
 
-def test_negative_tokens_are_refused():
+@pytest.mark.parametrize("kind", [GrowingWindow, ArrayWindow])
+def test_negative_tokens_are_refused(kind):
     with pytest.raises(ValueError, match="tokens are a count"):
-        select_step_fast([GrowingWindow([3, -1], 2, 1)], np.ones(1), MixState.zeros(1), 1, 8, 0)
+        select_step_fast([kind([3, -1], 2, 1)], np.ones(1), MixState.zeros(1), 1, 8, 0)
 
 
 def test_select_items_follows_overlord_select(monkeypatch):

@@ -269,11 +269,7 @@ def run(
         # a window that has its pending tokens as an array (the planner's cursors) is copied
         # from it whole; a list is converted a chunk at a time
         toks: list[Any] = [_tokens_of(win) for win in windows]
-        have = np.zeros(n, dtype=np.int64)
-        tok = np.zeros((n, 0), dtype=np.int64)
-        for s in live.tolist():
-            first = len(toks[s]) if isinstance(toks[s], np.ndarray) else _FIRST_CHUNK
-            have, tok = _convert(toks[s], s, min(len(toks[s]), first), have, tok)
+        have, tok = _first_tokens(toks, live.tolist())
         st = np.zeros(9, dtype=np.int64)
         st[[_ROWS, _CAP, _LOOK, _NLIVE, _HI]] = rows, capacity, lookahead, len(live), capacity
         scan, skips = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -306,6 +302,38 @@ def run(
     return got[0], got[1], got[2], got[3]
 
 
+def _first_tokens(toks: list[Any], live: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The live windows' tokens to start from: each array whole, a list's first chunk.
+
+    One array for them all, one copy per window, and one check of the arrays' signs.
+    """
+    n = len(toks)
+    upto = [
+        len(toks[s]) if isinstance(toks[s], np.ndarray) else min(len(toks[s]), _FIRST_CHUNK)
+        for s in live
+    ]
+    have = np.zeros(n, dtype=np.int64)
+    tok = np.zeros((n, max(upto, default=0)), dtype=np.int64)
+    arrays = False
+    for s, k in zip(live, upto):
+        if isinstance(toks[s], np.ndarray):
+            tok[s, :k] = toks[s]
+            have[s] = k
+            arrays = True
+        else:
+            have, tok = _convert(toks[s], s, k, have, tok)
+    if arrays and tok.size and tok.min() < 0:
+        _negative(int(tok.min()))
+    return have, tok
+
+
+def _negative(least: int) -> None:
+    raise ValueError(
+        f"a window's item has {least} tokens: an item's tokens are a count "
+        "(>= 0); the compiled selection relies on it (OVERLORD_SELECT=python does not)"
+    )
+
+
 def _tokens_of(window: Any) -> Any:
     """A window's pending tokens: an int64 array where it has one, else its list."""
     as_array = getattr(window, "token_array", None)
@@ -324,10 +352,7 @@ def _convert(
     if upto > start:
         part = np.asarray(toks[start:upto], dtype=np.int64)
         if part.min() < 0:
-            raise ValueError(
-                f"a window's item has {int(part.min())} tokens: an item's tokens are a count "
-                "(>= 0); the compiled selection relies on it (OVERLORD_SELECT=python does not)"
-            )
+            _negative(int(part.min()))
         tok[s, start:upto] = part
         have[s] = upto
     return have, tok

@@ -77,6 +77,7 @@ class SourceCursor:
         # items it took out: (loader, key) arrays, until the planner collects them
         self.drop: Dropper | None = None
         self.dropped: list[tuple[np.ndarray, np.ndarray]] = []
+        self._mark: CursorMark | None = None  # the last mark, while nothing moved the cursor
 
     def token_array(self) -> np.ndarray:
         """The pending items' tokens as an int64 array (``tokens``, without a conversion)."""
@@ -89,6 +90,7 @@ class SourceCursor:
         return self.tokens[i]
 
     def _fetch(self) -> None:
+        self._mark = None
         epoch, pos = self._expect
         k = self.loader_of(epoch, pos)
         queue = self._blocks.setdefault(k, deque())
@@ -162,6 +164,7 @@ class SourceCursor:
         """Take the items the quarantine drops out of the pending ones (an addition in force)."""
         if self.drop is None or not self.tokens:
             return
+        self._mark = None
         cols = self._joined()
         drop = np.zeros(len(self.tokens), dtype=bool)
         files = np.unique(np.stack([cols["epoch"], cols["file_index"]], axis=1), axis=0)
@@ -198,6 +201,7 @@ class SourceCursor:
         Columns are int64 arrays in the order of ``indices``; ``key`` is ``(n, 3)``:
         epoch, shard position, index.
         """
+        self._mark = None
         cols = self._joined()
         idx = np.asarray(indices, dtype=np.int64)
         n = len(self.tokens)
@@ -254,13 +258,17 @@ class SourceCursor:
         """What :meth:`state` is built from, as it stands now (a few values, cheap to keep).
 
         The planner keeps one per source after every step; a state is built from
-        it (:func:`cursor_state`) only when one is asked for.
+        it (:func:`cursor_state`) only when one is asked for. A source that gave
+        no item and received no block since the last mark gives that mark again.
         """
+        if self._mark is not None:
+            return self._mark
         first = self._first()
         if first is None:
             (e, p), i = self._expect, self._start_index
             first = (e, p, i)
-        return first, tuple(self._placed_ahead)
+        self._mark = (first, tuple(self._placed_ahead))
+        return self._mark
 
 
 # a cursor's place: its first pending key (or the next it expects) and the keys placed after it

@@ -308,7 +308,7 @@ class LoaderPool:
     def retire(self) -> None:
         """Close partitions whose every item every rank has consumed."""
         for source, parts in self.parts.items():
-            if all(part.limit is None for part in parts):  # none ends: nothing to ask
+            if len(parts) == 1 and parts[0].limit is None:  # it never ended: nothing to ask
                 continue
             c = self._consumed(source)
             done = (c["epoch"], c["shard_pos"])
