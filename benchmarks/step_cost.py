@@ -9,9 +9,13 @@ is measured is overlord's own per-step work (planning, balancing, consumption, t
 packing).
 
 Each cell runs in a fresh process: ``overlord.Loader(plan)`` (embedded runtime, every role an
-object in this process), a client per DP rank, ``--warmup`` steps, then ``--steps`` steps
-(every rank's batch taken in turn) timed by ``time.process_time`` (every thread of the
-process). A least-squares fit over the cells then gives::
+object in this process), a client per DP rank, warm-up steps, then ``--steps`` steps (every
+rank's batch taken in turn) timed by ``time.process_time`` (every thread of the process).
+The warm-up is ``--warmup`` steps and, before them, as many as it takes every source to read
+its first window (:func:`fill_steps`): a loader reads its first window ahead once, when the
+run starts, and a run of many sources that timed its first steps would count each source's
+start as work per step (32 sources at 32K tokens per step read 64M ids before their first
+window is used up). A least-squares fit over the cells then gives::
 
     CPU per step = fixed + a * (dp - 1) + b * (sources - 1) + c * tokens
 
@@ -57,6 +61,19 @@ def write_corpus(root: Path, files: int, tokens: int, seed: int = 0) -> None:
         ids = rng.integers(1, 60_000, size=int(lengths.sum()), dtype=np.uint16)
         ids[np.cumsum(lengths) - 1] = EOS
         np.save(root / f"part-{k:03d}.npy", ids)
+
+
+def fill_steps(sources: int, step_tokens: int, file_tokens: int) -> int:
+    """Steps until every source has used up its first window (read ahead when it starts).
+
+    A source's first window is the ids of ``shuffle.window_blocks`` blocks of
+    ``shuffle.block_bytes`` (uint16 ids: two bytes each), or its first file if smaller.
+    """
+    from overlord.plan.spec import ShuffleSpec
+
+    shuffle = ShuffleSpec()
+    window = min(file_tokens, shuffle.block_bytes * shuffle.window_blocks // 2)
+    return -(-sources * window // step_tokens)
 
 
 def write_plan(root: Path, sources: int, dp: int, tokens: int) -> Path:
@@ -167,8 +184,9 @@ def measure(
     """One cell, in a fresh process of checkout ``repo`` (its ``overlord`` imported)."""
     sources, dp, tokens = cell
     steps = max(args.min_steps, args.tokens_timed // tokens)
+    warmup = args.warmup + fill_steps(sources, tokens, args.tokens // args.files)
     cmd = [*module_command("step_cost"), "--cell", f"{sources},{dp},{tokens}",
-           "--corpus", str(root), "--warmup", str(args.warmup), "--steps", str(steps)]  # fmt: skip
+           "--corpus", str(root), "--warmup", str(warmup), "--steps", str(steps)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(repo)}
     out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
@@ -247,7 +265,8 @@ def main() -> None:
             s, d, t = (int(v) for v in args.profile.split(","))
             out = args.pstats or root / "step.pstats"
             steps = max(args.min_steps, args.tokens_timed // t)
-            got = run_cell(root, s, d, t, args.warmup, steps, str(out))
+            warmup = args.warmup + fill_steps(s, t, args.tokens // args.files)
+            got = run_cell(root, s, d, t, warmup, steps, str(out))
             print(json.dumps(got))
             pstats.Stats(str(out)).sort_stats("tottime").print_stats(30)
             return
@@ -259,7 +278,8 @@ def main() -> None:
                 base.append(measure(root, cell, args, args.baseline.resolve()))
             cells.append(measure(root, cell, args))
     print(f"embedded runtime, pre-tokenized corpus; CPU by time.process_time, "
-          f"{args.warmup} warm-up steps then >= {args.min_steps} timed per cell")  # fmt: skip
+          f"{args.warmup} warm-up steps after every source's first window, "
+          f"then >= {args.min_steps} timed per cell")  # fmt: skip
     if base:
         print(f"\nbaseline ({args.baseline}):")
         report(base)
