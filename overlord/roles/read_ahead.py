@@ -368,6 +368,12 @@ class Reader:
             self.lock.notify_all()
             return not self.closed
 
+    def _wake_window(self) -> None:
+        """Wake the window thread if what it waits on is over (lock held); else let it sleep."""
+        waiting = self._window_waits_on
+        if waiting is not None and not waiting():
+            self.window_turn.notify_all()
+
     def _wait(self, waiting: Callable[[], bool]) -> None:
         """The window thread waits (lock held) while ``waiting()``, on :attr:`window_turn`."""
         self._window_waits_on = waiting
@@ -420,7 +426,7 @@ class Reader:
                 raise got
             if isinstance(got, Task):  # a shard's end
                 self.windows.popleft()
-                self.window_turn.notify_all()
+                self._wake_window()
                 self.pending.append(got)
                 return got
             left = list(got.cut)
@@ -428,7 +434,7 @@ class Reader:
             if left and not self._admit(got, *(parts[0] if parts else (*left[0], None))):
                 return None
             self.windows.popleft()
-            self.window_turn.notify_all()
+            self._wake_window()
             self.cutting = Cutting(got, left)
             task = Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
             self.pending.append(task)
@@ -449,7 +455,7 @@ class Reader:
             left.pop(0)
             cutting.parts = None
         # the window thread may read the next window now (it waits on what is left of this one)
-        self.window_turn.notify_all()
+        self._wake_window()
         piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
         piece.add_done_callback(self._wake)
         task = Task((window.epoch, window.shard_pos), window.file_index, window, plo, phi, piece)
@@ -490,7 +496,8 @@ class Reader:
     def released_enough(self) -> bool:
         """Whether the scheduler, held back by the budget, may start its piece now (lock held).
 
-        A release wakes the scheduler only then: its next piece is not admitted
+        A release (or the planner's taking metadata, which grows a new loader's
+        allowance) wakes the scheduler only then: its next piece is not admitted
         a token at a time, with a wake-up per step that finds the budget still short.
         """
         if self.waits_on != "budget":

@@ -273,7 +273,10 @@ class SourceLoader:
                 out = list(self._queue)
                 self._queue.clear()
                 self.progress.served += sum(int(b["tokens"].sum()) for b in out)
-                self._lock.notify_all()
+                # the reader waits on room in the queue, or on a budget that grows with what
+                # the planner took (while a new loader ramps up): else nothing changed for it
+                if self.reader.waits_on == "queue" or self.reader.released_enough():
+                    self._lock.notify_all()
                 return out
             if self.reader.closed and self.reader.error is None:
                 raise LoaderError(f"SourceLoader {self.source}[{self.index}] was closed")
