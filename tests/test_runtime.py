@@ -10,6 +10,7 @@ process behind handles that take the same calls.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -118,6 +119,37 @@ def test_a_one_way_calls_error_reaches_its_sender_naming_the_call(runtime):
         told.flush(timeout=30)  # ray: raised once it has run
     told.send(h, Echo.add, 1)
     told.flush(timeout=30)  # nothing left over
+
+
+def test_background_one_way_calls_run_in_order_and_name_the_one_that_failed():
+    """Calls queued behind a busy background thread join one job: all run, in order."""
+    made: list[int] = []
+    gate = threading.Event()
+
+    class Log:
+        def add(self, x: int) -> None:
+            if x == 0:
+                gate.wait(30)  # the thread is busy: later sends queue up
+            made.append(x)
+
+        def fail(self, why: str) -> None:
+            made.append(-1)
+            raise ValueError(why)
+
+    h = InlineRuntime().spawn(Log, name="log")
+    told = OneWay("the test", background=True)
+    told.send(h, Log.add, 0)
+    for x in range(1, 40):
+        told.send(h, Log.add, x)
+    told.send(h, Log.fail, "lost notice")
+    told.send(h, Log.add, 40)  # after the failure, in the same job: made all the same
+    gate.set()
+    with pytest.raises(LoaderError, match=r"the test: the one-way call log\.fail failed.*lost"):
+        told.flush(timeout=30)
+    assert made == [*range(40), -1, 40]
+    told.send(h, Log.add, 41)
+    told.close()
+    assert made[-1] == 41
 
 
 def test_errors_of_a_dead_role_can_be_expected(runtime):

@@ -163,6 +163,17 @@ def found_or_spawned(
     return found
 
 
+_Call = tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any], str]
+
+
+class _Failed(Exception):
+    """A call of a background job failed: which one (``what``) and its error."""
+
+    def __init__(self, what: str, error: Exception):
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
 class OneWay:
     """Calls whose result nobody waits for, whose errors still reach the sender.
 
@@ -177,7 +188,9 @@ class OneWay:
     With ``background``, calls are made in order on a thread of their own:
     the sender's thread only queues them. That matters where a call runs on
     the caller's thread (the embedded runtime), e.g. a trainer's consumption
-    notice, which would otherwise wait while the planner plans a step.
+    notice, which would otherwise wait while the planner plans a step. Calls
+    sent while the thread has not started on the ones before them join those
+    (one job, one wake-up): 64 ranks' notices of a step are a job or two, not 64.
     """
 
     def __init__(
@@ -191,6 +204,9 @@ class OneWay:
         self._pending: deque[tuple[Ref[Any], str]] = deque()
         self._thread = Builder(f"overlord-oneway-{sender}") if background else None
         self._lock = threading.RLock()  # senders on several threads (a Loader's clients)
+        # background: the calls of the job queued and not started yet, which later sends join
+        self._open: list[_Call] | None = None
+        self._open_lock = threading.Lock()  # never held while waiting (the job takes it)
 
     def send(
         self,
@@ -201,12 +217,40 @@ class OneWay:
     ) -> None:
         """Start ``method(*args)`` on ``handle`` without waiting for it."""
         ref: Ref[Any]
+        what = f"{handle.name}.{method.__name__}"
         with self._lock:
             if self._thread is None:
                 ref = handle.call(method, *args, **kwargs)
             else:
-                ref = self._thread.submit(lambda: handle.call(method, *args, **kwargs).result())
-            self.keep(ref, f"{handle.name}.{method.__name__}")
+                call: _Call = (handle, method, args, kwargs, what)
+                with self._open_lock:
+                    if self._open is not None:  # a job not started yet takes it too
+                        self._open.append(call)
+                        return
+                    calls = self._open = [call]
+                ref = self._thread.submit(self._run, calls)
+            self.keep(ref, what)
+
+    def _run(self, calls: list[_Call]) -> None:
+        """Make a job's calls in order (on the background thread); raise the first failure.
+
+        Every call is made even when one before it failed, as separate calls would be.
+        """
+        with self._open_lock:  # from now on a send starts the next job
+            if self._open is calls:
+                self._open = None
+        failed: _Failed | None = None
+        for handle, method, args, kwargs, what in calls:
+            try:
+                handle.call(method, *args, **kwargs).result()
+            except self.ignore as e:
+                log.debug("%s: one-way call %s failed (expected): %s", self.sender, what, e)
+            except Exception as e:
+                failed = failed or _Failed(what, e)
+                if failed.error is not e:
+                    log.error("%s: one-way call %s failed: %s", self.sender, what, e)
+        if failed is not None:
+            raise failed
 
     def keep(self, ref: Ref[Any], what: str) -> None:
         """Keep a call started elsewhere (``what`` names it) as one of these one-way calls."""
@@ -245,7 +289,11 @@ class OneWay:
 
     def _settle(self, ref: Ref[Any], what: str, timeout: float | None) -> None:
         try:
-            ref.result(timeout)
+            try:
+                ref.result(timeout)
+            except _Failed as f:  # a call of a background job: the one that failed
+                what = f.what
+                raise f.error from None
         except self.ignore as e:
             log.debug("%s: one-way call %s failed (expected): %s", self.sender, what, e)
         except Exception as e:
