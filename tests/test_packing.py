@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,3 +87,36 @@ def test_pack_equals_a_per_position_reference(rows_docs, pad_id):
     for name, w in zip(names, want):
         assert got[name].dtype == np.int32, name
         assert got[name].tolist() == w.tolist(), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows_docs=st.lists(st.lists(st.integers(0, 9), max_size=5), min_size=1, max_size=6),
+    seq_len=st.integers(1, 24),
+    pad_id=st.integers(-3, 3),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_the_compiled_loop_packs_what_numpy_packs(rows_docs, seq_len, pad_id, masked, seed):
+    """Every array equal, bit for bit, empty documents and chat masks included; and both
+    refuse a row that overflows, naming it."""
+    pytest.importorskip("numba")
+    from overlord.batch import rows as rows_mod
+
+    rng = np.random.default_rng(seed)
+    lengths = np.array([n for docs in rows_docs for n in docs], dtype=np.int64)
+    row_of = np.array([r for r, docs in enumerate(rows_docs) for _ in docs], dtype=np.int64)
+    tokens = rng.integers(0, 50_000, int(lengths.sum())).astype(np.int32)
+    mask = rng.integers(0, 2, len(tokens)).astype(np.uint8) if masked else None
+    args = (tokens, lengths, row_of, len(rows_docs), seq_len, pad_id, mask)
+    overflows = any(sum(docs) > seq_len for docs in rows_docs)
+    if overflows:
+        for how in (rows_mod._pack_numpy, rows_mod._pack_compiled):
+            with pytest.raises(ValueError, match="overflows its"):
+                how(*args)
+        return
+    want, got = rows_mod._pack_numpy(*args), rows_mod._pack_compiled(*args)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape, k
+        assert (want[k] == got[k]).all(), k

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from overlord.batch import pack_fast
+
+IGNORE_INDEX = pack_fast.IGNORE_INDEX
 
 
 def pack(
@@ -46,9 +48,56 @@ def pack(
     >>> pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 1]), 2, 4, 0, mask)[
     ...     "labels"].tolist()
     [[2, -100, -100, -100], [-100, 5, -100, -100]]
+
+    Where numba imports, one compiled loop writes the rows
+    (:mod:`overlord.batch.pack_fast`); else numpy does. The arrays are the same.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     row_of = np.asarray(row_of, dtype=np.int64)
+    if pack_fast.kernel() is not None:
+        return _pack_compiled(tokens, lengths, row_of, rows, seq_len, pad_id, mask)
+    return _pack_numpy(tokens, lengths, row_of, rows, seq_len, pad_id, mask)
+
+
+def _pack_compiled(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    row_of: np.ndarray,
+    rows: int,
+    seq_len: int,
+    pad_id: int,
+    mask: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """:func:`pack` by the compiled loop: each output written once, in place."""
+    fast = pack_fast.kernel()
+    assert fast is not None
+    out = {k: np.empty((rows, seq_len), dtype=np.int32) for k in _OUTPUTS}
+    used = np.zeros(rows, dtype=np.int64)
+    masked = mask is not None
+    bad = fast(
+        np.ascontiguousarray(tokens), lengths, row_of, int(pad_id),
+        np.asarray(mask) if masked else _NO_MASK, masked,
+        *(out[k] for k in _OUTPUTS), used,
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(f"row {row_of[bad]} overflows its {seq_len} tokens (a planner bug)")
+    return {**out, "cu_seqlens": _cu_seqlens(lengths, row_of, used, seq_len)}
+
+
+_OUTPUTS = ("input_ids", "labels", "position_ids", "segment_ids")
+_NO_MASK = np.zeros(1, dtype=np.uint8)
+
+
+def _pack_numpy(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    row_of: np.ndarray,
+    rows: int,
+    seq_len: int,
+    pad_id: int,
+    mask: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """:func:`pack` with numpy: per-token columns of the step, then a slice per row."""
     n = len(lengths)
     total = int(lengths.sum())
     src_start = np.zeros(n + 1, dtype=np.int64)  # and the end of the last document
@@ -88,6 +137,19 @@ def pack(
             position_ids[r, :u] = position[lo : lo + u]
             segment_ids[r, :u] = segment[lo : lo + u]
 
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+        "cu_seqlens": _cu_seqlens(lengths, row_of, row_used, seq_len),
+    }
+
+
+def _cu_seqlens(
+    lengths: np.ndarray, row_of: np.ndarray, row_used: np.ndarray, seq_len: int
+) -> np.ndarray:
+    """The boundaries of the documents and of each row's padding, over the flattened rows."""
     pad = seq_len - row_used
     # segments in flattened order: each row's documents, then its padding if any
     seg_len = np.concatenate((lengths, pad[pad > 0]))
@@ -95,11 +157,4 @@ def pack(
     seg_len = seg_len[np.argsort(seg_key, kind="stable")]
     cu = np.zeros(len(seg_len) + 1, dtype=np.int32)
     np.cumsum(seg_len, out=cu[1:])
-
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "position_ids": position_ids,
-        "segment_ids": segment_ids,
-        "cu_seqlens": cu,
-    }
+    return cu

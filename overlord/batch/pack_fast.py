@@ -1,0 +1,81 @@
+"""The rows of :func:`overlord.batch.rows.pack`, written by one compiled loop (numba).
+
+Optional (``pip install 'overlord-data[fast]'``), as :mod:`overlord.plan.select_fast`:
+numba is imported, and the loop compiled (or loaded from numba's cache), on the
+first call of :func:`kernel`; without numba ``pack`` builds the same arrays with
+numpy. The loop writes each output once, in place: a document's ids, labels,
+positions and segment, then each row's padding; numpy's way makes and copies a
+whole-step array per output besides (positions, segments, next tokens), which
+is most of a step's packing for the short documents of a pre-tokenized corpus.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+IGNORE_INDEX = -100  # as overlord.batch.rows (which imports this module, not the reverse)
+
+
+def _rows(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    row_of: np.ndarray,
+    pad_id: int,
+    mask: np.ndarray,
+    masked: bool,
+    ids: np.ndarray,  # the four outputs, (rows, seq_len) int32, written whole
+    labels: np.ndarray,
+    positions: np.ndarray,
+    segments: np.ndarray,
+    used: np.ndarray,  # int64 (rows,): the tokens of each row, written here
+) -> int:
+    """Write the rows; -1, or the first document that overflows its row (nothing then holds)."""
+    rows, seq_len = ids.shape
+    doc_in_row = np.zeros(rows, dtype=np.int64)
+    src = 0
+    for d in range(len(lengths)):
+        r = row_of[d]
+        n = lengths[d]
+        at = used[r]
+        if at + n > seq_len:
+            return d
+        doc_in_row[r] += 1
+        k = doc_in_row[r]
+        for t in range(n):
+            ids[r, at + t] = tokens[src + t]
+            positions[r, at + t] = t
+            segments[r, at + t] = k
+            # the next token of the same document, where its mask keeps it
+            if t + 1 < n and (not masked or mask[src + t + 1] != 0):
+                labels[r, at + t] = tokens[src + t + 1]
+            else:
+                labels[r, at + t] = IGNORE_INDEX
+        used[r] = at + n
+        src += n
+    for r in range(rows):
+        for c in range(used[r], seq_len):
+            ids[r, c] = pad_id
+            labels[r, c] = IGNORE_INDEX
+            positions[r, c] = 0
+            segments[r, c] = 0
+    return -1
+
+
+_lock = threading.Lock()
+_compiled: list[Callable[..., int] | None] = []  # the loop once compiled (None: no numba)
+
+
+def kernel() -> Callable[..., int] | None:
+    """The compiled loop (None where numba does not import); compiled at the first call."""
+    with _lock:
+        if not _compiled:
+            try:
+                import numba
+            except ImportError:
+                _compiled.append(None)
+            else:
+                _compiled.append(numba.njit(cache=True)(_rows))
+        return _compiled[0]
