@@ -28,7 +28,7 @@ class LoaderRole(Protocol):
     """A SourceLoader: reads one source's shards ahead and holds their tokens."""
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
-        """Blocks of item metadata read since the last call."""
+        """Blocks of item metadata read since the last call (``timeout`` 0: no wait, no error)."""
         ...
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
@@ -248,8 +248,8 @@ class ConstructorRole(Protocol):
         """The same, as ``[ref]``: one object of the store it was given (the wiring's choice)."""
         ...
 
-    def stats(self) -> dict[str, int]:
-        """Batches packed, of how many distinct ``(step, rank)``, and their bytes."""
+    def stats(self) -> dict[str, Any]:
+        """Batches packed, of how many distinct ``(step, rank)``, their bytes, calls sent."""
         ...
 
     def pid(self) -> int:

@@ -88,6 +88,8 @@ class LoaderPool:
         self.slots: dict[str, list[list[Handle[LoaderRole]]]] = {n: [] for n in self.names}
         self.parts: dict[str, list[Partition]] = {n: [] for n in self.names}  # per slot
         self._received: dict[tuple[str, int], list[int]] = {}  # end of the last block it got
+        # blocks a loader sent with a process mate's, before its cursor asked (see metadata)
+        self._polled: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._releases = OneWay("planner", ignore=(ActorDiedError,))
         self.events: list[dict[str, Any]] = []  # failovers and re-partitions
         # None: the sizes stay as planned (autoscale.cpus not set)
@@ -173,19 +175,64 @@ class LoaderPool:
     # ---- data ------------------------------------------------------------------------------
 
     def metadata(self, source: str, k: int, timeout: float) -> list[dict[str, Any]]:
-        """New metadata blocks of slot ``k``, failing over to a replica if its primary died."""
+        """New metadata blocks of slot ``k``, failing over to a replica if its primary died.
+
+        Loaders that share a process are asked in one call to it: slot ``k``
+        waits for a block, the others hand over what they have queued, which
+        is kept here until their cursors ask (one call per loader process
+        per step, not one per source).
+        """
         while True:
+            kept = self._polled.pop((source, k), None)
+            if kept:
+                return kept
             handle = self.slots[source][k][0]
             try:
-                blocks = handle.call(LoaderRole.metadata, timeout).result()
+                blocks = self._ask(source, k, handle, timeout)
             except ActorDiedError:
                 self.failover(source, k, handle.name)
                 continue
-            if blocks:
-                last = blocks[-1]
-                end = SHARD_END if last["last"] else int(last["stop"])
-                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
             return blocks
+
+    def _ask(
+        self, source: str, k: int, handle: Handle[LoaderRole], timeout: float
+    ) -> list[dict[str, Any]]:
+        """Slot ``k``'s new blocks, and those its process's other primaries queued (kept)."""
+        mates = self._mates(handle)
+        if not mates:
+            return self._got(source, k, handle.call(LoaderRole.metadata, timeout).result())
+        calls = [(handle, timeout)] + [(h, 0.0) for _, _, h in mates]
+        refs = call_each(LoaderRole.metadata, calls)
+        try:
+            blocks = refs[0].result()
+        except ActorDiedError:  # this loader's, or another member's (killed): ask it alone
+            return self._got(source, k, handle.call(LoaderRole.metadata, timeout).result())
+        for (n, j, _), ref in zip(mates, refs[1:]):
+            more = self._got(n, j, ref.result())
+            if more:
+                self._polled.setdefault((n, j), []).extend(more)
+        return self._got(source, k, blocks)
+
+    def _mates(self, handle: Handle[LoaderRole]) -> list[tuple[str, int, Handle[LoaderRole]]]:
+        """The other primaries hosted in ``handle``'s process (none: not hosted)."""
+        host = getattr(getattr(handle, "host", None), "name", None)
+        if host is None:
+            return []
+        return [
+            (n, j, slot[0])
+            for n, slots in self.slots.items()
+            for j, slot in enumerate(slots)
+            if slot and slot[0] is not handle and getattr(slot[0], "host", None) is not None
+            and slot[0].host.name == host  # type: ignore[attr-defined]
+        ]  # fmt: skip
+
+    def _got(self, source: str, k: int, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Blocks slot ``k`` of ``source`` sent: the end of the last one is what it sent."""
+        if blocks:
+            last = blocks[-1]
+            end = SHARD_END if last["last"] else int(last["stop"])
+            self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
+        return blocks
 
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:
         """Tell every replica of every slot that these items (of a consumed step) can go.
@@ -317,6 +364,7 @@ class LoaderPool:
                         with contextlib.suppress(Exception):  # gone already
                             self.runtime.kill(replica)
                     slot.clear()
+                    self._polled.pop((source, k), None)
                     self._journal()
 
     def autoscale(
@@ -370,6 +418,7 @@ class LoaderPool:
         :meth:`rewind` gives, not from past the rewind.
         """
         self._received.clear()
+        self._polled.clear()  # sent before the rewind: served again from the new position
 
     def rewind(self, cursors: dict[str, dict[str, Any]], seek: bool = False) -> None:
         """Have every replica serve again what the recovered state has not consumed.
@@ -380,6 +429,7 @@ class LoaderPool:
         started anew, at the state.
         """
         calls = []
+        self._polled.clear()  # blocks sent before the rewind: the loaders serve them again
         for name, slots in self.slots.items():
             at = (int(cursors[name]["epoch"]), int(cursors[name]["shard_pos"]))
             for k, slot in enumerate(slots):

@@ -52,7 +52,7 @@ from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.quarantine import Quarantine, collect_dropped
 from overlord.roles.rewind import Stamps
-from overlord.runtime.base import Handle, RoleOptions, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime, calls_made
 from overlord.sources.catalog import SourceFiles
 from overlord.state.changes import dropped_sources
 from overlord.state.journal import Journal
@@ -543,6 +543,8 @@ class Planner:
             "autoscaler": self.pool.scaling_state(),
             "feedback": self.loop.stats(),
             **self._quarantine_stats(),
+            # the calls the planner's process sent to other processes (Ray), by method
+            "calls": {"pid": os.getpid(), "by_method": calls_made()},
         }
 
     def _quarantine_stats(self) -> dict[str, Any]:

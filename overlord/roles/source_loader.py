@@ -252,9 +252,16 @@ class SourceLoader:
     # ---- calls ---------------------------------------------------------------------------
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
-        """Blocks of item metadata read since the last call; waits up to ``timeout`` for one."""
+        """Blocks of item metadata read since the last call; waits up to ``timeout`` for one.
+
+        ``timeout`` 0: at once, what is queued, maybe nothing, and never an error (the
+        pool asks a process's other loaders so, with the one it waits for; the error
+        of a loader is raised when it is waited for).
+        """
         deadline = time.monotonic() + timeout
         with self._lock:
+            if timeout <= 0:
+                return self._hand_over() if self._serving else []
             if not self._serving:
                 raise LoaderError(
                     f"SourceLoader {self.source}[{self.index}] is a shadow: it serves metadata "
@@ -270,11 +277,7 @@ class SourceLoader:
                 ),
             )
             if self._queue:
-                out = list(self._queue)
-                self._queue.clear()
-                self.progress.served += sum(int(b["tokens"].sum()) for b in out)
-                self._lock.notify_all()
-                return out
+                return self._hand_over()
             if self.reader.closed and self.reader.error is None:
                 raise LoaderError(f"SourceLoader {self.source}[{self.index}] was closed")
             err = self.reader.error
@@ -284,6 +287,14 @@ class SourceLoader:
         raise LoaderError(
             f"SourceLoader {self.source}[{self.index}] failed: {type(err).__name__}: {err}"
         ) from err
+
+    def _hand_over(self) -> list[dict[str, Any]]:
+        """The queued blocks, now sent (lock held)."""
+        out = list(self._queue)
+        self._queue.clear()
+        self.progress.served += sum(int(b["tokens"].sum()) for b in out)
+        self._lock.notify_all()
+        return out
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """The payloads of items ``[[epoch, shard_pos, index], ...]`` (kept until released).
