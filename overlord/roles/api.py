@@ -136,6 +136,13 @@ class PlannerRole(Protocol):
         """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
         ...
 
+    def rewound(self, rank: int) -> bool:
+        """Whether DP rank ``rank`` may be served: no rewind it joined waits for other ranks.
+
+        Raises the error of a rewind it joined that was refused.
+        """
+        ...
+
     def report(
         self, rank: int, step: int, seconds: float, losses: dict[str, float] | None = None
     ) -> None:

@@ -407,6 +407,10 @@ class Planner:
         """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
         self.consumption.waiting(rank, step, since)
 
+    def rewound(self, rank: int) -> bool:
+        """Whether DP rank ``rank`` may be served (False: its rewind waits for other ranks)."""
+        return not self.consumption.waits(rank)
+
     def _settle(self, before: int, done: int) -> None:
         """Every rank consumed up to ``done`` (up to ``before`` until now).
 
