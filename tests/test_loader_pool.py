@@ -222,3 +222,36 @@ def test_a_loader_asked_without_waiting_answers_at_once_even_as_a_shadow(tmp_pat
             shadow.metadata(0.5)
     finally:
         shadow.close()
+
+
+def test_blocks_kept_for_a_process_mate_are_dropped_by_a_rewind(tmp_path):
+    """A rewind has every loader serve again from the state: what the pool kept is not served.
+
+    The blocks a loader handed over with a process mate's were sent before the
+    rewind; the rewound loader sends them again, so serving the kept ones too
+    would hand the planner each of them twice.
+    """
+    start = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
+    asks = [("web", 0), ("code", 0), ("web", 1), ("code", 0), ("web", 0), ("web", 1)] * 3
+    apart, together = real_pool(tmp_path / "apart", None), real_pool(tmp_path / "together", 1)
+    try:
+        want = blocks_of(apart, asks)
+        for source, k in [("web", 0), ("web", 1), ("code", 0)]:
+            loader = together.slots[source][k][0]
+            while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+        blocks_of(together, asks[:1])
+        assert together._polled  # the mates' blocks came along, kept for their asks
+        together.forget_received()
+        together.rewind({n: start for n in together.names})
+        got = blocks_of(together, asks)
+        for slot in [("web", 0), ("web", 1), ("code", 0)]:
+            mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
+            n = min(len(mine), len(theirs))
+            assert n >= 3 and mine[:n] == theirs[:n], slot
+    finally:
+        for pool in (apart, together):
+            for slots in pool.slots.values():
+                for slot in slots:
+                    for h in slot:
+                        pool.runtime.kill(h)
