@@ -34,6 +34,13 @@ class StubLoader:
         self.threads = 1
         self.next = [0, 4]  # the first shard it has not started
         self.limit: list[int] | None = None
+        self.released: list[list[list[int]]] = []  # the keys of each release call
+
+    def release(self, keys: np.ndarray) -> None:
+        self.released.append(np.asarray(keys).tolist())
+
+    def rewind(self, start: dict[str, Any], seek: bool = False) -> None:
+        pass
 
     def stats(self) -> dict[str, Any]:
         return {"cpu_s_per_token": self.cost, "rss_bytes": 1e8, "threads": self.threads}
@@ -83,6 +90,31 @@ def pool_of(tmp_path, processes: int | None = None, **autoscale: Any) -> LoaderP
 
 def weights(step: int) -> np.ndarray:
     return np.array([0.8, 0.2])
+
+
+def test_shadows_are_told_of_releases_every_few_steps_and_never_past_a_rewind(tmp_path):
+    """Primaries at once; a shadow serves nothing, so it is told once per few steps."""
+    from overlord.roles.loader_pool import SHADOW_RELEASE_STEPS as EVERY
+
+    pool = pool_of(tmp_path)  # web: 2 slots, each with a shadow; code: no shadow
+    primary, shadow = (r.obj for r in pool.slots["web"][0])  # type: ignore[attr-defined]
+
+    def release(step: int) -> None:  # one item of slot web[0] and one of code[0] per step
+        keys = np.array([[0, 0, step], [0, 0, step]], dtype=np.int64)
+        pool.release(np.array([0, 1]), np.array([0, 0]), keys)
+
+    for step in range(EVERY - 1):
+        release(step)
+    assert len(primary.released) == EVERY - 1 and shadow.released == []
+    release(EVERY - 1)
+    assert shadow.released == [[[0, 0, s] for s in range(EVERY)]]  # in one call
+    release(EVERY)
+    pool.rewind({n: {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []} for n in pool.names})
+    for step in range(EVERY + 1, 2 * EVERY + 1):
+        release(step)
+    # what was released before the rewind is not sent after it (it is needed again)
+    assert shadow.released[1:] == [[[0, 0, s] for s in range(EVERY + 1, 2 * EVERY + 1)]]
+    assert len(primary.released) == 2 * EVERY + 1
 
 
 def test_a_repartition_starts_new_loaders_from_the_boundary_and_limits_the_old(tmp_path):

@@ -43,7 +43,10 @@ from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.pool")
 
-
+# a shadow's releases go in one call per this many steps: it serves nothing until promoted,
+# so items it holds a few steps longer cost memory only (a reader held by its budget lags,
+# as a shadow may), and a loader process per source and standby saves a call per step
+SHADOW_RELEASE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class LoaderPool:
         # blocks a loader sent with a process mate's, before its cursor asked (see metadata)
         self._polled: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._releases = OneWay("planner", ignore=(ActorDiedError,))
+        # per slot, the keys released since its shadows were last told, and for how many steps
+        self._shadow_keys: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._shadow_steps = 0
         self.events: list[dict[str, Any]] = []  # failovers and re-partitions
         # None: the sizes stay as planned (autoscale.cpus not set)
         self.autoscaler = Scaling.of(plan, files, config.measure_rss)
@@ -237,14 +243,36 @@ class LoaderPool:
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:
         """Tell every replica of every slot that these items (of a consumed step) can go.
 
-        One-way: the planner does not wait, and the error of a release (other
-        than a dead replica's) is raised at the next release.
+        Primaries are told at once, shadows every :data:`SHADOW_RELEASE_STEPS`
+        calls (a slot's failover tells them first). One-way: the planner does
+        not wait, and the error of a release (other than a dead replica's) is
+        raised at the next release.
         """
-        calls = [
-            (replica, keys[mine])
-            for s, k, mine in by_slot(source, loader)
-            for replica in self.slots[self.names[s]][k]
-        ]
+        calls = []
+        for s, k, mine in by_slot(source, loader):
+            slot = self.slots[self.names[s]][k]
+            if slot:
+                calls.append((slot[0], keys[mine]))
+            if len(slot) > 1:
+                self._shadow_keys.setdefault((self.names[s], k), []).append(keys[mine])
+        self._shadow_steps += 1
+        if self._shadow_steps >= SHADOW_RELEASE_STEPS:
+            calls += self._to_shadows(list(self._shadow_keys))
+        self._send_releases(calls)
+
+    def _to_shadows(self, slots: list[tuple[str, int]]) -> list[tuple[Handle[LoaderRole], Any]]:
+        """The release calls that tell ``slots``' shadows what was released since they were told."""
+        calls = []
+        for name, k in slots:
+            parts = self._shadow_keys.pop((name, k), [])
+            if parts:
+                keys = np.concatenate(parts)
+                calls += [(replica, keys) for replica in self.slots[name][k][1:]]
+        if not self._shadow_keys:
+            self._shadow_steps = 0
+        return calls
+
+    def _send_releases(self, calls: list[tuple[Handle[LoaderRole], Any]]) -> None:
         # loaders that share a process are told in one call to it
         for (handle, _), ref in zip(calls, call_each(LoaderRole.release, calls)):
             self._releases.keep(ref, f"{handle.name}.release")
@@ -280,6 +308,11 @@ class LoaderPool:
             slot.append(fresh)
         while len(slot) < 1 + self.shadows[source]:
             slot.append(self._spawn(source, k, shadow=True))
+        # the promoted shadow was not told of every release yet (nor were its peers)
+        waiting = self._shadow_keys.pop((source, k), [])
+        if waiting:
+            keys = np.concatenate(waiting)
+            self._send_releases([(replica, keys) for replica in slot])
         self._journal()
         self.events.append(
             {
@@ -365,6 +398,7 @@ class LoaderPool:
                             self.runtime.kill(replica)
                     slot.clear()
                     self._polled.pop((source, k), None)
+                    self._shadow_keys.pop((source, k), None)
                     self._journal()
 
     def autoscale(
@@ -430,6 +464,10 @@ class LoaderPool:
         """
         calls = []
         self._polled.clear()  # blocks sent before the rewind: the loaders serve them again
+        # releases of steps consumed before the rewind: a rewind releases what its state
+        # consumed, and what comes after the state is needed again, so they are not sent
+        self._shadow_keys.clear()
+        self._shadow_steps = 0
         for name, slots in self.slots.items():
             at = (int(cursors[name]["epoch"]), int(cursors[name]["shard_pos"]))
             for k, slot in enumerate(slots):
