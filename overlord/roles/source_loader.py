@@ -34,7 +34,8 @@ Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
 call that is retried, can take the same items again, and a *shadow* (a hot
 standby started with ``shadow=True``) that reads the same shards and receives
-the same releases holds exactly what the primary holds. When the primary dies,
+the same releases (a few steps later, in one call) holds what the primary
+holds, and at most those few consumed steps' items more. When the primary dies,
 the planner promotes the shadow: it starts serving metadata after the last
 block the planner received, and constructors take from it instead. A loader
 can also be *rewound* to a planner state (a restarted planner resumes there,
