@@ -41,7 +41,7 @@ from overlord.plan.settings import ConstructorSite
 from overlord.plan.spec import Plan, validate_plan
 from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
-from overlord.roles.client import Client
+from overlord.roles.client import Client, wait_until_rewound
 from overlord.roles.constructor import DataConstructor
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
@@ -404,7 +404,8 @@ def _connect(
     pool: Handle[PoolRole] = found
     ops: Handle[OpsRole] = found
     layout = ops.call(OpsRole.layout).result()
-    world = validate_plan(layout["plan"]).world
+    found_plan = validate_plan(layout["plan"])
+    world, timeout_s = found_plan.world, found_plan.loading.timeout_s
     dp = layout["dp"]
     if global_rank is not None:
         if not 0 <= global_rank < world.size:
@@ -434,6 +435,7 @@ def _connect(
         objects = RayObjects()  # the actor puts a mesh rank's view in Ray's object store
     if state is not None:
         start = planner.call(PlannerRole.reconnect, dp_rank, state).result()
+        wait_until_rewound(planner, dp_rank, timeout_s)
     if global_rank is None:
         if state is None:
             start = planner.call(PlannerRole.position, dp_rank).result()

@@ -105,3 +105,30 @@ def test_a_client_resumes_from_its_state(job_plan):
         ),
         STEPS,
     )
+
+
+class Rewinding:
+    """A planner whose rewind completes after ``waits`` asks, or is refused with ``refused``."""
+
+    def __init__(self, waits: int, refused: str | None = None) -> None:
+        self.waits, self.refused, self.asked = waits, refused, 0
+
+    def rewound(self, rank: int) -> bool:
+        self.asked += 1
+        if self.refused is not None and self.asked > self.waits:
+            raise LoaderError(self.refused)
+        return self.asked > self.waits
+
+
+def test_a_reconnected_client_starts_once_the_job_rewound_or_raises_its_refusal():
+    """Its constructor may hold the dead trainer's batches of the same steps: not before."""
+    from overlord.roles.client import wait_until_rewound
+
+    planner = Rewinding(waits=3)
+    wait_until_rewound(InlineHandle(planner, "planner"), 0, timeout_s=5.0)  # type: ignore[arg-type]
+    assert planner.asked == 4  # asked until every rank had reconnected
+    refused = Rewinding(waits=2, refused="rank(s) [1] did not within 5 s")
+    with pytest.raises(LoaderError, match=r"rank\(s\) \[1\] did not"):
+        wait_until_rewound(InlineHandle(refused, "planner"), 0, timeout_s=5.0)  # type: ignore[arg-type]
+    with pytest.raises(LoaderError, match="did not rewind within"):  # a planner that never says
+        wait_until_rewound(InlineHandle(Rewinding(waits=10**9), "planner"), 0, timeout_s=0.01)  # type: ignore[arg-type]

@@ -7,13 +7,14 @@ runs alone: no reading, no threads.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from conftest import make_corpus
-from overlord import load_plan
+from overlord import LoaderError, load_plan
 from overlord.plan.partition import partitions
 from overlord.plan.spec import validate_plan
 from overlord.roles.api import LoaderRole
@@ -33,6 +34,13 @@ class StubLoader:
         self.threads = 1
         self.next = [0, 4]  # the first shard it has not started
         self.limit: list[int] | None = None
+        self.released: list[list[list[int]]] = []  # the keys of each release call
+
+    def release(self, keys: np.ndarray) -> None:
+        self.released.append(np.asarray(keys).tolist())
+
+    def rewind(self, start: dict[str, Any], seek: bool = False) -> None:
+        pass
 
     def stats(self) -> dict[str, Any]:
         return {"cpu_s_per_token": self.cost, "rss_bytes": 1e8, "threads": self.threads}
@@ -82,6 +90,31 @@ def pool_of(tmp_path, processes: int | None = None, **autoscale: Any) -> LoaderP
 
 def weights(step: int) -> np.ndarray:
     return np.array([0.8, 0.2])
+
+
+def test_shadows_are_told_of_releases_every_few_steps_and_never_past_a_rewind(tmp_path):
+    """Primaries at once; a shadow serves nothing, so it is told once per few steps."""
+    from overlord.roles.loader_pool import SHADOW_RELEASE_STEPS as EVERY
+
+    pool = pool_of(tmp_path)  # web: 2 slots, each with a shadow; code: no shadow
+    primary, shadow = (r.obj for r in pool.slots["web"][0])  # type: ignore[attr-defined]
+
+    def release(step: int) -> None:  # one item of slot web[0] and one of code[0] per step
+        keys = np.array([[0, 0, step], [0, 0, step]], dtype=np.int64)
+        pool.release(np.array([0, 1]), np.array([0, 0]), keys)
+
+    for step in range(EVERY - 1):
+        release(step)
+    assert len(primary.released) == EVERY - 1 and shadow.released == []
+    release(EVERY - 1)
+    assert shadow.released == [[[0, 0, s] for s in range(EVERY)]]  # in one call
+    release(EVERY)
+    pool.rewind({n: {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []} for n in pool.names})
+    for step in range(EVERY + 1, 2 * EVERY + 1):
+        release(step)
+    # what was released before the rewind is not sent after it (it is needed again)
+    assert shadow.released[1:] == [[[0, 0, s] for s in range(EVERY + 1, 2 * EVERY + 1)]]
+    assert len(primary.released) == 2 * EVERY + 1
 
 
 def test_a_repartition_starts_new_loaders_from_the_boundary_and_limits_the_old(tmp_path):
@@ -146,3 +179,111 @@ def test_a_decision_is_carried_out_and_recorded(tmp_path):
     )
     (record,) = pool.scaling
     assert record["step"] == 10 and record["sources"]["web"]["loaders"] == web.loaders
+
+
+def real_pool(tmp_path, processes: int | None) -> LoaderPool:
+    """A pool of real SourceLoaders (inline), hosted ``processes`` to a process (None: apart)."""
+    path = make_corpus(
+        tmp_path,
+        {
+            "web": {"files": {f"data/web/p{i}.jsonl": 5 for i in range(6)}, "loaders": 2},
+            "code": {"files": {f"data/code/p{i}.jsonl": 5 for i in range(6)}},
+        },
+    )
+    plan = load_plan(path)
+    files = job_files([(s.name, [s.path]) for s in plan.sources], str(plan.base_dir))
+    start = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
+    config = PoolConfig(shadows={"web": 0, "code": 0}, processes=processes)
+    pool = LoaderPool(
+        plan, files, InlineRuntime(), config, consumed=lambda source: start, clock=lambda: 0
+    )
+    pool.start()
+    return pool
+
+
+def blocks_of(pool: LoaderPool, asks: list[tuple[str, int]]) -> list[tuple[Any, ...]]:
+    """What each ask of ``asks`` returned: every block's slot, shard and items, in order."""
+    out = []
+    for source, k in asks:
+        for b in pool.metadata(source, k, 20.0):
+            out.append((source, k, int(b["epoch"]), int(b["shard_pos"]), b["index"].tolist()))
+    return out
+
+
+def test_loaders_of_one_process_hand_over_their_metadata_in_one_call(tmp_path):
+    """Asked for one loader's blocks, a process's other loaders hand theirs over too.
+
+    The pool keeps them for their own asks, which then need no call: the
+    blocks each slot serves, and their order, are those of loaders apart.
+    """
+    asks = [("web", 0), ("code", 0), ("web", 1), ("code", 0), ("web", 0), ("web", 1)] * 3
+    apart, together = real_pool(tmp_path / "apart", None), real_pool(tmp_path / "together", 1)
+    try:
+        want = blocks_of(apart, asks)
+        # wait until every loader of the process has queued a block, then ask one of them
+        for source, k in [("web", 0), ("web", 1), ("code", 0)]:
+            loader = together.slots[source][k][0]
+            while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+        got = blocks_of(together, asks[:1])
+        # the mates' blocks came with that call, kept for their own asks
+        assert set(together._polled) == {("web", 1), ("code", 0)}
+        got += blocks_of(together, asks[1:])
+        for slot in [("web", 0), ("web", 1), ("code", 0)]:
+            mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
+            n = min(len(mine), len(theirs))
+            assert n >= 3 and mine[:n] == theirs[:n]
+    finally:
+        for pool in (apart, together):
+            for slots in pool.slots.values():
+                for slot in slots:
+                    for h in slot:
+                        pool.runtime.kill(h)
+
+
+def test_a_loader_asked_without_waiting_answers_at_once_even_as_a_shadow(tmp_path):
+    """``metadata(0)``: what is queued or nothing, never a wait nor an error (a shadow's too)."""
+    path = make_corpus(tmp_path, {"web": {"files": {"data/web/p0.jsonl": 3}}})
+    plan = load_plan(path)
+    files = job_files([("web", ["data/web/*"])], str(plan.base_dir))
+    start = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
+    shadow = SourceLoader(plan, files["web"], "web", 0, 1, start, True, True)
+    try:
+        assert shadow.metadata(0.0) == []
+        with pytest.raises(LoaderError, match="shadow"):
+            shadow.metadata(0.5)
+    finally:
+        shadow.close()
+
+
+def test_blocks_kept_for_a_process_mate_are_dropped_by_a_rewind(tmp_path):
+    """A rewind has every loader serve again from the state: what the pool kept is not served.
+
+    The blocks a loader handed over with a process mate's were sent before the
+    rewind; the rewound loader sends them again, so serving the kept ones too
+    would hand the planner each of them twice.
+    """
+    start = {"epoch": 0, "shard_pos": 0, "index": 0, "skip": []}
+    asks = [("web", 0), ("code", 0), ("web", 1), ("code", 0), ("web", 0), ("web", 1)] * 3
+    apart, together = real_pool(tmp_path / "apart", None), real_pool(tmp_path / "together", 1)
+    try:
+        want = blocks_of(apart, asks)
+        for source, k in [("web", 0), ("web", 1), ("code", 0)]:
+            loader = together.slots[source][k][0]
+            while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+        blocks_of(together, asks[:1])
+        assert together._polled  # the mates' blocks came along, kept for their asks
+        together.forget_received()
+        together.rewind({n: start for n in together.names})
+        got = blocks_of(together, asks)
+        for slot in [("web", 0), ("web", 1), ("code", 0)]:
+            mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
+            n = min(len(mine), len(theirs))
+            assert n >= 3 and mine[:n] == theirs[:n], slot
+    finally:
+        for pool in (apart, together):
+            for slots in pool.slots.values():
+                for slot in slots:
+                    for h in slot:
+                        pool.runtime.kill(h)

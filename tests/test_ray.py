@@ -223,6 +223,14 @@ def test_loaders_grouped_in_fewer_processes_give_the_same_stream(ray_session, pl
     with Loader(plan, runtime="ray") as loader:
         # one loader group, its shadow group, the planner, 4 constructors
         assert len(loader.runtime.job_actors()) == 1 + 1 + 1 + 4
+        clients = [loader.client(r) for r in range(plan.world.dp)]
+        for _ in range(4):
+            for c in clients:
+                next(c)
+        # the planner asks the group's loaders for metadata in one call to their process
+        calls = loader.stats()["calls"]["by_method"]
+        assert calls.get("call_each:metadata", 0) > 0
+        assert "call:metadata" not in calls
 
 
 def test_a_file_added_mid_run_is_not_read_by_a_loader_a_failover_starts(ray_session, tmp_path):

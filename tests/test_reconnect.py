@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,40 @@ def test_trainers_killed_at_a_random_step_reconnect_from_their_newest_checkpoint
     )
     assert before == after  # the SourceLoaders were not restarted
     assert [e["step"] for e in events] == [restart]
+
+
+def test_a_rank_that_reconnects_first_is_served_nothing_until_every_rank_reconnected(
+    ray_session, plan, tmp_path
+):
+    """Its constructor holds the steps it built ahead for the trainer that died: kept back.
+
+    Handed over before the job rewound, they would be counted as consumed by
+    the job from before the rewind, which then forgets them, and the ranks
+    would wait for each other forever.
+    """
+    from overlord.roles.api import PlannerRole
+
+    want = uninterrupted(plan)
+    out, ckpt = tmp_path / "dump.jsonl", tmp_path / "ckpt"
+    die_at = 2 * EVERY  # its step's checkpoint is the newest: the new trainers ask it again
+    with Loader(plan, runtime="ray", job="rewind-first") as loader:
+        assert trainers("rewind-first", out, ckpt, die_at) == ["", ""]
+        before = len(out.read_text().splitlines())
+        first = spawn("rewind-first", 0, out, ckpt, die_at=-1)
+        deadline = time.monotonic() + 60
+        while loader.planner.call(PlannerRole.rewound, 0).result():  # until rank 0 joined
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(2.0)  # a batch at hand would have been served by now
+        assert len(out.read_text().splitlines()) == before  # nothing served yet
+        second = spawn("rewind-first", 1, out, ckpt, die_at=-1)
+        for p in (first, second):
+            err = p.communicate(timeout=120)[1]
+            assert p.returncode == 0, err[-3000:]
+        events = [e for e in loader.stats()["events"] if e["event"] == "trainers-rewound"]
+    counts = served(out, want)
+    assert all(counts[(s, r)] == (2 if s == die_at else 1) for s, r in want), counts
+    assert [e["step"] for e in events] == [die_at]
 
 
 def test_a_refused_rank_stops_the_rewind_then_all_rewind_to_an_older_checkpoint(

@@ -28,7 +28,7 @@ class LoaderRole(Protocol):
     """A SourceLoader: reads one source's shards ahead and holds their tokens."""
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
-        """Blocks of item metadata read since the last call."""
+        """Blocks of item metadata read since the last call (``timeout`` 0: no wait, no error)."""
         ...
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
@@ -134,6 +134,13 @@ class PlannerRole(Protocol):
 
     def waiting(self, rank: int, step: int, since: int | None = None) -> None:
         """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
+        ...
+
+    def rewound(self, rank: int) -> bool:
+        """Whether DP rank ``rank`` may be served: no rewind it joined waits for other ranks.
+
+        Raises the error of a rewind it joined that was refused.
+        """
         ...
 
     def report(
@@ -248,8 +255,8 @@ class ConstructorRole(Protocol):
         """The same, as ``[ref]``: one object of the store it was given (the wiring's choice)."""
         ...
 
-    def stats(self) -> dict[str, int]:
-        """Batches packed, of how many distinct ``(step, rank)``, and their bytes."""
+    def stats(self) -> dict[str, Any]:
+        """Batches packed, of how many distinct ``(step, rank)``, their bytes, calls sent."""
         ...
 
     def pid(self) -> int:

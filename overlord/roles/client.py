@@ -236,6 +236,30 @@ class Client(Iterator[Batch]):
             )
 
 
+def wait_until_rewound(planner: Handle[PlannerRole], rank: int, timeout_s: float) -> None:
+    """Return once the rewind DP rank ``rank`` joined is done: every DP rank reconnected.
+
+    Asked before a reconnected trainer's first batch: its constructor may hold
+    batches it built ahead for the trainer that died, of the very steps the
+    new one asks for, and would hand them over without asking the planner, so
+    a rank would consume steps of a job that has not rewound yet (and the
+    rewind, when it comes, would forget that it did). The planner refuses a
+    rewind that waits longer than ``loading.timeout_s`` (``timeout_s``): its
+    error is raised here.
+    """
+    deadline = time.monotonic() + 2 * timeout_s + HEARTBEAT_S
+    pause = 0.001
+    while not planner.call(PlannerRole.rewound, rank).result():
+        if time.monotonic() > deadline:
+            raise LoaderError(
+                f"rank {rank} reconnected, and the job did not rewind within "
+                f"{2 * timeout_s:.0f} s (twice loading.timeout_s), nor did its planner refuse "
+                "the rewind: see the planner's log"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 def _resumed_from(state: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether ``state``, of another plan, is where the running stream stands.
 

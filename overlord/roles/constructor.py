@@ -37,7 +37,7 @@ from overlord.plan.spec import Plan
 from overlord.roles.api import ConstructorRole, LoaderRole, PlannerRole, PoolRole
 from overlord.roles.pool_view import PoolView
 from overlord.runtime import Builder
-from overlord.runtime.base import Handle
+from overlord.runtime.base import Handle, calls_made
 from overlord.runtime.objects import ObjectStore
 from overlord.sources.catalog import SourceFiles
 from overlord.sources.images import image_token_id
@@ -382,16 +382,19 @@ class DataConstructor:
 
         return Samples(make, lengths)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.
 
         ``builds`` equals ``distinct`` (the steps from each rank's first to
         its last packed) when every batch is fetched and packed once for all
         its peers; a build repeated after a failure or a rewind counts twice.
+        ``calls``: the calls its process sent to other processes, by method
+        (``pid``: that process).
         """
         with self._lock:
             spans = self._packed_span.values()
-            return {**self._packed, "distinct": sum(b - a + 1 for a, b in spans)}
+            built = {**self._packed, "distinct": sum(b - a + 1 for a, b in spans)}
+        return {**built, "calls": calls_made(), "pid": os.getpid()}
 
     def pid(self) -> int:
         """The process this constructor runs in (chaos tests kill it)."""

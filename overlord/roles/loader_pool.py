@@ -43,7 +43,10 @@ from overlord.state.journal import Journal
 
 log = logging.getLogger("overlord.pool")
 
-
+# a shadow's releases go in one call per this many steps: it serves nothing until promoted,
+# so items it holds a few steps longer cost memory only (a reader held by its budget lags,
+# as a shadow may), and a loader process per source and standby saves a call per step
+SHADOW_RELEASE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,12 @@ class LoaderPool:
         self.slots: dict[str, list[list[Handle[LoaderRole]]]] = {n: [] for n in self.names}
         self.parts: dict[str, list[Partition]] = {n: [] for n in self.names}  # per slot
         self._received: dict[tuple[str, int], list[int]] = {}  # end of the last block it got
+        # blocks a loader sent with a process mate's, before its cursor asked (see metadata)
+        self._polled: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._releases = OneWay("planner", ignore=(ActorDiedError,))
+        # per slot, the keys released since its shadows were last told, and for how many steps
+        self._shadow_keys: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._shadow_steps = 0
         self.events: list[dict[str, Any]] = []  # failovers and re-partitions
         # None: the sizes stay as planned (autoscale.cpus not set)
         self.autoscaler = Scaling.of(plan, files, config.measure_rss)
@@ -173,31 +181,98 @@ class LoaderPool:
     # ---- data ------------------------------------------------------------------------------
 
     def metadata(self, source: str, k: int, timeout: float) -> list[dict[str, Any]]:
-        """New metadata blocks of slot ``k``, failing over to a replica if its primary died."""
+        """New metadata blocks of slot ``k``, failing over to a replica if its primary died.
+
+        Loaders that share a process are asked in one call to it: slot ``k``
+        waits for a block, the others hand over what they have queued, which
+        is kept here until their cursors ask (one call per loader process
+        per step, not one per source).
+        """
         while True:
+            kept = self._polled.pop((source, k), None)
+            if kept:
+                return kept
             handle = self.slots[source][k][0]
             try:
-                blocks = handle.call(LoaderRole.metadata, timeout).result()
+                blocks = self._ask(source, k, handle, timeout)
             except ActorDiedError:
                 self.failover(source, k, handle.name)
                 continue
-            if blocks:
-                last = blocks[-1]
-                end = SHARD_END if last["last"] else int(last["stop"])
-                self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
             return blocks
+
+    def _ask(
+        self, source: str, k: int, handle: Handle[LoaderRole], timeout: float
+    ) -> list[dict[str, Any]]:
+        """Slot ``k``'s new blocks, and those its process's other primaries queued (kept)."""
+        mates = self._mates(handle)
+        if not mates:
+            return self._got(source, k, handle.call(LoaderRole.metadata, timeout).result())
+        calls = [(handle, timeout)] + [(h, 0.0) for _, _, h in mates]
+        refs = call_each(LoaderRole.metadata, calls)
+        try:
+            blocks = refs[0].result()
+        except ActorDiedError:  # this loader's, or another member's (killed): ask it alone
+            return self._got(source, k, handle.call(LoaderRole.metadata, timeout).result())
+        for (n, j, _), ref in zip(mates, refs[1:]):
+            more = self._got(n, j, ref.result())
+            if more:
+                self._polled.setdefault((n, j), []).extend(more)
+        return self._got(source, k, blocks)
+
+    def _mates(self, handle: Handle[LoaderRole]) -> list[tuple[str, int, Handle[LoaderRole]]]:
+        """The other primaries hosted in ``handle``'s process (none: not hosted)."""
+        host = getattr(getattr(handle, "host", None), "name", None)
+        if host is None:
+            return []
+        return [
+            (n, j, slot[0])
+            for n, slots in self.slots.items()
+            for j, slot in enumerate(slots)
+            if slot and slot[0] is not handle and getattr(slot[0], "host", None) is not None
+            and slot[0].host.name == host  # type: ignore[attr-defined]
+        ]  # fmt: skip
+
+    def _got(self, source: str, k: int, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Blocks slot ``k`` of ``source`` sent: the end of the last one is what it sent."""
+        if blocks:
+            last = blocks[-1]
+            end = SHARD_END if last["last"] else int(last["stop"])
+            self._received[(source, k)] = [int(last["epoch"]), int(last["shard_pos"]), end]
+        return blocks
 
     def release(self, source: np.ndarray, loader: np.ndarray, keys: np.ndarray) -> None:
         """Tell every replica of every slot that these items (of a consumed step) can go.
 
-        One-way: the planner does not wait, and the error of a release (other
-        than a dead replica's) is raised at the next release.
+        Primaries are told at once, shadows every :data:`SHADOW_RELEASE_STEPS`
+        calls (a slot's failover tells them first). One-way: the planner does
+        not wait, and the error of a release (other than a dead replica's) is
+        raised at the next release.
         """
-        calls = [
-            (replica, keys[mine])
-            for s, k, mine in by_slot(source, loader)
-            for replica in self.slots[self.names[s]][k]
-        ]
+        calls = []
+        for s, k, mine in by_slot(source, loader):
+            slot = self.slots[self.names[s]][k]
+            if slot:
+                calls.append((slot[0], keys[mine]))
+            if len(slot) > 1:
+                self._shadow_keys.setdefault((self.names[s], k), []).append(keys[mine])
+        self._shadow_steps += 1
+        if self._shadow_steps >= SHADOW_RELEASE_STEPS:
+            calls += self._to_shadows(list(self._shadow_keys))
+        self._send_releases(calls)
+
+    def _to_shadows(self, slots: list[tuple[str, int]]) -> list[tuple[Handle[LoaderRole], Any]]:
+        """The release calls that tell ``slots``' shadows what was released since they were told."""
+        calls = []
+        for name, k in slots:
+            parts = self._shadow_keys.pop((name, k), [])
+            if parts:
+                keys = np.concatenate(parts)
+                calls += [(replica, keys) for replica in self.slots[name][k][1:]]
+        if not self._shadow_keys:
+            self._shadow_steps = 0
+        return calls
+
+    def _send_releases(self, calls: list[tuple[Handle[LoaderRole], Any]]) -> None:
         # loaders that share a process are told in one call to it
         for (handle, _), ref in zip(calls, call_each(LoaderRole.release, calls)):
             self._releases.keep(ref, f"{handle.name}.release")
@@ -233,6 +308,11 @@ class LoaderPool:
             slot.append(fresh)
         while len(slot) < 1 + self.shadows[source]:
             slot.append(self._spawn(source, k, shadow=True))
+        # the promoted shadow was not told of every release yet (nor were its peers)
+        waiting = self._shadow_keys.pop((source, k), [])
+        if waiting:
+            keys = np.concatenate(waiting)
+            self._send_releases([(replica, keys) for replica in slot])
         self._journal()
         self.events.append(
             {
@@ -319,6 +399,8 @@ class LoaderPool:
                         with contextlib.suppress(Exception):  # gone already
                             self.runtime.kill(replica)
                     slot.clear()
+                    self._polled.pop((source, k), None)
+                    self._shadow_keys.pop((source, k), None)
                     self._journal()
 
     def autoscale(
@@ -372,6 +454,7 @@ class LoaderPool:
         :meth:`rewind` gives, not from past the rewind.
         """
         self._received.clear()
+        self._polled.clear()  # sent before the rewind: served again from the new position
 
     def rewind(self, cursors: dict[str, dict[str, Any]], seek: bool = False) -> None:
         """Have every replica serve again what the recovered state has not consumed.
@@ -382,6 +465,11 @@ class LoaderPool:
         started anew, at the state.
         """
         calls = []
+        self._polled.clear()  # blocks sent before the rewind: the loaders serve them again
+        # releases of steps consumed before the rewind: a rewind releases what its state
+        # consumed, and what comes after the state is needed again, so they are not sent
+        self._shadow_keys.clear()
+        self._shadow_steps = 0
         for name, slots in self.slots.items():
             at = (int(cursors[name]["epoch"]), int(cursors[name]["shard_pos"]))
             for k, slot in enumerate(slots):

@@ -52,7 +52,7 @@ from overlord.roles.ledger import Ledger
 from overlord.roles.loader_pool import LoaderPool, PoolConfig
 from overlord.roles.quarantine import Quarantine, collect_dropped
 from overlord.roles.rewind import Stamps
-from overlord.runtime.base import Handle, RoleOptions, Runtime
+from overlord.runtime.base import Handle, RoleOptions, Runtime, calls_made
 from overlord.sources.catalog import SourceFiles
 from overlord.state.changes import dropped_sources
 from overlord.state.journal import Journal
@@ -92,8 +92,9 @@ class Planner:
         keep_journal: bool = False,
     ):
         self.plan, self.files, self.pad_id = plan, files, pad_id
-        self._dry = False  # planning in dry_run: its steps' statistics give the furthest items
-        self._select = select_how()  # OVERLORD_SELECT, read (and checked) once
+        # how it plans: in dry_run (its steps' statistics give the furthest items), and how it
+        # selects a step's items (OVERLORD_SELECT, read and checked once)
+        self._dry, self._select = False, select_how()
         self.wait_for_ranks = wait_for_ranks
         # asked at every rank's call for its plan: read once (a plan never changes)
         self._dp, self._rows_per_rank = plan.world.dp, plan.rows_per_rank
@@ -408,6 +409,10 @@ class Planner:
         """A trainer of ``rank`` has waited a while for ``step``: it is alive."""
         self.consumption.waiting(rank, step, since)
 
+    def rewound(self, rank: int) -> bool:
+        """Whether DP rank ``rank`` may be served (False: its rewind waits for other ranks)."""
+        return not self.consumption.waits(rank)
+
     def _settle(self, before: int, done: int) -> None:
         """Every rank consumed up to ``done`` (up to ``before`` until now).
 
@@ -544,6 +549,8 @@ class Planner:
             "autoscaler": self.pool.scaling_state(),
             "feedback": self.loop.stats(),
             **self._quarantine_stats(),
+            # the calls the planner's process sent to other processes (Ray), by method
+            "calls": {"pid": os.getpid(), "by_method": calls_made()},
         }
 
     def _quarantine_stats(self) -> dict[str, Any]:

@@ -34,7 +34,8 @@ Payloads live until the planner *releases* them, when every rank has consumed
 their step; ``take`` only reads. So a DataConstructor that is restarted, or a
 call that is retried, can take the same items again, and a *shadow* (a hot
 standby started with ``shadow=True``) that reads the same shards and receives
-the same releases holds exactly what the primary holds. When the primary dies,
+the same releases (a few steps later, in one call) holds what the primary
+holds, and at most those few consumed steps' items more. When the primary dies,
 the planner promotes the shadow: it starts serving metadata after the last
 block the planner received, and constructors take from it instead. A loader
 can also be *rewound* to a planner state (a restarted planner resumes there,
@@ -252,9 +253,16 @@ class SourceLoader:
     # ---- calls ---------------------------------------------------------------------------
 
     def metadata(self, timeout: float) -> list[dict[str, Any]]:
-        """Blocks of item metadata read since the last call; waits up to ``timeout`` for one."""
+        """Blocks of item metadata read since the last call; waits up to ``timeout`` for one.
+
+        ``timeout`` 0: at once, what is queued, maybe nothing, and never an error (the
+        pool asks a process's other loaders so, with the one it waits for; the error
+        of a loader is raised when it is waited for).
+        """
         deadline = time.monotonic() + timeout
         with self._lock:
+            if timeout <= 0:
+                return self._hand_over() if self._serving else []
             if not self._serving:
                 raise LoaderError(
                     f"SourceLoader {self.source}[{self.index}] is a shadow: it serves metadata "
@@ -270,14 +278,7 @@ class SourceLoader:
                 ),
             )
             if self._queue:
-                out = list(self._queue)
-                self._queue.clear()
-                self.progress.served += sum(int(b["tokens"].sum()) for b in out)
-                # the reader waits on room in the queue, or on a budget that grows with what
-                # the planner took (while a new loader ramps up): else nothing changed for it
-                if self.reader.waits_on == "queue" or self.reader.released_enough():
-                    self._lock.notify_all()
-                return out
+                return self._hand_over()
             if self.reader.closed and self.reader.error is None:
                 raise LoaderError(f"SourceLoader {self.source}[{self.index}] was closed")
             err = self.reader.error
@@ -287,6 +288,17 @@ class SourceLoader:
         raise LoaderError(
             f"SourceLoader {self.source}[{self.index}] failed: {type(err).__name__}: {err}"
         ) from err
+
+    def _hand_over(self) -> list[dict[str, Any]]:
+        """The queued blocks, now sent (lock held)."""
+        out = list(self._queue)
+        self._queue.clear()
+        self.progress.served += sum(int(b["tokens"].sum()) for b in out)
+        # the reader waits on room in the queue, or on a budget that grows with what the
+        # planner took (while a new loader ramps up): else nothing changed for it
+        if self.reader.waits_on == "queue" or self.reader.released_enough():
+            self._lock.notify_all()
+        return out
 
     def take(self, keys: np.ndarray) -> dict[str, np.ndarray]:
         """The payloads of items ``[[epoch, shard_pos, index], ...]`` (kept until released).

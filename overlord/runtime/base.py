@@ -10,13 +10,16 @@ here with the role and the method named.
 
 A call nobody waits for is sent through :class:`OneWay`, which keeps its Ref
 and raises its error at the sender's next check: no error is dropped.
+
+A runtime whose calls cross processes counts them (:func:`count_call`), so that
+a benchmark can say how many calls a step costs (:func:`calls_made`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
@@ -32,6 +35,22 @@ R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 P = ParamSpec("P")
+
+
+_CALLS: Counter[str] = Counter()
+_CALLS_LOCK = threading.Lock()
+
+
+def count_call(method: str) -> None:
+    """Count one call this process sent to another (a runtime's handles call it)."""
+    with _CALLS_LOCK:
+        _CALLS[method] += 1
+
+
+def calls_made() -> dict[str, int]:
+    """Calls this process has sent to roles in other processes, by method name."""
+    with _CALLS_LOCK:
+        return dict(_CALLS)
 
 
 class Ref(Protocol[T_co]):

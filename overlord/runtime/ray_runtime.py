@@ -26,6 +26,7 @@ from overlord.runtime.base import (
     Handle,
     Ref,
     RoleOptions,
+    count_call,
     found_or_spawned,
 )
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, drop, hosted, leaned
@@ -68,10 +69,24 @@ class RayHandle:
         sent; the error is the Ref's, as the role's own would be.
         """
         what = f"{self.name}.{method.__name__}"
+        count_call(_counted_as(method.__name__, args))
         try:
             return RayRef(getattr(self.actor, method.__name__).remote(*args, **kwargs), what)
         except TypeError as e:
             return Done(error=LoaderError(f"{what} failed: TypeError: {e}"))
+
+
+def _counted_as(method: str, args: tuple[Any, ...]) -> str:
+    """A call's name in the counts: a call to a host (hosting.HostRole) names its member's method.
+
+    ``HostRole.call(member, method, ...)`` counts as ``call:method``,
+    ``HostRole.call_each(method, ...)`` as ``call_each:method``.
+    """
+    if method == "call" and len(args) > 1:
+        return f"call:{args[1]}"
+    if method == "call_each" and len(args) > 1:
+        return f"call_each:{args[0]}"
+    return method
 
 
 class RayObjects:
