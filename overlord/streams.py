@@ -41,7 +41,7 @@ from overlord.plan.settings import ConstructorSite
 from overlord.plan.spec import Plan, validate_plan
 from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
-from overlord.roles.client import Client, wait_until_rewound
+from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
@@ -209,7 +209,7 @@ def open_stream(
     ``state`` (a trainer's checkpoint: any state the job handed out) then
     rewinds the live job to it once every DP rank reconnected with the same
     state, and the steps from it are served again, exactly as before (see
-    :mod:`overlord.roles.rewind`).
+    :mod:`overlord.roles.rewind`); the client's first ``next()`` waits for that.
     """
     start = None if state is None else dict(state)
     if job is not None:
@@ -435,7 +435,6 @@ def _connect(
         objects = RayObjects()  # the actor puts a mesh rank's view in Ray's object store
     if state is not None:
         start = planner.call(PlannerRole.reconnect, dp_rank, state).result()
-        wait_until_rewound(planner, dp_rank, timeout_s)
     if global_rank is None:
         if state is None:
             start = planner.call(PlannerRole.position, dp_rank).result()
@@ -452,4 +451,5 @@ def _connect(
         objects=objects,
         heartbeat=True,  # its trainer may outlive a peer restarted alone: it says it is alive
         sources=tuple(s["name"] for s in layout["plan"]["sources"]),
+        rewinding=None if state is None else timeout_s,  # its first batch once the job rewound
     )

@@ -41,6 +41,10 @@ class Client(Iterator[Batch]):
 
     ``sources``: the plan's source names, against which :meth:`report`
     checks the losses it is given (empty: the planner checks them).
+
+    ``rewinding``: the client of a trainer that reconnected with a state
+    (``loading.timeout_s``): its first ``next()`` waits until the job rewound,
+    every DP rank reconnected (:func:`wait_until_rewound`).
     """
 
     def __init__(
@@ -56,8 +60,10 @@ class Client(Iterator[Batch]):
         objects: ObjectStore | None = None,
         heartbeat: bool = False,
         sources: tuple[str, ...] = (),
+        rewinding: float | None = None,
     ):
         self.rank, self.global_rank = rank, global_rank
+        self._rewinding = rewinding
         self._sources = sources
         self._constructor, self._planner = constructor, planner
         self._owned = owned  # a constructor in this process that this client closes
@@ -79,6 +85,9 @@ class Client(Iterator[Batch]):
     def __next__(self) -> Batch:
         """The next step's batch; marks it consumed for checkpoints."""
         self._notices.check()
+        if self._rewinding is not None:  # reconnected: served once the job rewound
+            wait_until_rewound(self._planner, self.rank, self._rewinding)
+            self._rewinding = None
         if self.stop_step is not None and self.step >= self.stop_step:
             raise StopIteration
         # the trainer's own time since the last batch: the autoscaler's measure of demand
@@ -239,7 +248,9 @@ class Client(Iterator[Batch]):
 def wait_until_rewound(planner: Handle[PlannerRole], rank: int, timeout_s: float) -> None:
     """Return once the rewind DP rank ``rank`` joined is done: every DP rank reconnected.
 
-    Asked before a reconnected trainer's first batch: its constructor may hold
+    Asked at a reconnected trainer's first ``next()`` (not in ``connect``: a
+    process may connect several ranks one after the other before it asks for
+    a batch). Its constructor may hold
     batches it built ahead for the trainer that died, of the very steps the
     new one asks for, and would hand them over without asking the planner, so
     a rank would consume steps of a job that has not rewound yet (and the
