@@ -90,6 +90,22 @@ class Samples(Sequence[Sample]):
         return (list, (self._records(),))
 
 
+class _Records:
+    """``Batch.samples``: always a list, made on first read where the batch was given
+    :class:`Samples` (kept in the instance's ``_samples``)."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> list[Sample]:
+        if obj is None:
+            raise AttributeError("samples")  # for dataclasses: the field has no default
+        value = obj.__dict__["_samples"]
+        if isinstance(value, Samples):
+            value = obj.__dict__["_samples"] = list(value)
+        return value
+
+    def __set__(self, obj: Any, value: Sequence[Sample]) -> None:
+        obj.__dict__["_samples"] = value
+
+
 @dataclass
 class Batch:
     """One DP rank's share of one step: ``rows`` packed rows of ``max_seq_len`` tokens.
@@ -118,7 +134,7 @@ class Batch:
     position_ids: np.ndarray
     segment_ids: np.ndarray
     cu_seqlens: np.ndarray
-    samples: Sequence[Sample]  # a list, or records made when first read (Samples)
+    samples: Sequence[Sample]  # a list when read (given as Samples: made when first read)
     cost: float  # the rank's cost under the plan's cost model
     global_positions: np.ndarray | None = None
     cp_layout: str | None = None  # zigzag | per_document | dynamic, None without CP
@@ -134,9 +150,10 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         """Tokens of real documents (padding excluded) in the DP rank's whole batch."""
-        if isinstance(self.samples, Samples):
-            return self.samples.tokens
-        return int(sum(s.tokens for s in self.samples))
+        records = self.__dict__["_samples"]  # not made for this
+        if isinstance(records, Samples):
+            return records.tokens
+        return int(sum(s.tokens for s in records))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The tensors this rank holds, by name (a field that is ``None`` is left out)."""
@@ -150,3 +167,8 @@ class Batch:
             "cp_groups": self.cp_groups,
         }
         return {k: v for k, v in named.items() if v is not None}
+
+
+# after the dataclass is made, so that its fields stay as declared: a given Samples is kept
+# as it is, and made into a list when ``samples`` is first read (num_tokens needs none)
+setattr(Batch, "samples", _Records())
