@@ -91,8 +91,11 @@ class Samples(Sequence[Sample]):
 
 
 class _Records:
-    """``Batch.samples``: always a list, made on first read where the batch was given
-    :class:`Samples` (kept in the instance's ``_samples``)."""
+    """``Batch.samples``: always a list when read.
+
+    A batch given :class:`Samples` keeps them (in the instance's ``_samples``)
+    and makes the list on the first read.
+    """
 
     def __get__(self, obj: Any, objtype: Any = None) -> list[Sample]:
         if obj is None:
@@ -171,4 +174,4 @@ class Batch:
 
 # after the dataclass is made, so that its fields stay as declared: a given Samples is kept
 # as it is, and made into a list when ``samples`` is first read (num_tokens needs none)
-setattr(Batch, "samples", _Records())
+Batch.samples = _Records()  # type: ignore[assignment]
