@@ -276,6 +276,10 @@ class Reader:
         self.waits_on: str | None = None  # what holds the scheduler back: "budget" or "queue"
         # while the window thread waits: what it waits on (it waits while this is true)
         self._window_waits_on: Callable[[], bool] | None = None
+        # the window thread waits on a condition of its own (the loader's lock): woken only
+        # when what it waits on turned false (:meth:`wake_window`), not by every notice to
+        # the loader's other waiters (several per piece)
+        self._window_cv = threading.Condition(lock)
         self._shards = shards
         self._workers = Workers(f"overlord-piece-{name}")  # pieces are tokenized on these
         self._threads = [
@@ -367,9 +371,19 @@ class Reader:
         self._window_waits_on = waiting
         try:
             while waiting():
-                self.lock.wait(0.5)
+                self._window_cv.wait(0.5)
         finally:
             self._window_waits_on = None
+
+    def wake_window(self) -> None:
+        """Wake the window thread if what it waits on no longer holds (lock held).
+
+        Whatever changes what the window thread waits on (a window taken to be cut, a
+        piece started, the loader closed, promoted or given a limit) calls this.
+        """
+        waits = self._window_waits_on
+        if waits is not None and not waits():
+            self._window_cv.notify()
 
     # ---- the piece scheduler ---------------------------------------------------------------
 
@@ -414,7 +428,7 @@ class Reader:
                 raise got
             if isinstance(got, Task):  # a shard's end
                 self.windows.popleft()
-                self.lock.notify_all()
+                self.wake_window()
                 self.pending.append(got)
                 return got
             left = list(got.cut)
@@ -422,8 +436,8 @@ class Reader:
             if left and not self._admit(got, *(parts[0] if parts else (*left[0], None))):
                 return None
             self.windows.popleft()
-            self.lock.notify_all()
             self.cutting = Cutting(got, left)
+            self.wake_window()
             task = Task((got.epoch, got.shard_pos), got.file_index, got)  # its counts
             self.pending.append(task)
             return task
@@ -443,7 +457,7 @@ class Reader:
             left.pop(0)
             cutting.parts = None
         # the window thread may read the next window now (it waits on what is left of this one)
-        self.lock.notify_all()
+        self.wake_window()
         piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
         piece.add_done_callback(self._wake)
         task = Task((window.epoch, window.shard_pos), window.file_index, window, plo, phi, piece)
@@ -541,6 +555,7 @@ class Reader:
                 return self.next
             self.frozen = False
             self.lock.notify_all()
+            self.wake_window()
             return None
 
     def set_threads(self, threads: int) -> None:
@@ -568,6 +583,7 @@ class Reader:
         with self.lock:
             self.closed = True
             self.lock.notify_all()
+            self._window_cv.notify_all()
         self._workers.shutdown()  # once the pieces in flight are tokenized
 
     def join(self, timeout: float) -> None:

@@ -380,6 +380,7 @@ class SourceLoader:
                 self.progress.send_from = (e, p, i + 1) if i == END else (e, p, i)
             self._queue = deque(self._blocks_from(self.progress.send_from))
             self._lock.notify_all()
+            self.reader.wake_window()  # a primary reads its next window sooner
 
     def _blocks_from(self, first: Key) -> list[dict[str, Any]]:
         """The blocks of held items from key ``first`` on, and the shards' closing blocks."""
