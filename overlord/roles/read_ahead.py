@@ -279,7 +279,9 @@ class Reader:
         # the window thread waits on a condition of its own (the loader's lock): woken only
         # when what it waits on turned false (:meth:`wake_window`), not by every notice to
         # the loader's other waiters (several per piece)
-        self._window_cv = threading.Condition(lock)
+        # (a Condition serves as another's lock: it has the acquire, release and the RLock's
+        # save and restore that Condition takes from its lock; typeshed knows only locks)
+        self._window_cv = threading.Condition(lock)  # type: ignore[arg-type]
         self._shards = shards
         self._workers = Workers(f"overlord-piece-{name}")  # pieces are tokenized on these
         self._threads = [
