@@ -3,9 +3,11 @@
 The corpus, mixture, rows and BPE tokenizer of ``benchmarks/throughput_vs.py`` (the
 demo corpus, weights 4:3:2:1, 4 rows of 8,192 tokens, a byte-level BPE of 8,000 ids
 trained by ``benchmarks/_lib/corpus.py``). Four arms, each in a fresh process pinned
-to the same cores, with the same ``RAYON_NUM_THREADS`` and ``TOKENIZERS_PARALLELISM``
-(whatever the environment gives; overlord sets neither, so the tokenizer's Rayon pool
-has a thread per core of the process in every arm):
+to the same cores, with the same ``RAYON_NUM_THREADS`` (the environment's) and the same
+``TOKENIZERS_PARALLELISM``, each arm run once per setting of ``--parallelism``:
+``unset`` (overlord sets neither variable, so the tokenizer's Rayon pool has a thread per
+core of the process) and ``false`` (each ``encode_batch_fast`` call encodes on its
+caller's thread: overlord's piece threads are then its only parallelism):
 
 1. *encode_batch_fast alone*: the texts of every piece overlord's loaders tokenize
    (:func:`overlord.sources.shard.shard_windows`: the same windows, pieces and order),
@@ -63,6 +65,7 @@ from overlord.ops.demo import build_corpus
 FAST, CALL = "encode_batch_fast alone", "HFTokenizer.encode alone"
 READ, LOADER = "read + HFTokenizer.encode", "overlord embedded"
 ARMS = (FAST, CALL, READ, LOADER)
+UNSET = "unset"  # TOKENIZERS_PARALLELISM not set: the tokenizer's Rayon pool, a thread a core
 CORES = 2
 WARM, TIMED = 1_500_000, 6_000_000  # tokens (--quick: a quarter)
 
@@ -230,10 +233,16 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     return run_loader(plan, warm, timed)
 
 
-def measure(root: Path, arm: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(root: Path, arm: str, parallelism: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement of ``arm`` in a fresh process, ``TOKENIZERS_PARALLELISM`` as given."""
     cmd = [*module_command("bpe"), "--root", str(root), "--one", arm, "--cores", str(args.cores)]
     cmd += ["--quick"] if args.quick else []
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, timeout=900, cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    if parallelism != UNSET:
+        env["TOKENIZERS_PARALLELISM"] = parallelism
+    out = subprocess.run(
+        cmd, stdout=subprocess.PIPE, text=True, check=True, timeout=900, cwd=REPO, env=env
+    )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -243,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measurements of each arm")
     ap.add_argument("--cores", type=int, default=CORES, help=f"CPUs to run on (default {CORES})")
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, comma-separated")
+    ap.add_argument(
+        "--parallelism",
+        default=f"{UNSET},false",
+        help=f"TOKENIZERS_PARALLELISM settings, each for every arm ('{UNSET}': not set)",
+    )
     ap.add_argument("--root", help="a folder holding the corpus and bpe.json (kept)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -250,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one(args)))
         return 0
     arms = [a for a in ARMS if a in args.arms.split(",")]
+    settings = args.parallelism.split(",")
     with tempfile.TemporaryDirectory(prefix="overlord-bpe-") as tmp:
         root = Path(args.root or tmp)
         manifest = build_corpus(root / "data")
@@ -259,78 +274,83 @@ def main(argv: list[str] | None = None) -> int:
             if train_bpe({s: ps for s, ps in jsonl.items() if ps}, root / "bpe.json", 8000) is None:
                 print("(the tokenizers package is not installed: nothing to measure)")
                 return 0
-        results: dict[str, list[dict[str, Any]]] = {}
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {}
         load = os.getloadavg()
         for _ in range(args.repeats):  # interleaved, so that drift hits every arm alike
-            for arm in arms:
-                results.setdefault(arm, []).append(measure(root, arm, args))
+            for setting in settings:
+                for arm in arms:
+                    got = measure(root, arm, setting, args)
+                    results.setdefault((setting, arm), []).append(got)
         load_end = os.getloadavg()
     report(results, manifest, args, load, load_end)
     return 0
 
 
 def report(
-    results: dict[str, list[dict[str, Any]]],
+    results: dict[tuple[str, str], list[dict[str, Any]]],
     manifest: dict[str, Any],
     args: argparse.Namespace,
     load: tuple[float, ...],
     load_end: tuple[float, ...],
 ) -> None:
     size = sum(m["bytes"] for m in manifest.values())
-    env = {k: os.environ.get(k, "unset") for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     print("# BPE: the whole loader against the tokenizer alone\n")
     print(
         f"Corpus: the demo corpus ({size / 1e6:.1f} MB), weights "
         f"{', '.join(f'{s} {w:g}' for s, w in WEIGHTS.items())}; byte-level BPE, 8,000 ids; "
-        f"{args.cores} cores (affinity); {', '.join(f'{k}={v}' for k, v in env.items())}; "
-        f"median of {args.repeats}; load average {load[0]:.2f} at the start, "
-        f"{load_end[0]:.2f} at the end."
+        f"{args.cores} cores (affinity); RAYON_NUM_THREADS="
+        f"{os.environ.get('RAYON_NUM_THREADS', UNSET)}; median of {args.repeats}; "
+        f"load average {load[0]:.2f} at the start, {load_end[0]:.2f} at the end."
     )
     med = {
-        arm: {
+        key: {
             "tokens": statistics.median(r["tokens"] for r in rows),
             "per_s": statistics.median(r["tokens"] / r["wall"] for r in rows),
             "cores": statistics.median(r["cpu"] / r["wall"] for r in rows),
             "per_cpu": statistics.median(r["tokens"] / r["cpu"] for r in rows),
             "threads": statistics.median(r["threads"] for r in rows),
         }
-        for arm, rows in results.items()
+        for key, rows in results.items()
     }
-    base = med.get(FAST)
     print(
-        "\n| arm | tokens timed | tokens/s | CPU cores used | tokens/CPU-s | threads "
-        "| / encode_batch_fast per CPU-s | / encode_batch_fast wall |"
+        "\n| TOKENIZERS_PARALLELISM | arm | tokens timed | tokens/s | CPU cores used "
+        "| tokens/CPU-s | threads | / encode_batch_fast per CPU-s | / encode_batch_fast wall |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for arm, m in med.items():
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for (setting, arm), m in med.items():
+        base = med.get((setting, FAST))
         ratios = (
             f"{m['per_cpu'] / base['per_cpu']:.3f} | {m['per_s'] / base['per_s']:.3f}"
             if base
             else "- | -"
         )
         print(
-            f"| {arm} | {m['tokens']:,.0f} | {m['per_s']:,.0f} | {m['cores']:.2f} "
+            f"| {setting} | {arm} | {m['tokens']:,.0f} | {m['per_s']:,.0f} | {m['cores']:.2f} "
             f"| {m['per_cpu']:,.0f} | {m['threads']:.0f} | {ratios} |"
         )
-    if base and LOADER in med:
-        ratio = med[LOADER]["per_cpu"] / base["per_cpu"]
-        print(
-            f"\nTarget: overlord embedded >= 0.95 of encode_batch_fast alone per CPU-second: "
-            f"{ratio:.3f} ({'PASS' if ratio >= 0.95 else 'MISS'})"
-        )
-    print("\nCPU per million tokens by thread (ms, medians; the pieces' names shortened):")
-    for arm, rows in results.items():
+    print("\nTarget: overlord embedded >= 0.95 of encode_batch_fast alone per CPU-second:")
+    for setting in dict.fromkeys(s for s, _ in med):
+        if (setting, FAST) in med and (setting, LOADER) in med:
+            ratio = med[(setting, LOADER)]["per_cpu"] / med[(setting, FAST)]["per_cpu"]
+            verdict = "PASS" if ratio >= 0.95 else "MISS"
+            print(f"- TOKENIZERS_PARALLELISM={setting}: {ratio:.3f} ({verdict})")
+    print("\nCPU per million tokens by thread (ms, medians; native: threads Python did not start):")
+    for (setting, arm), rows in results.items():
         kinds = sorted({k for r in rows for k in r["split"]})
         per = {
             k: statistics.median(1e9 * r["split"].get(k, 0.0) / r["tokens"] for r in rows)
             for k in kinds
         }
-        shown = ", ".join(f"{k.replace('overlord-', '')} {v:.0f}" for k, v in per.items() if v >= 1)
-        print(f"- {arm}: {shown}")
+        groups: dict[str, float] = {}
+        for k, v in per.items():  # a loader's threads by role, its sources together
+            role = k.split("-")[1] if k.startswith("overlord-") else k
+            groups[role] = groups.get(role, 0.0) + v
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in groups.items() if v >= 1)
+        print(f"- {setting}, {arm}: {shown}")
     print("\nEach run (tokens/CPU-s):")
-    for arm, rows in results.items():
+    for (setting, arm), rows in results.items():
         figures = [f"{r['tokens'] / r['cpu']:,.0f}" for r in rows]
-        print(f"- {arm}: {', '.join(figures)}")
+        print(f"- {setting}, {arm}: {', '.join(figures)}")
 
 
 if __name__ == "__main__":
