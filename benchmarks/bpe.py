@@ -166,15 +166,26 @@ def timed_run(counts: Iterator[int], warm: int, timed: int, t_start: float) -> d
     }
 
 
-def run_fast(plan_path: Path, tok_path: Path, warm: int, timed: int) -> dict[str, Any]:
-    """Arm 1: the same tokenizer object's encode_batch_fast on Python strings, alone."""
+def run_fast(plan_path: Path, warm: int, timed: int, per_call: int) -> dict[str, Any]:
+    """Arm 1: the same tokenizer object's encode_batch_fast on Python strings, alone.
+
+    ``per_call`` consecutive pieces of a source go to one call (1: as overlord's loaders).
+    """
     from overlord.plan.spec import load_plan
     from overlord.sources.tokenizers import make_tokenizer
 
     plan = load_plan(plan_path)
     tok = make_tokenizer(plan.tokenizer, str(plan.base_dir))._tok  # type: ignore[attr-defined]
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    texts = {s: itertools.cycle([p.to_pylist() for p in ps]) for s, ps in pieces(plan_path).items()}
+    texts = {
+        s: itertools.cycle(
+            [
+                sum((p.to_pylist() for p in ps[i : i + per_call]), [])
+                for i in range(0, len(ps), per_call)
+            ]
+        )
+        for s, ps in pieces(plan_path).items()
+    }
 
     def count(batch: list[str]) -> int:
         encodings = encode(batch, add_special_tokens=False)
@@ -226,7 +237,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     plan = write_plan(root, spec, False)
     warm, timed = (WARM // 4, TIMED // 4) if args.quick else (WARM, TIMED)
     if args.one == FAST:
-        return run_fast(plan, root / "bpe.json", warm, timed)
+        return run_fast(plan, warm, timed, args.pieces_per_call)
     if args.one in (CALL, READ):
         return run_call(plan, warm, timed, read=args.one == READ)
     assert args.one == LOADER, args.one
@@ -237,6 +248,7 @@ def measure(root: Path, arm: str, parallelism: str, args: argparse.Namespace) ->
     """One measurement of ``arm`` in a fresh process, ``TOKENIZERS_PARALLELISM`` as given."""
     cmd = [*module_command("bpe"), "--root", str(root), "--one", arm, "--cores", str(args.cores)]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--pieces-per-call", str(args.pieces_per_call)]
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     if parallelism != UNSET:
         env["TOKENIZERS_PARALLELISM"] = parallelism
@@ -256,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         "--parallelism",
         default=f"{UNSET},false",
         help=f"TOKENIZERS_PARALLELISM settings, each for every arm ('{UNSET}': not set)",
+    )
+    ap.add_argument(
+        "--pieces-per-call",
+        type=int,
+        default=1,
+        help="pieces of a source joined into one call of the encode_batch_fast arm (default 1)",
     )
     ap.add_argument("--root", help="a folder holding the corpus and bpe.json (kept)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
