@@ -50,6 +50,7 @@ bench: $(VENV)/.bench
 	tools/loopback $(BIN)/python -m benchmarks.ray_overhead
 	tools/loopback $(BIN)/python -m benchmarks.memory
 	tools/loopback $(BIN)/python -m benchmarks.throughput_vs
+	$(BIN)/python -m benchmarks.bpe
 
 clean:
 	rm -rf $(VENV) overlord-demo site .pytest_cache .mypy_cache .ruff_cache

@@ -207,3 +207,49 @@ def test_loader_stats_count_records_empty_skipped_and_epochs(tmp_path):
     # a file of 5 samples: a record delivered k times was read in k epochs at least
     assert max(delivered.values()) >= 2
     assert s["epochs"] >= max(delivered.values())
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts how its waits ended: notified (True) or timed out (False)."""
+
+    def __init__(self, lock: Any = None) -> None:
+        super().__init__(lock)
+        self.ends: Counter[bool] = Counter()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woken = super().wait(timeout)
+        self.ends[woken] += 1
+        return woken
+
+
+def test_the_window_thread_wakes_for_its_own_wait_only(tmp_path, monkeypatch):
+    """Notices to the loader's other waiters leave the window thread asleep; its own wake it.
+
+    The loader's lock is notified several times a piece (a piece done, items published,
+    released or asked for), none of which gives the window thread room for its next
+    window; a window taken to be cut does, and wakes it (not its wait's timeout).
+    """
+    with monkeypatch.context() as m:
+        m.setattr(threading, "Condition", CountingCondition)
+        loader = lone_loader(tmp_path, 1)
+    try:
+        held_back(loader)
+        reader, cv = loader.reader, loader.reader.window_turn
+        assert isinstance(cv, CountingCondition)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not reader.view().settled:  # nothing moves until an item is released or asked
+            assert time.monotonic() < deadline, reader.view()
+            with reader.lock:
+                reader.lock.wait(0.05)
+        woken = cv.ends[True]
+        for _ in range(50):  # what a release or a metadata call does to the loader's lock
+            with reader.lock:
+                reader.lock.notify_all()
+        assert cv.ends[True] == woken
+        for _ in range(40):  # each call lifts the budget: pieces start, windows are taken
+            loader.metadata(HANG_GUARD_S)
+            if cv.ends[True] > woken:
+                break
+        assert cv.ends[True] > woken
+    finally:
+        loader.close()
