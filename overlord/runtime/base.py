@@ -243,10 +243,14 @@ class OneWay:
             else:
                 call: _Call = (handle, method, args, kwargs, what)
                 with self._open_lock:
-                    if self._open is not None:  # a job not started yet takes it too
+                    joined = self._open is not None  # a job not started yet takes it too
+                    if self._open is not None:
                         self._open.append(call)
-                        return
-                    calls = self._open = [call]
+                    else:
+                        calls = self._open = [call]
+                if joined:
+                    self.check()  # as a send that starts a job does (in keep)
+                    return
                 ref = self._thread.submit(self._run, calls)
             self.keep(ref, what)
 
