@@ -11,10 +11,9 @@ is most of a step's packing for the short documents of a pre-tokenized corpus.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import numpy as np
+
+from overlord.plan.compiled import compiled_once
 
 IGNORE_INDEX = -100  # as overlord.batch.rows (which imports this module, not the reverse)
 
@@ -64,18 +63,5 @@ def _rows(
     return -1
 
 
-_lock = threading.Lock()
-_compiled: list[Callable[..., int] | None] = []  # the loop once compiled (None: no numba)
-
-
-def kernel() -> Callable[..., int] | None:
-    """The compiled loop (None where numba does not import); compiled at the first call."""
-    with _lock:
-        if not _compiled:
-            try:
-                import numba
-            except ImportError:
-                _compiled.append(None)
-            else:
-                _compiled.append(numba.njit(cache=True)(_rows))
-        return _compiled[0]
+# the compiled loop (None where numba does not import), compiled at the first call
+kernel = compiled_once(_rows)

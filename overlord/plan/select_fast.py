@@ -18,11 +18,12 @@ never used are ``fresh..rows``, as in ``select_step``.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from overlord.plan.compiled import compiled_once
 
 # what the kernel returns: done, an item of st[_S] not converted yet (st[_I]), outputs full
 _DONE, _NEED, _FULL = 0, 1, 2
@@ -210,32 +211,8 @@ def _select(
     return code
 
 
-_lock = threading.Lock()
-_compiled: list[Callable[..., int] | None] = []  # the kernel once compiled (None: no numba)
-
-
-def kernel() -> Callable[..., int] | None:
-    """The compiled loop (None where numba does not import); compiled at the first call.
-
-    Compiling takes about 1.2 s; numba caches it (``cache=True``: beside this
-    module, else in the user's cache directory), and a later process loads
-    it in about 0.15 s, besides 0.14 s to import numba.
-    """
-    with _lock:
-        if not _compiled:
-            try:
-                import numba
-            except ImportError:
-                _compiled.append(None)
-            else:
-                # the GIL held: a daemon thread in the loop when the process exits must
-                # not take the GIL back from C++ frames (that ends in std::terminate)
-                jit = numba.njit(cache=True)
-                here = globals()
-                for name in ("_tz", "_least_from", "_meld", "_pop"):  # the loop calls them
-                    here[name] = jit(here[name])
-                _compiled.append(jit(_select))
-        return _compiled[0]
+# the compiled loop (None where numba does not import), compiled at the first call
+kernel = compiled_once(_select, helpers=("_tz", "_least_from", "_meld", "_pop"))
 
 
 def run(
