@@ -131,7 +131,7 @@ def test_the_ledger_builds_a_kept_mark_into_the_state_of_its_step(job_plan):
         c.peek(39)
     want = {}
     for step in range(1, 4):
-        want[step] = ledger.snapshot(step, cursors, mix, {"cost": {"refits": step}})
+        want[step] = ledger.mark(step, cursors, mix, {"cost": {"refits": step}}).state()
         ledger.keep(step, ledger.mark(step, cursors, mix, {"cost": {"refits": step}}))
         for c in cursors:  # the next step moves the cursors and the mixture on
             c.take(np.array([0, 2], dtype=np.int64))
@@ -145,4 +145,4 @@ def test_the_ledger_builds_a_kept_mark_into_the_state_of_its_step(job_plan):
     ledger.keep(4, ledger.mark(4, cursors, mix))
     ledger.quarantine([{"ids": ["a:1"]}])
     assert ledger.at(1)["quarantine"] == ledger.at(4)["quarantine"] == [{"ids": ["a:1"]}]
-    assert "quarantine" not in ledger.snapshot(4, cursors, mix)
+    assert "quarantine" not in ledger.mark(4, cursors, mix).state()

@@ -37,23 +37,6 @@ class Ledger:
         # (absent while none was, so that a run that removes none writes what it always did)
         self.dropped: list[dict[str, Any]] = []
 
-    def snapshot(
-        self,
-        step: int,
-        cursors: Sequence[SourceCursor],
-        mix: MixState,
-        feedback: dict[str, Any] | None = None,
-        quarantine: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        """The state before ``step`` of cursors and a mixture that stand there (not kept).
-
-        ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
-        None leaves the key out, as a state without reports always had it.
-        ``quarantine``: its additions (:mod:`overlord.roles.quarantine`); the key is
-        left out when there are none, so a run without one writes what it always wrote.
-        """
-        return self.mark(step, cursors, mix, feedback, quarantine).state()
-
     def mark(
         self,
         step: int,
@@ -62,10 +45,17 @@ class Ledger:
         feedback: dict[str, Any] | None = None,
         quarantine: list[dict[str, Any]] | None = None,
     ) -> Marked:
-        """What :meth:`snapshot` builds its state from, as it stands now (kept as :meth:`keep`).
+        """The state before ``step`` of cursors and a mixture that stand there, as marks.
 
-        The planner keeps one after every step, but a state is read for few of
-        them (a checkpoint, a journal, a rank's reconnection): it is built then.
+        The few values a state is built from (:meth:`Marked.state`), taken now.
+        The planner keeps one after every step (:meth:`keep`), but a state is
+        read for few of them (a checkpoint, a journal, a rank's reconnection):
+        it is built then.
+
+        ``feedback``: what trainers' reports changed (:mod:`overlord.roles.feedback`);
+        None leaves the key out, as a state without reports always had it.
+        ``quarantine``: its additions (:mod:`overlord.roles.quarantine`); the key is
+        left out when there are none, so a run without one writes what it always wrote.
         """
         dropped = [dict(d) for d in self.dropped] if self.dropped else None
         return Marked(
@@ -169,7 +159,7 @@ class Marked:
         self.quarantine = quarantine  # None: the key is left out
 
     def state(self) -> dict[str, Any]:
-        """The state document (:mod:`overlord.state.format`), as :meth:`Ledger.snapshot` made it."""
+        """The state document (:mod:`overlord.state.format`) these marks stand for."""
         ledger = self.ledger
         target, placed = self.target.tolist(), self.placed.tolist()
         state: dict[str, Any] = {

@@ -224,9 +224,9 @@ class Planner:
 
     def _snapshot(self) -> dict[str, Any]:
         """The state before the next step to plan."""
-        return self.ledger.snapshot(
+        return self.ledger.mark(
             self.next_step, self.cursors, self.mix, self.loop.section(), self.quarantine.record()
-        )
+        ).state()
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """State before ``step`` (JSON-serializable).
