@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,22 +19,21 @@ class Sample(NamedTuple):
 
 
 class Samples(Sequence[Sample]):
-    """A batch's sample records, made when first read.
+    """A batch's sample records, to be made when first read.
 
     A step has a record per document, and most training loops never read
     them: the constructor hands over a function that makes records
-    ``lo:hi`` of the step's and their token counts, and the records are made
-    on the first read (``len`` and :attr:`tokens` need none). It reads as a
-    list does (indexing, slicing, iteration, ``==`` with a list), and a copy or
-    a pickle of it is a plain list.
+    ``lo:hi`` of the step's, with their token counts, and :attr:`Batch.samples`
+    makes them (a list) on its first read; ``num_tokens`` needs none. A pickle
+    of it (a batch sent to another process) is the list.
 
     >>> s = Samples(lambda lo, hi: [Sample("a", f"f:{i}", 2, 0) for i in range(lo, hi)],
     ...             np.array([2, 2, 2]))
-    >>> len(s), s.tokens, s[1:][0].id, s == list(s)
-    (3, 6, 'f:1', True)
+    >>> len(s), s.tokens, s.part(1, 3).records()[0].id
+    (3, 6, 'f:1')
     """
 
-    __slots__ = ("_make", "_lengths", "_lo", "_hi", "_list")
+    __slots__ = ("_make", "_lengths", "_lo", "_hi")
 
     def __init__(
         self,
@@ -43,51 +42,30 @@ class Samples(Sequence[Sample]):
         lo: int = 0,
         hi: int | None = None,
     ):
-        self._make: Callable[[int, int], list[Sample]] | None = make
-        self._lengths = lengths
+        self._make, self._lengths = make, lengths
         self._lo, self._hi = lo, len(lengths) if hi is None else hi
-        self._list: list[Sample] | None = None
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __getitem__(self, i: Any) -> Any:  # a Sequence's; Batch.samples is the list to index
+        return self.records()[i]
 
     @property
     def tokens(self) -> int:
         """Tokens of these samples, without making their records."""
         return int(self._lengths[self._lo : self._hi].sum())
 
-    def _records(self) -> list[Sample]:
-        if self._list is None:
-            assert self._make is not None
-            self._list, self._make = self._make(self._lo, self._hi), None
-        return self._list
+    def part(self, lo: int, hi: int) -> Samples:
+        """Records ``lo:hi`` of these (a rank's of a step's), not made either."""
+        return Samples(self._make, self._lengths, self._lo + lo, self._lo + hi)
 
-    def __len__(self) -> int:
-        return self._hi - self._lo
-
-    @overload
-    def __getitem__(self, i: int) -> Sample: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[Sample]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice) and self._list is None and i.step in (None, 1):
-            lo, hi, _ = i.indices(len(self))  # a slice made later too
-            assert self._make is not None
-            return Samples(self._make, self._lengths, self._lo + lo, self._lo + max(lo, hi))
-        return self._records()[i]
-
-    def __iter__(self) -> Iterator[Sample]:
-        return iter(self._records())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, Samples)):
-            return self._records() == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(self._records())
+    def records(self) -> list[Sample]:
+        """The records, made now."""
+        return self._make(self._lo, self._hi)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (list, (self._records(),))
+        return (list, (self.records(),))
 
 
 class _Records:
@@ -102,7 +80,7 @@ class _Records:
             raise AttributeError("samples")  # for dataclasses: the field has no default
         value = obj.__dict__["_samples"]
         if isinstance(value, Samples):
-            value = obj.__dict__["_samples"] = list(value)
+            value = obj.__dict__["_samples"] = value.records()
         return value
 
     def __set__(self, obj: Any, value: Sequence[Sample]) -> None:

@@ -308,7 +308,7 @@ class DataConstructor:
             out[rp["first"] + k] = Batch(
                 step, rp["first"] + k, a["input_ids"][r], a["labels"][r], a["position_ids"][r],
                 a["segment_ids"][r], cu[cuts[k] : cuts[k + 1] + 1] - k * span,
-                samples[b0:b1], cost[k],
+                samples.part(b0, b1), cost[k],
             )  # fmt: skip
         return out
 
