@@ -72,10 +72,15 @@ def plan_path(tmp_path_factory) -> Path:
     )
 
 
-def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(plan_path, tmp_path):
+@pytest.mark.parametrize(
+    "runtime, kind", [("inline", "NodeClient"), ("process", "ProcessStream")]
+)  # inline: rank 0 hosts the node's roles; process: one data process serves every rank
+def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(
+    plan_path, tmp_path, runtime, kind
+):
     want = run_job(load_plan(plan_path), steps=8).lines  # step by step, rank by rank
-    got = torchrun(plan_path, tmp_path / "run", 8)
-    assert all(r["error"] is None and r["kind"] == "NodeClient" for r in got)
+    got = torchrun(plan_path, tmp_path / "run", 8, runtime=runtime)
+    assert all(r["error"] is None and r["kind"] == kind for r in got)
     for rank, result in enumerate(got):
         assert result["lines"] == want[rank::RANKS]
     # every rank holds the same state at the same position: a synchronous checkpoint
@@ -300,17 +305,6 @@ def _data_processes_of(parent: int) -> list[int]:
         if ours and state != "Z":
             found.append(int(cmdline.parent.name))
     return found
-
-
-def test_every_rank_gets_its_batches_from_the_nodes_data_process(plan_path, tmp_path):
-    """runtime 'process': one data process for the node; each rank the embedded batches."""
-    want = run_job(load_plan(plan_path), steps=8).lines
-    got = torchrun(plan_path, tmp_path / "run", 8, runtime="process")
-    assert all(r["error"] is None and r["kind"] == "ProcessStream" for r in got)
-    for rank, result in enumerate(got):
-        assert result["lines"] == want[rank::RANKS]
-    assert all(r["state"] == got[0]["state"] for r in got) and got[0]["state"]["step"] == 8
-    assert all(r["start"]["step"] == 0 for r in got)
 
 
 def test_rank_0_hosts_nothing_and_a_resume_continues_with_the_data_process(plan_path, tmp_path):
