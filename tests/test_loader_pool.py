@@ -210,6 +210,33 @@ def blocks_of(pool: LoaderPool, asks: list[tuple[str, int]]) -> list[tuple[Any, 
     return out
 
 
+MATES = [("web", 0), ("web", 1), ("code", 0)]  # the loaders of real_pool's one process
+
+
+def wait_all_queued(pool: LoaderPool) -> None:
+    """Until every loader of the process has queued a block (so that one ask takes theirs)."""
+    for source, k in MATES:
+        loader = pool.slots[source][k][0]
+        while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+
+
+def assert_same_blocks(got: list[tuple[Any, ...]], want: list[tuple[Any, ...]]) -> None:
+    """Each slot served the same blocks in the same order (as far as both asked)."""
+    for slot in MATES:
+        mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
+        n = min(len(mine), len(theirs))
+        assert n >= 3 and mine[:n] == theirs[:n], slot
+
+
+def kill_all(*pools: LoaderPool) -> None:
+    for pool in pools:
+        for slots in pool.slots.values():
+            for slot in slots:
+                for h in slot:
+                    pool.runtime.kill(h)
+
+
 def test_loaders_of_one_process_hand_over_their_metadata_in_one_call(tmp_path):
     """Asked for one loader's blocks, a process's other loaders hand theirs over too.
 
@@ -220,25 +247,14 @@ def test_loaders_of_one_process_hand_over_their_metadata_in_one_call(tmp_path):
     apart, together = real_pool(tmp_path / "apart", None), real_pool(tmp_path / "together", 1)
     try:
         want = blocks_of(apart, asks)
-        # wait until every loader of the process has queued a block, then ask one of them
-        for source, k in [("web", 0), ("web", 1), ("code", 0)]:
-            loader = together.slots[source][k][0]
-            while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
-                time.sleep(0.01)
+        wait_all_queued(together)  # then ask one of them
         got = blocks_of(together, asks[:1])
         # the mates' blocks came with that call, kept for their own asks
         assert set(together._polled) == {("web", 1), ("code", 0)}
         got += blocks_of(together, asks[1:])
-        for slot in [("web", 0), ("web", 1), ("code", 0)]:
-            mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
-            n = min(len(mine), len(theirs))
-            assert n >= 3 and mine[:n] == theirs[:n]
+        assert_same_blocks(got, want)
     finally:
-        for pool in (apart, together):
-            for slots in pool.slots.values():
-                for slot in slots:
-                    for h in slot:
-                        pool.runtime.kill(h)
+        kill_all(apart, together)
 
 
 def test_a_loader_asked_without_waiting_answers_at_once_even_as_a_shadow(tmp_path):
@@ -268,22 +284,11 @@ def test_blocks_kept_for_a_process_mate_are_dropped_by_a_rewind(tmp_path):
     apart, together = real_pool(tmp_path / "apart", None), real_pool(tmp_path / "together", 1)
     try:
         want = blocks_of(apart, asks)
-        for source, k in [("web", 0), ("web", 1), ("code", 0)]:
-            loader = together.slots[source][k][0]
-            while not loader.host.obj._member(loader.member)._queue:  # type: ignore[attr-defined]
-                time.sleep(0.01)
+        wait_all_queued(together)
         blocks_of(together, asks[:1])
         assert together._polled  # the mates' blocks came along, kept for their asks
         together.forget_received()
         together.rewind({n: start for n in together.names})
-        got = blocks_of(together, asks)
-        for slot in [("web", 0), ("web", 1), ("code", 0)]:
-            mine, theirs = ([g[2:] for g in b if g[:2] == slot] for b in (got, want))
-            n = min(len(mine), len(theirs))
-            assert n >= 3 and mine[:n] == theirs[:n], slot
+        assert_same_blocks(blocks_of(together, asks), want)
     finally:
-        for pool in (apart, together):
-            for slots in pool.slots.values():
-                for slot in slots:
-                    for h in slot:
-                        pool.runtime.kill(h)
+        kill_all(apart, together)
