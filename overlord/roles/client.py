@@ -250,13 +250,12 @@ def wait_until_rewound(planner: Handle[PlannerRole], rank: int, timeout_s: float
 
     Asked at a reconnected trainer's first ``next()`` (not in ``connect``: a
     process may connect several ranks one after the other before it asks for
-    a batch). Its constructor may hold
-    batches it built ahead for the trainer that died, of the very steps the
-    new one asks for, and would hand them over without asking the planner, so
-    a rank would consume steps of a job that has not rewound yet (and the
-    rewind, when it comes, would forget that it did). The planner refuses a
-    rewind that waits longer than ``loading.timeout_s`` (``timeout_s``): its
-    error is raised here.
+    a batch). Its constructor may hold batches it built ahead for the trainer
+    that died, of the very steps the new one asks for, and would hand them
+    over without asking the planner, so a rank would consume steps of a job
+    that has not rewound yet (and the rewind, when it comes, would forget that
+    it did). The planner refuses a rewind that waits longer than
+    ``loading.timeout_s`` (``timeout_s``): its error is raised here.
     """
     deadline = time.monotonic() + 2 * timeout_s + HEARTBEAT_S
     pause = 0.001

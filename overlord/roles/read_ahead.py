@@ -578,7 +578,7 @@ class Reader:
 
     def primary_changed(self) -> None:
         """The loader was promoted (lock held): a primary reads further ahead than a standby."""
-        self.window_turn.notify_all()
+        self._wake_window()
 
     def set_threads(self, threads: int) -> None:
         """Tokenize ``threads`` pieces at once from now on."""

@@ -243,12 +243,12 @@ class OneWay:
             else:
                 call: _Call = (handle, method, args, kwargs, what)
                 with self._open_lock:
-                    joined = self._open is not None  # a job not started yet takes it too
-                    if self._open is not None:
-                        self._open.append(call)
+                    waiting = self._open  # the calls of a job not started yet: it takes this too
+                    if waiting is not None:
+                        waiting.append(call)
                     else:
                         calls = self._open = [call]
-                if joined:
+                if waiting is not None:
                     self.check()  # as a send that starts a job does (in keep)
                     return
                 ref = self._thread.submit(self._run, calls)
