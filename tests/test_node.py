@@ -156,15 +156,20 @@ def test_the_pytorch_dataset_from_a_plan_uses_the_nodes_loader_under_torchrun(pl
     assert all(r["state"]["step"] == 6 for r in got)
 
 
-def test_a_mesh_under_torchrun_gets_the_embedded_rank_client_batches(plan_path, tmp_path):
-    """dp 1 x cp 2 x tp 2 on 4 processes: each its CP slice; TP peers the same batches."""
+def mesh_plan(plan_path: Path, tmp_path: Path) -> tuple[Path, Any]:
+    """The job's plan on a dp 1 x cp 2 x tp 2 mesh, written beside its data: its path and plan."""
     plan = load_plan(plan_path)
     data = plan.model_dump(mode="json")
     data["world"] = {"dp": 1, "cp": 2, "tp": 2}
     (tmp_path / "data").symlink_to(plan.base_dir / "data")
     path = tmp_path / "mesh.yaml"
     path.write_text(json.dumps(data))
-    mesh = validate_plan(data, base_dir=tmp_path)
+    return path, validate_plan(data, base_dir=tmp_path)
+
+
+def test_a_mesh_under_torchrun_gets_the_embedded_rank_client_batches(plan_path, tmp_path):
+    """dp 1 x cp 2 x tp 2 on 4 processes: each its CP slice; TP peers the same batches."""
+    path, mesh = mesh_plan(plan_path, tmp_path)
     want: list[list[Any]] = [[] for _ in range(RANKS)]
     with Loader(mesh) as loader:
         clients = [loader.rank_client(g) for g in range(RANKS)]
@@ -324,14 +329,9 @@ def test_rank_0_hosts_nothing_and_a_resume_continues_with_the_data_process(plan_
 
 
 def test_a_mesh_and_the_dataset_under_torchrun_with_the_data_process(plan_path, tmp_path):
-    plan = load_plan(plan_path)
-    data = plan.model_dump(mode="json")
-    data["world"] = {"dp": 1, "cp": 2, "tp": 2}
-    (tmp_path / "data").symlink_to(plan.base_dir / "data")
-    path = tmp_path / "mesh.yaml"
-    path.write_text(json.dumps(data))
+    path, mesh = mesh_plan(plan_path, tmp_path)
     want: list[list[Any]] = [[] for _ in range(RANKS)]
-    with Loader(validate_plan(data, base_dir=tmp_path)) as loader:
+    with Loader(mesh) as loader:
         clients = [loader.rank_client(g) for g in range(RANKS)]
         for _ in range(5):
             for g, c in enumerate(clients):
