@@ -169,9 +169,11 @@ def serve(
             import ray
 
             record(ray.get_runtime_context().gcs_address)
+            # serving before it says it is ready: a signal that follows the ready line stops
+            # the job in order (it raised Stopped when it came before serving was set)
+            serving.set()
             if ready is not None:
                 ready(loader)
-            serving.set()
             while not stop.wait(0.5):
                 pass
     finally:
