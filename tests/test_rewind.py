@@ -61,11 +61,20 @@ def stamped(loader: Loader) -> Any:
 
 
 def reconnect(loader: Loader, state: dict[str, Any]) -> list[Client]:
-    """Every DP rank reconnects with ``state``; their new clients."""
+    """Every DP rank reconnects with ``state``; their new clients.
+
+    They send their consumption notices from one thread, as ``Loader.client``'s do: the
+    embedded runtime refuses a rank far ahead at once (``RanksApart``) unless its own
+    notices are in flight, so clients of one process with a thread each would race.
+    """
     for r in range(DP):
         assert loader.planner.call(PlannerRole.reconnect, r, state).result() == state["step"]
     constructors = loader._constructor_of  # noqa: SLF001 - the trainers' side of this Loader
-    return [Client(r, constructors[r], loader.planner, state["step"]) for r in range(DP)]
+    notices = loader._notices  # noqa: SLF001
+    return [
+        Client(r, constructors[r], loader.planner, state["step"], notices=notices)
+        for r in range(DP)
+    ]
 
 
 @pytest.mark.integration
