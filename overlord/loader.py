@@ -99,7 +99,11 @@ class Loader:
     cluster at ``address`` or a local instance of its own; joining a cluster
     gives up after ``connect_timeout`` seconds, None: ``OVERLORD_CONNECT_TIMEOUT``,
     else 60). With ``build_batches=False``
-    the loaders keep no payloads and only :meth:`dry_run` is available.
+    the loaders keep no payloads and only :meth:`dry_run` is available. With
+    ``build_ahead=False`` a batch is built on the thread that asks for it, and
+    clients send their consumption notices from it too: no thread of the
+    Loader's hands work to another, for a caller that runs ahead of its
+    trainers itself (the data process's one serving thread does).
 
     Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
     one process, the embedded runtime) every process's ``Loader`` is in node
@@ -129,6 +133,7 @@ class Loader:
         node: bool | None = None,
         connect_timeout: float | None = None,
         journal_dir: str | Path | None = None,
+        build_ahead: bool = True,
     ):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if state is not None:
@@ -210,7 +215,7 @@ class Loader:
             in_trainer = distributed and p.constructors is ConstructorSite.TRAINER
             # constructors plan and build ahead on threads of their own, on every runtime:
             # the trainer's thread only takes a ready batch
-            prefetch = self.plan.batch.prefetch_steps
+            prefetch = self.plan.batch.prefetch_steps if build_ahead else 0
             # embedded, every constructor is an object of this process: one for every rank
             # builds a step of them all in one pass, on one kept thread (not one per rank,
             # each waking the next for the GIL); on Ray, one actor per rank by default
@@ -235,7 +240,7 @@ class Loader:
             self.close()
             raise
         # every client's consumption notices, in order, from one thread (never the trainer's)
-        self._notices = OneWay("clients", background=True)
+        self._notices = OneWay("clients", background=build_ahead)
 
     def client(self, rank: int, stop_step: int | None = None) -> RankStream:
         """Iterator of batches for DP rank ``rank``, from the resumed step on.

@@ -122,3 +122,44 @@ def test_sample_records_are_made_when_read_and_read_as_a_list(job_plan, monkeypa
         assert kept.samples == first[0].samples and type(kept.samples) is list
         second = next(clients[0])  # a later batch's records are made from its own columns
         assert [s.id for s in second.samples] != [s.id for s in first[0].samples]
+
+
+def test_built_on_the_asking_thread_the_stream_is_the_same_and_each_step_is_packed_once(
+    job_plan, monkeypatch
+):
+    """``build_ahead=False`` (the data process's roles): no thread builds; same batches."""
+    from overlord import validate_plan
+    from overlord.roles import constructor
+
+    packed: list[str] = []
+    real = constructor.pack
+
+    def counted(*args: Any) -> Any:
+        packed.append(threading.current_thread().name)
+        return real(*args)
+
+    plan = load_plan(job_plan).with_dp(4)
+    ahead, _ = _batches(plan, 5)
+    monkeypatch.setattr(constructor, "pack", counted)
+    with Loader(plan, build_ahead=False) as loader:
+        clients = [loader.client(r) for r in range(4)]
+        here = [next(c) for _ in range(5) for c in clients]
+        assert not [t for t in threading.enumerate() if "constructor" in t.name]
+    assert packed == [threading.current_thread().name] * 5  # the 4 ranks together, per step
+    assert [dump_line(b) for b in here] == [dump_line(b) for b in ahead]
+    for a, b in zip(here, ahead):
+        for name, x in a.arrays().items():
+            assert (x == b.arrays()[name]).all(), (a.step, a.rank, name)
+
+    data = load_plan(job_plan).model_dump(mode="json")
+    data["world"] = {"dp": 2, "tp": 2}  # a DP rank's two TP peers share its one build
+    mesh = validate_plan(data, base_dir=load_plan(job_plan).base_dir)
+    packed.clear()
+    with Loader(mesh, build_ahead=False) as loader:
+        ranks = [loader.rank_client(g) for g in range(4)]
+        views = [[next(r) for r in ranks] for _ in range(3)]
+    assert len(packed) == 3  # a step: both DP ranks in one pack, whatever the peers
+    for step in views:
+        for g, view in enumerate(step):
+            peer = step[mesh.world.ranks_of(mesh.world.coords(g).dp)[0]]
+            assert view is peer  # TP peers receive the same object

@@ -34,7 +34,8 @@ WATCH_S = 0.2  # how often the parent is looked for
 
 def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
     plan = validate_plan(config["plan"], base_dir=config["base_dir"])
-    loader = Loader(plan, state=config["state"], node=False)
+    # the server's thread builds ahead of the ranks itself: the roles work on that thread
+    loader = Loader(plan, state=config["state"], node=False, build_ahead=False)
     try:
         world = plan.world
         # a DP rank's batch is built once, its views cut once for all its peers

@@ -73,11 +73,10 @@ class DataConstructor:
         self._lock = threading.Lock()
         # rank -> step -> its build: a rank's calls look at its own builds only
         self._built: dict[int, dict[int, Future[list[Batch] | None]]] = {r: {} for r in ranks}
-        # consecutive ranks (prefetching, no images) are built together, a step at a time:
+        # consecutive ranks (no images) are built together, a step at a time:
         # step -> (the generation built in, the batches of the ranks that did not take theirs)
         self._together_on = (
-            prefetch > 0
-            and len(self.ranks) > 1
+            len(self.ranks) > 1
             and self.ranks == list(range(self.ranks[0], self.ranks[0] + len(self.ranks)))
             and plan.vision is None
         )
@@ -153,8 +152,7 @@ class DataConstructor:
         """Every CP rank's batch of DP rank ``rank`` for ``step``, asked for by ``asker``."""
         if rank not in self.ranks:
             raise LoaderError(f"this DataConstructor serves ranks {self.ranks}, not rank {rank}")
-        if self._pool is None:
-            return self._build_slices(step, rank)
+        mine = False  # a build of this step that this thread makes (nothing builds ahead)
         with self._lock:
             if step < self._asked.get(asker, step):  # rewound: what was built ahead is stale
                 self._gen += 1
@@ -166,9 +164,13 @@ class DataConstructor:
             fut = built.get(step)
             if fut is None or (fut.done() and (fut.exception() or fut.result() is None)):
                 # none yet; refused when built ahead; or failed (a retry builds it again)
-                fut = built[step] = self._pool.submit(self._build_slices, step, rank)
+                if self._pool is None:  # built here, once: the rank's peers wait for it
+                    fut = built[step] = Future()
+                    mine = True
+                else:
+                    fut = built[step] = self._pool.submit(self._build_slices, step, rank)
             for ahead in range(step + 1, step + 1 + self.prefetch):
-                if ahead not in built:
+                if ahead not in built and self._pool is not None:
                     built[ahead] = self._pool.submit(self._ahead, ahead, rank, self._gen)
             # keep a step until every peer of the rank that asks has moved past it
             self._asked[asker] = max(step, self._asked.get(asker, step))
@@ -177,8 +179,15 @@ class DataConstructor:
             for old in [s for s in built if s < low]:
                 del built[old]
             self._drop_views(rank, low)
+        if mine:
+            try:
+                fut.set_result(self._build_slices(step, rank))
+            except BaseException as e:
+                fut.set_exception(e)
+                raise
         got = fut.result()
         if got is None:  # refused when it was built ahead: build it now, still off this thread
+            assert self._pool is not None
             return self._pool.submit(self._build_slices, step, rank).result()
         return got
 
