@@ -6,10 +6,11 @@ Two daemon threads per loader (a :class:`Reader`):
   (:func:`overlord.sources.shard.shard_windows`) and hands each to the
   scheduler, holding at most one window read ahead;
 - the *piece scheduler* cuts the window it was handed into pieces, starts
-  each piece's tokenizing on one of the loader's worker threads (kept and
-  reused: :class:`~overlord.runtime.threads.Workers`) when the rule lets it, and
-  publishes what is done to the loader in order: a window's counts, its
-  pieces' items, a shard's end.
+  each piece's tokenizing when the rule lets it, and publishes what is done
+  to the loader in order: a window's counts, its pieces' items, a shard's
+  end. With ``loading.threads: 1`` (the default) it tokenizes each piece
+  itself; with more, on the loader's worker threads (kept and reused:
+  :class:`~overlord.runtime.threads.Workers`).
 
 When a piece may start and when the next window may be read is decided by
 :class:`ReadAhead`, a pure policy over plain numbers (what is held, what is
@@ -180,6 +181,8 @@ class Task:
     end: bool = False
     chunks: tuple[int, int] | None = None  # a part of a long record: its chunks (record_parts)
     whole: tuple[int, int] | None = None  # a piece's last part: the piece, let go once published
+    # a piece the scheduler cuts itself, once it let go of the lock (one piece at a time)
+    here: tuple[Window, int, int, tuple[int, int] | None] | None = None
 
     def ready(self) -> bool:
         """Whether it can be published: a piece's tokenizing is done (or there is none)."""
@@ -403,10 +406,24 @@ class Reader:
                         return
                 if task is None:
                     self._publish(pending.popleft())
+                elif task.here is not None:
+                    self._cut_here(task)
         except BaseException as e:  # handed to the planner by metadata()
             with self.lock:
                 self.error = e
                 self.lock.notify_all()
+
+    def _cut_here(self, task: Task) -> None:
+        """Tokenize a piece on this thread (lock not held).
+
+        Only at ``threads`` 1: no other piece is in flight, and none may start meanwhile.
+        """
+        assert task.piece is not None and task.here is not None
+        args, task.here = task.here, None
+        try:
+            task.piece.set_result(self._tokenize(*args))
+        except BaseException as e:  # raised where it is published, in order
+            task.piece.set_exception(e)
 
     def _next_task(self) -> Task | None:
         """Start the next task if the rule allows it (lock held).
@@ -456,10 +473,15 @@ class Reader:
             cutting.parts = None
         # the window thread may read the next window now (it waits on what is left of this one)
         self._wake_window()
-        piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
-        piece.add_done_callback(self._wake)
+        here = None
+        if self.policy.threads == 1:  # no hand-off to a worker and back for each piece
+            piece: Future[Tokenized] = Future()
+            here = (window, plo, phi, chunks)
+        else:
+            piece = self._workers.submit(self._tokenize, window, plo, phi, chunks)
+            piece.add_done_callback(self._wake)
         task = Task((window.epoch, window.shard_pos), window.file_index, window, plo, phi, piece)
-        task.estimate, task.chunks = estimate, chunks
+        task.estimate, task.chunks, task.here = estimate, chunks, here
         if parted and cutting.parts is None:
             task.whole = (lo, hi)
         self.in_flight += estimate
