@@ -308,6 +308,10 @@ def test_text_sources_keep_their_fingerprint() -> None:
     )
     assert plan.source_fingerprint("t") == "632ce0f1f01fd959"  # as before token sources
     assert plan.stream_fingerprint() == "a130aa19d8c6c8ee"
+    assert plan.stream_fingerprint() == "a130aa19d8c6c8ee"  # kept: made once per plan
+    reseeded = plan.model_copy(update={"seed": 2})  # a copy hashes what it holds, not the kept
+    assert reseeded.stream_fingerprint() == reseeded._hash_of_stream() != "a130aa19d8c6c8ee"
+    assert plan.with_dp(2).stream_fingerprint() == "a130aa19d8c6c8ee"
 
 
 def test_validate_names_eos_dtype_and_vocabulary_problems(tmp_path: Path) -> None:

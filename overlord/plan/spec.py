@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,7 @@ class Plan(_Model):
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _fingerprints: dict[str, str] = PrivateAttr(default_factory=dict)  # a frozen plan's
+    _stream_fingerprint: str | None = PrivateAttr(None)  # made once (every state holds it)
 
     @property
     def base_dir(self) -> Path:
@@ -394,12 +396,23 @@ class Plan(_Model):
         data["world"]["dp"] = dp
         return validate_plan(data, base_dir=self._base_dir)
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Plan:
+        """A copy (pydantic's), with the fingerprints made again: ``update`` may change them."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._fingerprints, copy._stream_fingerprint = {}, None
+        return copy
+
     def stream_fingerprint(self) -> str:
         """Hash of every field that decides which samples form each step.
 
         The world and the balance method are left out: they decide only who
         gets a sample, so a checkpoint resumes across them (elastic resume).
         """
+        if self._stream_fingerprint is None:
+            self._stream_fingerprint = self._hash_of_stream()
+        return self._stream_fingerprint
+
+    def _hash_of_stream(self) -> str:
         data = self.model_dump(
             mode="json",
             exclude={
