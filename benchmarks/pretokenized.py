@@ -27,12 +27,18 @@ Medians of ``--repeat`` runs. Tokens are document ids (padding excluded)::
 
     .venv/bin/python -m benchmarks.pretokenized            # about 1.5 minutes on 2 cores
     .venv/bin/python -m benchmarks.pretokenized --quick
+    .venv/bin/python -m benchmarks.pretokenized --cpus 0   # every arm on CPU 0 alone
+
+``--cpus`` runs every arm's processes on the CPUs listed (``sched_setaffinity``, set in
+the arm's process before it runs Python), the baselines as overlord: it shows what the
+threads of a loader cost when they hand work to each other across cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import struct
 import subprocess
@@ -183,8 +189,6 @@ def run_overlord(
 def _timed(batches: Iterator[Any], tokens_of: Any, warmup: int, steps: int) -> dict[str, float]:
     for _ in range(warmup):
         next(batches)
-    import os
-
     c0, w0, seen = tree_cpu(os.getpid()), time.perf_counter(), 0
     own0 = time.process_time()
     for _ in range(steps):
@@ -200,7 +204,12 @@ def measure(arm: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
     cmd = [*module_command("pretokenized"), "--arm", arm, "--corpus", str(root),
            "--rows", str(args.rows), "--seq", str(args.seq), "--warmup", str(args.warmup),
            "--steps", str(args.steps)]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True, timeout=900)
+    cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else None
+    out = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, check=True, timeout=900,
+        # set in the child before it runs Python: its every thread and process inherit it
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+    )  # fmt: skip
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -218,6 +227,7 @@ def main() -> None:
     p.add_argument("--workers", default="0,1,2")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="fewer tokens, steps and one repeat")
+    p.add_argument("--cpus", help="run every arm on these CPUs only (comma-separated ids)")
     args = p.parse_args()
     if args.arm:
         root = Path(args.corpus)
@@ -261,7 +271,8 @@ def main() -> None:
         print(f"{a:24} {rate[a]:12.3e} {wall[a]:12.3e} {rate[a] / rate[best_cpu]:17.2f} "
               f"{wall[a] / wall[best_wall]:18.2f} {rate['floor'] / rate[a]:19.2f} "
               f"{rate['floor'] / own[a]:21.2f}")  # fmt: skip
-    print(f"best DataLoader: {best_cpu} by CPU, {best_wall} by wall")
+    print(f"best DataLoader: {best_cpu} by CPU, {best_wall} by wall"
+          + (f"; every arm on CPUs {args.cpus}" if args.cpus else ""))  # fmt: skip
 
 
 if __name__ == "__main__":
