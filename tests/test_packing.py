@@ -99,8 +99,7 @@ def test_pack_equals_a_per_position_reference(rows_docs, pad_id):
 )
 def test_the_compiled_loop_packs_what_numpy_packs(rows_docs, seq_len, pad_id, masked, seed):
     """Every array equal, bit for bit, empty documents and chat masks included; and both
-    refuse a row that overflows, naming it. Documents held in another order (as loaders
-    send them) and read where ``starts`` says pack the same, both ways."""
+    refuse a row that overflows, naming it."""
     pytest.importorskip("numba")
     from overlord.batch import rows as rows_mod
 
@@ -109,34 +108,15 @@ def test_the_compiled_loop_packs_what_numpy_packs(rows_docs, seq_len, pad_id, ma
     row_of = np.array([r for r, docs in enumerate(rows_docs) for _ in docs], dtype=np.int64)
     tokens = rng.integers(0, 50_000, int(lengths.sum())).astype(np.int32)
     mask = rng.integers(0, 2, len(tokens)).astype(np.uint8) if masked else None
-    in_order = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=in_order[1:])
-    shape = (len(rows_docs), seq_len, pad_id, mask)
+    args = (tokens, lengths, row_of, len(rows_docs), seq_len, pad_id, mask)
     overflows = any(sum(docs) > seq_len for docs in rows_docs)
     if overflows:
-        with pytest.raises(ValueError, match="overflows its"):
-            rows_mod._pack_numpy(tokens, lengths, row_of, *shape)
-        with pytest.raises(ValueError, match="overflows its"):
-            rows_mod._pack_compiled(tokens, in_order, lengths, row_of, *shape)
+        for how in (rows_mod._pack_numpy, rows_mod._pack_compiled):
+            with pytest.raises(ValueError, match="overflows its"):
+                how(*args)
         return
-    want = rows_mod._pack_numpy(tokens, lengths, row_of, *shape)
-    got = rows_mod._pack_compiled(tokens, in_order, lengths, row_of, *shape)
-    # the same documents held in a shuffled order, with where each starts
-    order = rng.permutation(len(lengths))
-    held = [slice(int(a), int(a + n)) for a, n in zip(in_order[order], lengths[order])]
-    placed = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[order][:-1], out=placed[1:])
-    starts = np.empty(len(lengths), dtype=np.int64)
-    starts[order] = placed
-    moved = np.concatenate([tokens[h] for h in held] or [tokens[:0]])
-    moved_mask = None if mask is None else np.concatenate([mask[h] for h in held] or [mask[:0]])
-    args = (moved, lengths, row_of, len(rows_docs), seq_len, pad_id, moved_mask)
-    compiled = rows_mod.pack(*args, starts=starts)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rows_mod.pack_fast, "kernel", lambda: None)
-        plain = rows_mod.pack(*args, starts=starts)
-    for other in (got, compiled, plain):
-        assert want.keys() == other.keys()
-        for k in want:
-            assert want[k].dtype == other[k].dtype and want[k].shape == other[k].shape, k
-            assert (want[k] == other[k]).all(), k
+    want, got = rows_mod._pack_numpy(*args), rows_mod._pack_compiled(*args)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape, k
+        assert (want[k] == got[k]).all(), k

@@ -20,7 +20,6 @@ IGNORE_INDEX = -100  # as overlord.batch.rows (which imports this module, not th
 
 def _rows(
     tokens: np.ndarray,
-    starts: np.ndarray,  # int64: each document's first token in ``tokens`` (and ``mask``)
     lengths: np.ndarray,
     row_of: np.ndarray,
     pad_id: int,
@@ -35,10 +34,10 @@ def _rows(
     """Write the rows; -1, or the first document that overflows its row (nothing then holds)."""
     rows, seq_len = ids.shape
     doc_in_row = np.zeros(rows, dtype=np.int64)
+    src = 0
     for d in range(len(lengths)):
         r = row_of[d]
         n = lengths[d]
-        src = starts[d]
         at = used[r]
         if at + n > seq_len:
             return d
@@ -54,6 +53,7 @@ def _rows(
             else:
                 labels[r, at + t] = IGNORE_INDEX
         used[r] = at + n
+        src += n
     for r in range(rows):
         for c in range(used[r], seq_len):
             ids[r, c] = pad_id

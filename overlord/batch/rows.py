@@ -31,16 +31,13 @@ def pack(
     seq_len: int,
     pad_id: int,
     mask: np.ndarray | None = None,
-    starts: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Pack documents (``tokens`` back to back, in row order) into ``rows`` rows.
 
     ``row_of`` is each document's row, non-decreasing; documents keep their
     order inside a row. ``mask`` (one per token, 0 or 1), if given, says which
     tokens are learned: the label at ``t`` is the next token where that token's
-    mask is 1, else ``-100``. ``starts``, if given, is where each document
-    begins in ``tokens`` (and ``mask``), which then hold them in any order
-    (as the loaders sent them): they are read from there, not gathered first.
+    mask is 1, else ``-100``.
 
     >>> b = pack(np.array([1, 2, 3, 4, 5]), np.array([2, 3]), np.array([0, 1]), 2, 4, 0)
     >>> b["input_ids"].tolist(), b["labels"].tolist()
@@ -57,20 +54,13 @@ def pack(
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     row_of = np.asarray(row_of, dtype=np.int64)
-    in_order = np.zeros(len(lengths), dtype=np.int64)  # where back to back puts them
-    np.cumsum(lengths[:-1], out=in_order[1:])
-    starts = in_order if starts is None else np.asarray(starts, dtype=np.int64)
     if pack_fast.kernel() is not None:
-        return _pack_compiled(tokens, starts, lengths, row_of, rows, seq_len, pad_id, mask)
-    if not np.array_equal(starts, in_order):  # numpy's way takes them back to back
-        at = np.repeat(starts - in_order, lengths) + np.arange(int(lengths.sum()))
-        tokens, mask = tokens[at], None if mask is None else np.asarray(mask)[at]
+        return _pack_compiled(tokens, lengths, row_of, rows, seq_len, pad_id, mask)
     return _pack_numpy(tokens, lengths, row_of, rows, seq_len, pad_id, mask)
 
 
 def _pack_compiled(
     tokens: np.ndarray,
-    starts: np.ndarray,
     lengths: np.ndarray,
     row_of: np.ndarray,
     rows: int,
@@ -85,7 +75,7 @@ def _pack_compiled(
     used = np.zeros(rows, dtype=np.int64)
     masked = mask is not None
     bad = fast(
-        np.ascontiguousarray(tokens), starts, lengths, row_of, int(pad_id),
+        np.ascontiguousarray(tokens), lengths, row_of, int(pad_id),
         np.asarray(mask) if masked else _NO_MASK, masked,
         *(out[k] for k in _OUTPUTS), used,
     )  # fmt: skip

@@ -256,11 +256,10 @@ class DataConstructor:
         rp = self._rank_plan(step, rank, gen)
         lengths = np.asarray(rp["tokens"], dtype=np.int64)
         images = BatchImages(len(lengths)) if self.plan.vision is not None else None
-        tokens, starts, mask = self._gather(rp, lengths, images)
+        tokens, mask = self._gather(rp, lengths, images)
         arrays = pack(
-            tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id, mask,
-            starts,
-        )  # fmt: skip
+            tokens, lengths, rp["row"], rp["rows"], self.plan.batch.max_seq_len, self.pad_id, mask
+        )
         samples = self._samples(rp, lengths, images.keys if images is not None else None)
         a = arrays
         batch = Batch(step, rank, a["input_ids"], a["labels"], a["position_ids"],
@@ -302,11 +301,11 @@ class DataConstructor:
         start and end at segment boundaries.
         """
         lengths = np.asarray(rp["tokens"], dtype=np.int64)
-        tokens, starts, mask = self._gather(rp, lengths, None)
+        tokens, mask = self._gather(rp, lengths, None)
         bounds = np.asarray(rp["bounds"], dtype=np.int64)
         count, rows, seq_len = len(bounds) - 1, rp["rows"], self.plan.batch.max_seq_len
         row_of = np.repeat(np.arange(count, dtype=np.int64) * rows, np.diff(bounds)) + rp["row"]
-        a = pack(tokens, lengths, row_of, rows * count, seq_len, self.pad_id, mask, starts)
+        a = pack(tokens, lengths, row_of, rows * count, seq_len, self.pad_id, mask)
         samples = self._samples(rp, lengths, None)
         span = rows * seq_len
         cu = a["cu_seqlens"]
@@ -324,40 +323,39 @@ class DataConstructor:
 
     def _gather(
         self, rp: dict[str, Any], lengths: np.ndarray, images: BatchImages | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """The planned items' tokens as the loaders sent them, and where each item starts there.
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The planned items' tokens back to back, in the plan's order, taken from the loaders.
 
-        The loaders' payloads back to back (one array, none copied where one
-        loader sent all), each item's first token in them (for :func:`pack`, which
-        reads the items from there in the plan's order), and their loss mask
-        (uint8, 1: a label to keep) where a loader sent one (a chat source's):
-        the other sources' tokens are all kept. None when no loader sent one,
-        so that a text plan allocates none.
+        And their loss mask (uint8, 1: a label to keep), where a loader sent one (a chat
+        source's): the other sources' tokens are all kept. None when no loader sent one, so
+        that a text plan allocates none.
         """
         src, ldr, keys = rp["source"], rp["loader"], rp["key"]
-        starts = np.zeros(len(src), dtype=np.int64)
-        parts: list[np.ndarray] = []
-        masks: list[np.ndarray | None] = []
-        at = 0
+        n = len(src)
+        starts = np.zeros(n, dtype=np.int64)
+        if n:
+            np.cumsum(lengths[:-1], out=starts[1:])
+        tokens = np.empty(int(lengths.sum()), dtype=np.int32)
+        mask: np.ndarray | None = None
         for mine, got in self.loaders.take(by_slot(src, ldr), keys):
-            in_payload = np.zeros(len(mine), dtype=np.int64)  # where each begins in its payload
-            np.cumsum(got["lengths"][:-1], out=in_payload[1:])
-            starts[mine] = at + in_payload
-            parts.append(got["tokens"])
-            masks.append(got.get("mask"))
-            at += len(got["tokens"])
+            # a run of items next to each other in the rank's order is one slice of both
+            got_starts = np.zeros(len(mine) + 1, dtype=np.int64)
+            np.cumsum(got["lengths"], out=got_starts[1:])
+            cuts = np.flatnonzero(np.diff(mine) != 1) + 1
+            run_lo, run_hi = np.append(0, cuts), np.append(cuts, len(mine))
+            runs = list(zip(
+                mine[run_lo].tolist(), got_starts[run_lo].tolist(), got_starts[run_hi].tolist()
+            ))  # fmt: skip
+            for j, g0, g1 in runs:
+                tokens[starts[j] : starts[j] + g1 - g0] = got["tokens"][g0:g1]
+            if "mask" in got:
+                if mask is None:
+                    mask = np.ones(len(tokens), dtype=np.uint8)
+                for j, g0, g1 in runs:
+                    mask[starts[j] : starts[j] + g1 - g0] = got["mask"][g0:g1]
             if images is not None:
                 images.add(mine, got)
-        if len(parts) == 1:
-            tokens = parts[0]
-        else:
-            tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        mask = None
-        if any(m is not None for m in masks):
-            mask = np.concatenate(
-                [np.ones(len(p), np.uint8) if m is None else m for p, m in zip(parts, masks)]
-            )
-        return tokens, starts, mask
+        return tokens, mask
 
     def _samples(
         self, rp: dict[str, Any], lengths: np.ndarray, names: list[str | None] | None
