@@ -253,3 +253,36 @@ def test_the_window_thread_wakes_for_its_own_wait_only(tmp_path, monkeypatch):
         assert cv.ends[True] > woken
     finally:
         loader.close()
+
+
+def test_one_reader_thread_cuts_its_pieces_on_the_scheduler_more_on_kept_workers(
+    tmp_path, monkeypatch
+):
+    """At ``loading.threads: 1`` no piece is handed to a worker thread; at 2 every piece is."""
+    from overlord.roles import read_ahead
+
+    cut_on: list[str] = []
+    real = read_ahead.cut_items
+
+    def recorded(*args: Any) -> Any:
+        cut_on.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(read_ahead, "cut_items", recorded)
+    loader = lone_loader(tmp_path / "one", 1)
+    try:
+        held_back(loader)
+    finally:
+        loader.close()
+    assert cut_on and set(cut_on) == {"overlord-loader-web-0"}, Counter(cut_on)
+
+    cut_on.clear()
+    loader = lone_loader(tmp_path / "two", 1)
+    try:
+        loader.set_threads(2)
+        before = len(cut_on)
+        while len(cut_on) < before + 3:  # pieces started from now on
+            loader.metadata(HANG_GUARD_S)
+    finally:
+        loader.close()
+    assert {t for t in cut_on[before + 1 :]} == {"overlord-piece-web-0"}, Counter(cut_on)
