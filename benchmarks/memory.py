@@ -37,8 +37,10 @@ and the same tokenizer (``--tokenizer``: ``bpe``, the byte-level BPE of 8,000 to
   with the variables ``torchrun --standalone`` sets (``WORLD_SIZE``, ``RANK``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``;
   torchrun's agent process is not run: a DP job's trainers have a launcher in every design,
-  so it is no loader's cost) and each calls ``overlord.Loader(plan).client(rank)``:
-  a ``Loader`` in node mode, whose rank 0 runs the embedded Loader (every SourceLoader as
+  so it is no loader's cost) and each calls
+  ``overlord.Loader(plan, runtime="inline").client(rank)``: a ``Loader`` in node mode
+  hosted by rank 0 (the data process, the default under torchrun, is
+  ``benchmarks/node_memory.py``'s), whose rank 0 runs the embedded Loader (every SourceLoader as
   threads in rank 0's process, the planner, the constructors) and sends each other rank its
   batches over gloo. The Ray design's plan with ``world.dp = R`` and no standby (``shadows: 0``).
   The report splits its memory between rank 0 and the other trainers.
@@ -213,7 +215,7 @@ def _write_stats(d: Path, stats: list[dict[str, Any]]) -> None:
 
 
 def _node_stream(a: argparse.Namespace, d: Path) -> Iterator[dict[str, Any]]:
-    """This rank's batches in node mode: ``overlord.Loader(plan)`` under torchrun's variables.
+    """This rank's batches in node mode hosted by rank 0, under torchrun's variables.
 
     Rank 0's process runs the node's one embedded Loader; it answers the stats request.
     """
@@ -221,7 +223,7 @@ def _node_stream(a: argparse.Namespace, d: Path) -> Iterator[dict[str, Any]]:
     from overlord.dist.node import NodeClient
     from overlord.torch import to_torch
 
-    loader = overlord.Loader(a.plan)
+    loader = overlord.Loader(a.plan, runtime="inline")  # rank 0 hosts (the design measured)
     if not loader.node:
         raise RuntimeError(f"expected node mode under torchrun's variables, got {loader!r}")
     client = loader.client(a.rank)

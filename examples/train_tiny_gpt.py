@@ -14,9 +14,10 @@ What happens:
 
 - By default, without Ray: every rank builds the same plan and calls
   ``OverlordIterableDataset.from_plan``. Under torchrun on one node that is
-  overlord's node mode: rank 0 runs the node's one Loader (each source read
-  once), and sends every rank its own batches (its CP slice with ``--cp``)
-  over a gloo group; each rank reads them through a ``DataLoader(num_workers=0)``.
+  overlord's node mode: the node's roles run in one data process that rank 0
+  starts (each source read once), and every rank takes its own batches (its
+  CP slice with ``--cp``) from shared memory; each rank reads them through a
+  ``DataLoader(num_workers=0)``.
 - With ``--ray``, rank 0 starts the overlord job in its own process instead:
   ``overlord.Loader(plan, runtime="ray", job=JOB, state=...)`` starts a local
   Ray instance and the Planner, SourceLoader and one DataConstructor per DP
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = None
     if args.ray:
         ds, loader = join_job(args, plan, rank, data_state)
-    else:  # node mode: rank 0 runs the node's one Loader; each rank gets its own batches
+    else:  # node mode: the node's data process builds; each rank gets its own batches
         ds = OverlordIterableDataset.from_plan(plan, stop_step=args.steps)
 
     model = TinyGPT(plan.batch.max_seq_len, args.d_model, args.layers, args.heads)

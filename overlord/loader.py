@@ -35,7 +35,14 @@ from overlord.sources.catalog import job_files
 from overlord.sources.tokenizers import make_tokenizer
 from overlord.state.checkpoint import check_state
 from overlord.state.runs import new_run
-from overlord.streams import RankStream, StreamKind, local_constructor, open_stream, stream_kind
+from overlord.streams import (
+    RankStream,
+    StreamKind,
+    local_constructor,
+    open_stream,
+    resolved_runtime,
+    stream_kind,
+)
 
 
 def make_runtime(
@@ -92,10 +99,11 @@ class Loader:
 
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
     rank had consumed it, on any DP size. ``runtime`` is ``inline`` (every role
-    in this process), ``process`` (every role in a data process of the node,
-    beside this one: batches arrive in shared memory, and the trainer's thread
-    only takes them; see :mod:`overlord.dist.data_process`) or ``ray`` (every
-    role a Ray actor of job ``job``, on the
+    in this process; the default, but under torchrun), ``process`` (every role
+    in a data process of the node, beside this one: batches arrive in shared
+    memory, and the trainer's thread only takes them; see
+    :mod:`overlord.dist.data_process`; the default under torchrun) or ``ray``
+    (every role a Ray actor of job ``job``, on the
     cluster at ``address`` or a local instance of its own; joining a cluster
     gives up after ``connect_timeout`` seconds, None: ``OVERLORD_CONNECT_TIMEOUT``,
     else 60). With ``build_batches=False``
@@ -106,15 +114,18 @@ class Loader:
     trainers itself (the data process's one serving thread does).
 
     Under ``torchrun`` on one node (``WORLD_SIZE`` > 1, a world of more than
-    one process, the embedded runtime) every process's ``Loader`` is in node
-    mode (:func:`overlord.streams.stream_kind` decides): it starts no role
-    itself; the node's rank 0 runs the one Loader that reads each source, and
-    each process's :meth:`client` (a mesh: :meth:`rank_client`) gives its own
-    batches, a :class:`~overlord.dist.node.NodeClient` (``node=False`` makes a
-    Loader of this process alone; ``loader.node`` says which). :meth:`state_dict`
-    is then this rank's stream's, :meth:`stats` rank 0's, and what steers the
-    node's loaders (re-partitioning, threads, slots) is rank 0's alone and not
-    offered.
+    one process; runtime ``process`` or ``inline``) every process's ``Loader``
+    is in node mode (:func:`overlord.streams.stream_kind` decides): it starts
+    no role itself, and each process's :meth:`client` (a mesh:
+    :meth:`rank_client`) gives its own batches (``node=False`` makes a Loader
+    of this process alone; ``loader.node`` says which). By default the node's
+    roles run in a data process that rank 0 starts, and every rank takes its
+    batches from shared memory; with ``runtime="inline"`` rank 0 runs the one
+    Loader that reads each source and sends every other rank its batches, a
+    :class:`~overlord.dist.node.NodeClient`. :meth:`state_dict` is then this
+    rank's stream's; :meth:`stats` is rank 0's with ``inline`` and refused
+    with ``process``, and what steers the node's loaders (re-partitioning,
+    threads, slots) is not offered.
 
     ``journal_dir`` keeps the planner's journal, whole, in a folder of this run's
     under it (:mod:`overlord.state.runs`), after :meth:`close` too, so that any
@@ -125,7 +136,7 @@ class Loader:
     def __init__(
         self,
         plan: Plan | str | Path,
-        runtime: str = "inline",
+        runtime: str | None = None,
         state: dict[str, Any] | None = None,
         build_batches: bool = True,
         job: str | None = None,
@@ -139,8 +150,10 @@ class Loader:
         if state is not None:
             check_state(state, self.plan)
         self.start_step = int((state or {}).get("step", 0))
-        # one torchrun process of a node's: the node's rank 0 runs the roles (for every rank)
-        # once this process's stream starts; until then, only what the stream starts from
+        # one torchrun process of a node's: the node's roles run (for every rank) in the data
+        # process rank 0 starts, or with runtime inline in rank 0's process, once this
+        # process's stream starts; until then, only what the stream starts from
+        runtime = resolved_runtime(self.plan, runtime, node)  # None: process in node mode
         self.node = stream_kind(self.plan, runtime, node) is StreamKind.NODE
         self._state = state
         self._stream: RankStream | None = None  # node mode: this process's, on first use
@@ -348,7 +361,13 @@ class Loader:
             )
 
     def _roles_here(self) -> None:
-        """Refuse what only the roles can do in node mode: they are rank 0's stream's."""
+        """Refuse what only the roles can do where they are not in this process."""
+        if self.node and self._runtime == "process":
+            raise LoaderError(
+                "under torchrun the node's roles run in its data process: steering and "
+                "figures are the inline runtime's (Loader(plan, runtime='inline'), where "
+                "rank 0 hosts the node's Loader)"
+            )
         if self.node:
             raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
         if self._process is not None:
@@ -381,9 +400,9 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Planner history, events, scaling and every current loader's counters.
 
-        In node mode: the node's Loader's, on rank 0 only.
+        In node mode: the node's Loader's, on rank 0 only (``runtime="inline"``).
         """
-        if self._process is not None:
+        if self._process is not None or (self.node and self._runtime == "process"):
             self._roles_here()
         if self.node:
             host = getattr(self._stream, "loader", None)  # the NodeClient's, on rank 0

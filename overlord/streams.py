@@ -178,6 +178,31 @@ def stream_kind(
     return StreamKind.NODE
 
 
+def resolved_runtime(
+    plan: Plan, runtime: str | None, node: bool | None = None, env: Mapping[str, str] | None = None
+) -> str:
+    """``runtime`` as given; where None, ``process`` in node mode and ``inline`` elsewhere.
+
+    Under torchrun the node's trainers take their batches from one data process
+    (:mod:`overlord.dist.data_process`), so that no rank hosts loading work beside
+    its trainer; ``runtime="inline"`` keeps rank 0 hosting the node's Loader
+    (:mod:`overlord.dist.node`). A process of its own keeps every role in it.
+
+    >>> from overlord.plan.spec import validate_plan
+    >>> plan = validate_plan({"sources": [{"name": "a", "path": "a/*", "format": "jsonl"}],
+    ...                       "batch": {"tokens_per_step": 64, "max_seq_len": 16},
+    ...                       "world": {"dp": 2}})
+    >>> resolved_runtime(plan, None, env={}), resolved_runtime(plan, None, env={"WORLD_SIZE": "2"})
+    ('inline', 'process')
+    >>> resolved_runtime(plan, "inline", env={"WORLD_SIZE": "2"})
+    'inline'
+    """
+    if runtime is not None:
+        return runtime
+    kind = stream_kind(plan, "inline", node, env)
+    return "process" if kind is StreamKind.NODE else "inline"
+
+
 def open_stream(
     plan: Plan | str | Path | None = None,
     rank: int | None = None,
@@ -189,7 +214,7 @@ def open_stream(
     node: bool | None = None,
     job: str | None = None,
     address: str | None = None,
-    runtime: str = "inline",
+    runtime: str | None = None,
 ) -> RankStream:
     """The stream of this process: of ``plan`` (run by ``loader``), or of the running ``job``.
 
@@ -198,11 +223,13 @@ def open_stream(
 
     A plan gives an :class:`EmbeddedStream` (a Loader of this process's own,
     started on first use; ``rank`` defaults to 0) or, in node mode (see
-    :func:`stream_kind`), a :class:`~overlord.dist.node.NodeClient` of this
-    process's rank (``rank`` and ``global_rank``, where given, must be this
-    process's). ``state`` is where it starts. ``runtime="process"`` runs the
-    roles in a data process instead (node mode: one for the node, started by
-    rank 0; see :mod:`overlord.dist.data_process`).
+    :func:`stream_kind`), the stream of this process's rank (``rank`` and
+    ``global_rank``, where given, must be this process's): by default from the
+    node's data process, which rank 0 starts (:mod:`overlord.dist.data_process`);
+    with ``runtime="inline"`` a :class:`~overlord.dist.node.NodeClient`, rank 0
+    hosting the node's Loader. ``state`` is where it starts. ``runtime``
+    None is :func:`resolved_runtime`'s default; ``runtime="process"`` out of
+    node mode runs this process's roles in a data process of its own.
 
     A job (found on the Ray cluster at ``address``, ``RAY_ADDRESS`` when None,
     or a local instance) gives a :class:`~overlord.roles.client.Client`;
@@ -223,6 +250,7 @@ def open_stream(
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     if start is not None:
         check_state(start, plan)
+    runtime = resolved_runtime(plan, runtime, node)
     if stream_kind(plan, runtime, node=node) is StreamKind.NODE:
         _check_node_rank(plan, rank, global_rank)
         if runtime == "process":

@@ -236,17 +236,19 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         stop_step: int | None = None,
         pin_memory: bool = False,
         device: torch.device | str | None = None,
-        runtime: str = "inline",
+        runtime: str | None = None,
     ) -> OverlordIterableDataset:
         """Batches of ``rank`` from an embedded Loader (:func:`overlord.streams.open_stream`).
 
         Under ``torchrun`` on one node (``WORLD_SIZE`` > 1 and a world of
-        more than one process) the node's rank 0 runs the only Loader and
-        sends every other rank its batches over a gloo group
-        (:mod:`overlord.dist.node`): each source is read once per node, no Ray
-        needed, and the rank is this process's ``torch.distributed`` rank (its
-        global rank in a mesh: its CP slice, its stage's fields); ``rank``, if
-        given, must be it. Otherwise the Loader is this process's own and
+        more than one process) the node's roles run in one data process that
+        rank 0 starts, and every rank takes its batches from shared memory
+        (:mod:`overlord.dist.data_process`; with ``runtime="inline"`` rank 0
+        runs the only Loader and sends every other rank its batches over a
+        gloo group, :mod:`overlord.dist.node`): each source is read once per
+        node, no Ray needed, and the rank is this process's
+        ``torch.distributed`` rank (its global rank in a mesh: its CP slice,
+        its stage's fields); ``rank``, if given, must be it. Otherwise the Loader is this process's own and
         ``rank`` a DP rank (default 0): for a world of one process, and for
         tests (it serves every DP rank in one process, which must then consume
         every rank's batch of a step before it runs ahead; one rank alone stops
@@ -254,8 +256,9 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         plan (``overlord serve``) and use :meth:`from_job`. The Loader starts
         on first use; ``state`` (or :meth:`load_state_dict` before that)
         resumes the stream exactly. ``runtime="process"`` runs the roles in a
-        data process beside this one (under torchrun, one for the node) and
-        takes batches from shared memory (:mod:`overlord.dist.data_process`).
+        data process beside this one (under torchrun, one for the node, the
+        default there) and takes batches from shared memory
+        (:mod:`overlord.dist.data_process`).
         """
         start = decode_state(state) if state is not None else None
         stream = open_stream(

@@ -73,8 +73,9 @@ def plan_path(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "runtime, kind", [("inline", "NodeClient"), ("process", "ProcessStream")]
-)  # inline: rank 0 hosts the node's roles; process: one data process serves every rank
+    "runtime, kind",
+    [("inline", "NodeClient"), ("process", "ProcessStream"), ("default", "ProcessStream")],
+)  # inline: rank 0 hosts the node's roles; process (the default): one data process serves all
 def test_every_rank_gets_the_batches_the_embedded_runtime_gives_it(
     plan_path, tmp_path, runtime, kind
 ):

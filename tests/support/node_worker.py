@@ -65,7 +65,8 @@ def main() -> None:
     from overlord.streams import open_stream
 
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    runtime = os.environ.get("OVERLORD_TEST_RUNTIME", "inline")
+    runtime: str | None = os.environ.get("OVERLORD_TEST_RUNTIME", "inline")
+    runtime = None if runtime == "default" else runtime  # the runtime a user leaves unset
     state = json.loads(Path(sys.argv[4]).read_text()) if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")
     rank = dist.get_rank()
