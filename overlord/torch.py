@@ -248,11 +248,12 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         gloo group, :mod:`overlord.dist.node`): each source is read once per
         node, no Ray needed, and the rank is this process's
         ``torch.distributed`` rank (its global rank in a mesh: its CP slice,
-        its stage's fields); ``rank``, if given, must be it. Otherwise the Loader is this process's own and
-        ``rank`` a DP rank (default 0): for a world of one process, and for
-        tests (it serves every DP rank in one process, which must then consume
-        every rank's batch of a step before it runs ahead; one rank alone stops
-        with an error after a few steps when dp > 1). Several nodes: serve the
+        its stage's fields); ``rank``, if given, must be it. Otherwise the
+        Loader is this process's own and ``rank`` a DP rank (default 0): for a
+        world of one process, and for tests (it serves every DP rank in one
+        process, which must then consume every rank's batch of a step before it
+        runs ahead; one rank alone stops with an error after a few steps when
+        dp > 1). Several nodes: serve the
         plan (``overlord serve``) and use :meth:`from_job`. The Loader starts
         on first use; ``state`` (or :meth:`load_state_dict` before that)
         resumes the stream exactly. ``runtime="process"`` runs the roles in a
