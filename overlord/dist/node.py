@@ -1,5 +1,7 @@
 """One node's trainer processes fed by one embedded Loader: ``torchrun`` without Ray.
 
+Node mode with ``runtime="inline"``, rank 0 as the node's host (the default
+under torchrun is the data process: :mod:`overlord.dist.data_process`).
 ``torchrun --nproc_per_node N train.py`` starts N processes, one mesh rank
 each (one DP rank each where ``cp = tp = pp = 1``). Were each to run its own
 Loader, every source would be read and tokenized N times. Here the node's
@@ -47,7 +49,7 @@ Example (every process of ``torchrun --nproc_per_node 4 train.py``)::
 
     import torch.distributed as dist
     dist.init_process_group("gloo")          # or nccl: overlord adds a gloo group
-    with overlord.Loader(plan) as loader:    # node mode here (overlord.streams decides)
+    with overlord.Loader(plan, runtime="inline") as loader:  # node mode (overlord.streams)
         for batch in loader.client(dist.get_rank()):   # this process's DP rank: a NodeClient
             ...
         # in a mesh (cp, tp or pp above 1): loader.rank_client(dist.get_rank())
@@ -168,7 +170,9 @@ class NodeClient(Iterator[Batch]):
         reports: ReportReceiver | None = None  # the other ranks' reports, once the stream starts
         try:
             if self._make_loader is None:
-                raise LoaderError("NodeClient needs serve= on rank 0: use overlord.Loader(plan)")
+                raise LoaderError(
+                    "NodeClient needs serve= on rank 0: use overlord.Loader(plan, runtime='inline')"
+                )
             # this process hosts every loader of the node, as a Ray design's loader process
             # does: rank 0 held 806 MiB above a bare trainer without it, 131 with it in the
             # same sweep (32 sources at index, benchmarks/memory.py --designs overlord-node)
