@@ -23,6 +23,7 @@ import gzip
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,17 @@ def write_file(path: Path, content: Any, text_field: str = "text", tag: str = ""
     else:
         lines = [r if isinstance(r, str) else json.dumps(r) for r in content]
         _write_bytes(path, "".join(line + "\n" for line in lines).encode())
+
+
+def on_threads(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[str]]:
+    """``fn`` wrapped to note the name of the thread of each call; and the names noted."""
+    names: list[str] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return fn(*args, **kwargs)
+
+    return wrapped, names
 
 
 def make_corpus(

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from conftest import on_threads
 from overlord import Loader, LoaderError, load_plan
 from overlord.ops.run import dump_line
 
@@ -131,15 +132,9 @@ def test_built_on_the_asking_thread_the_stream_is_the_same_and_each_step_is_pack
     from overlord import validate_plan
     from overlord.roles import constructor
 
-    packed: list[str] = []
-    real = constructor.pack
-
-    def counted(*args: Any) -> Any:
-        packed.append(threading.current_thread().name)
-        return real(*args)
-
     plan = load_plan(job_plan).with_dp(4)
     ahead, _ = _batches(plan, 5)
+    counted, packed = on_threads(constructor.pack)
     monkeypatch.setattr(constructor, "pack", counted)
     with Loader(plan, build_ahead=False) as loader:
         clients = [loader.client(r) for r in range(4)]

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import make_corpus
+from conftest import make_corpus, on_threads
 from overlord import Loader, LoaderError, load_plan
 from overlord.roles.source_loader import SourceLoader
 from overlord.sources.catalog import job_files
@@ -261,13 +261,7 @@ def test_one_reader_thread_cuts_its_pieces_on_the_scheduler_more_on_kept_workers
     """At ``loading.threads: 1`` no piece is handed to a worker thread; at 2 every piece is."""
     from overlord.roles import read_ahead
 
-    cut_on: list[str] = []
-    real = read_ahead.cut_items
-
-    def recorded(*args: Any) -> Any:
-        cut_on.append(threading.current_thread().name)
-        return real(*args)
-
+    recorded, cut_on = on_threads(read_ahead.cut_items)
     monkeypatch.setattr(read_ahead, "cut_items", recorded)
     loader = lone_loader(tmp_path / "one", 1)
     try:
