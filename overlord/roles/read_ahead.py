@@ -501,14 +501,7 @@ class Reader:
             estimate = part_tokens(self.plan, chunks)
         else:
             estimate = max(1, int(window.text_bytes(lo, hi) * state.tokens_per_byte))
-        reason = self.policy.holds_back(
-            held=state.held,
-            in_flight=self.in_flight,
-            estimate=estimate,
-            served=state.served,
-            asked=state.asked,
-            pieces=self.reads_in_flight(),
-        )
+        reason = self._holds_back(estimate, state)
         if reason == "threads":
             return 0
         self.waits_on = reason
@@ -524,16 +517,18 @@ class Reader:
         """
         if self.waits_on != "budget":
             return False  # not held by the budget: a release does not let it go on
-        state = self.outlet.state()
-        reason = self.policy.holds_back(
+        return self._holds_back(self._held_back, self.outlet.state()) != "budget"
+
+    def _holds_back(self, estimate: int, state: LoaderSide) -> str | None:
+        """What holds back a piece of ``estimate`` tokens, the loader's side being ``state``."""
+        return self.policy.holds_back(
             held=state.held,
             in_flight=self.in_flight,
-            estimate=self._held_back,
+            estimate=estimate,
             served=state.served,
             asked=state.asked,
             pieces=self.reads_in_flight(),
         )
-        return reason != "budget"
 
     def _wake(self, _: Future[Any]) -> None:
         with self.lock:
