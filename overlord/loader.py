@@ -402,14 +402,14 @@ class Loader:
 
         In node mode: the node's Loader's, on rank 0 only (``runtime="inline"``).
         """
-        if self._process is not None or (self.node and self._runtime == "process"):
-            self._roles_here()
-        if self.node:
+        if self.node and self._runtime == "inline":
             host = getattr(self._stream, "loader", None)  # the NodeClient's, on rank 0
             if host is None:
                 raise LoaderError("the node's Loader runs on rank 0: read its stats there")
             stats: dict[str, Any] = host.stats()
             return stats
+        if self.node or self._process is not None:
+            self._roles_here()  # the roles are in a data process
         self._notices.flush()
         return self._ops.call(OpsRole.stats).result()
 

@@ -207,6 +207,22 @@ def test_a_node_loader_of_a_mesh_takes_this_process_global_rank_only(plan_path, 
         Loader(mesh)
 
 
+def test_under_torchrun_the_data_process_is_the_default_and_its_roles_are_not_at_hand(
+    plan_path, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", str(RANKS))
+    monkeypatch.setenv("RANK", "0")
+    loader = Loader(plan_path)  # nothing starts before the first batch
+    assert loader.node and loader._runtime == "process"  # noqa: SLF001
+    for ask in (loader.stats, loader.monitor, lambda: loader.set_threads("web", 2)):
+        with pytest.raises(LoaderError, match="node's roles run in its data process"):
+            ask()
+    hosted = Loader(plan_path, runtime="inline")  # rank 0 hosts: its stats once it runs
+    assert hosted.node and hosted._runtime == "inline"  # noqa: SLF001
+    with pytest.raises(LoaderError, match="under torchrun the node's Loader is rank 0's"):
+        hosted.set_threads("web", 2)
+
+
 KILL_WORKER = Path(__file__).parent / "support" / "node_kill_worker.py"
 TIMEOUT_S = 20  # the plan's loading.timeout_s: the bound on every rank's end
 
