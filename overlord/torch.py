@@ -253,13 +253,12 @@ class OverlordIterableDataset(IterableDataset[dict[str, torch.Tensor]]):
         world of one process, and for tests (it serves every DP rank in one
         process, which must then consume every rank's batch of a step before it
         runs ahead; one rank alone stops with an error after a few steps when
-        dp > 1). Several nodes: serve the
-        plan (``overlord serve``) and use :meth:`from_job`. The Loader starts
-        on first use; ``state`` (or :meth:`load_state_dict` before that)
-        resumes the stream exactly. ``runtime="process"`` runs the roles in a
-        data process beside this one (under torchrun, one for the node, the
-        default there) and takes batches from shared memory
-        (:mod:`overlord.dist.data_process`).
+        dp > 1). Several nodes: serve the plan (``overlord serve``) and use
+        :meth:`from_job`. The Loader starts on first use; ``state`` (or
+        :meth:`load_state_dict` before that) resumes the stream exactly.
+        ``runtime="process"`` runs the roles in a data process beside this one
+        (under torchrun, one for the node, the default there) and takes
+        batches from shared memory (:mod:`overlord.dist.data_process`).
         """
         start = decode_state(state) if state is not None else None
         stream = open_stream(
