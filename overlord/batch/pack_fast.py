@@ -42,24 +42,26 @@ def _rows(
         if at + n > seq_len:
             return d
         doc_in_row[r] += 1
-        k = doc_in_row[r]
+        # by slices, which compile to straight copies and fills: no branch per token
+        ids[r, at : at + n] = tokens[src : src + n]
+        if n:  # a label is the next token of the same document, where its mask keeps it
+            labels[r, at : at + n - 1] = tokens[src + 1 : src + n]
+            labels[r, at + n - 1] = IGNORE_INDEX
+            if masked:
+                for t in range(n - 1):
+                    if mask[src + t + 1] == 0:
+                        labels[r, at + t] = IGNORE_INDEX
         for t in range(n):
-            ids[r, at + t] = tokens[src + t]
             positions[r, at + t] = t
-            segments[r, at + t] = k
-            # the next token of the same document, where its mask keeps it
-            if t + 1 < n and (not masked or mask[src + t + 1] != 0):
-                labels[r, at + t] = tokens[src + t + 1]
-            else:
-                labels[r, at + t] = IGNORE_INDEX
+        segments[r, at : at + n] = doc_in_row[r]
         used[r] = at + n
         src += n
     for r in range(rows):
-        for c in range(used[r], seq_len):
-            ids[r, c] = pad_id
-            labels[r, c] = IGNORE_INDEX
-            positions[r, c] = 0
-            segments[r, c] = 0
+        u = used[r]
+        ids[r, u:] = pad_id
+        labels[r, u:] = IGNORE_INDEX
+        positions[r, u:] = 0
+        segments[r, u:] = 0
     return -1
 
 
