@@ -219,7 +219,7 @@ def run_loader(plan_path: Path, warm: int, timed: int) -> dict[str, Any]:
     from overlord.torch import to_torch
 
     t_start = time.time()
-    with Loader(plan_path) as loader:
+    with Loader(plan_path, runtime="inline") as loader:
 
         def counts() -> Iterator[int]:
             for batch in loader.client(0):

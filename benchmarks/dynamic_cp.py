@@ -157,7 +157,7 @@ def example_volumes(steps: int, cp: int = 4, per_rank: int = 32) -> dict[str, di
             data["batch"]["cp_layout"] = "per_document" if side == "static" else None
             p = validate_plan(data, base_dir=plan.base_dir)
             pairs, kv = [], []
-            with Loader(p) as loader:
+            with Loader(p, runtime="inline") as loader:
                 clients = [loader.rank_client(g) for g in range(p.world.size)]
                 for _ in range(steps):
                     batches = [next(c) for c in clients]

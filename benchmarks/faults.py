@@ -97,7 +97,7 @@ def restarted(loader: Loader, rank: int, state: dict[str, Any]) -> Any:
 def uninterrupted(plan: Plan, steps: int) -> tuple[dict[tuple[int, int], str], dict[int, Any]]:
     """The uninterrupted run: each (step, rank)'s dump line, and the state before each step."""
     lines, states = {}, {}
-    with Loader(plan) as loader:
+    with Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r) for r in range(plan.world.dp)]
         for step in range(steps):
             for c in clients:
@@ -124,7 +124,7 @@ def trials(plan: Plan, steps: int, every: int, count: int, seed: int) -> dict[st
     saved: dict[int, dict[str, Any]] = {}  # the job's checkpoints, by step
     rows: list[dict[str, Any]] = []
     first_exact = False
-    loader = as_a_job(Loader(plan))
+    loader = as_a_job(Loader(plan, runtime="inline"))
     try:
         clients = [loader.client(r) for r in range(dp)]
         start = 0
@@ -195,7 +195,7 @@ class _Restart(Exception):
 
 def _new_job(old: Loader, plan: Plan, state: dict[str, Any] | None) -> tuple[Loader, list[Any]]:
     old.close()
-    loader = as_a_job(Loader(plan, state=copy.deepcopy(state)))
+    loader = as_a_job(Loader(plan, runtime="inline", state=copy.deepcopy(state)))
     return loader, [loader.client(r) for r in range(plan.world.dp)]
 
 
@@ -273,7 +273,7 @@ def rss_run(plan: Plan, steps: int, every: int, trace: bool) -> dict[str, Any]:
     first_snapshot = None
     grew: list[str] = []
     t0 = time.perf_counter()
-    with Loader(plan) as loader:
+    with Loader(plan, runtime="inline") as loader:
         client = loader.client(0)
         for step in range(steps):
             next(client)

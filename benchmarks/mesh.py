@@ -110,7 +110,7 @@ def tp_bytes(tp: int, steps: int, plan_path: Path) -> dict[str, Any]:
     DataConstructor._build = counting  # type: ignore[method-assign]
     try:
         held = []
-        with Loader(plan) as loader:
+        with Loader(plan, runtime="inline") as loader:
             clients = [loader.rank_client(g) for g in range(plan.world.size)]
             for _ in range(steps):
                 arrays = {id(a): a for c in clients for a in next(c).arrays().values()}

@@ -129,7 +129,7 @@ def embedded(plan_path: Path, steps: int, warm: int) -> dict:
     plan = load_plan(plan_path)
     waits, tokens = [], 0
     meter = CpuMeter()
-    with Loader(plan) as loader:
+    with Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r) for r in range(plan.world.dp)]
         for step in range(steps):
             if step == warm:

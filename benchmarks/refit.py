@@ -92,7 +92,7 @@ def run(
     rng = np.random.default_rng(seed)
     plan = load_plan(path)
     out: dict[str, list[float]] = {"err": [], "max": [], "refits": []}
-    with Loader(plan) as loader:
+    with Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r) for r in range(plan.world.dp)]
         for _ in range(steps):
             batches = [next(c) for c in clients]

@@ -88,7 +88,7 @@ plan = overlord.load_plan(plan_path)
 # (numba, pyarrow's readers) is not the work measured
 warm = sys.argv[5]
 overlord.replay(warm + "/ckpt", 10)
-with overlord.Loader(warm + "/plan.yaml") as loader:
+with overlord.Loader(warm + "/plan.yaml", runtime="inline") as loader:
     for c in [loader.client(r, stop_step=3) for r in range(2)]:
         list(c)
 opened.clear()
@@ -102,12 +102,12 @@ elif mode == "checkpoint":  # what a user without replay does: resume the newest
         (p for p in Path(folder).glob("step-*.json") if int(p.stem[5:]) <= step),
         key=lambda p: int(p.stem[5:]),
     )
-    with overlord.Loader(plan, state=overlord.checkpoint.load(newest)) as loader:
+    with overlord.Loader(plan, runtime="inline", state=overlord.checkpoint.load(newest)) as loader:
         clients = [loader.client(r, stop_step=step + 1) for r in range(plan.world.dp)]
         for _ in range(loader.start_step, step + 1):
             batches = [next(c) for c in clients]
 else:
-    with overlord.Loader(plan) as loader:
+    with overlord.Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r, stop_step=step + 1) for r in range(plan.world.dp)]
         for _ in range(step + 1):
             batches = [next(c) for c in clients]

@@ -42,7 +42,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import overlord
 plan_path, steps = sys.argv[1], int(sys.argv[2])
-with overlord.Loader(plan_path) as loader:
+with overlord.Loader(plan_path, runtime="inline") as loader:
     client = loader.client(0)
     batch = next(client)
     first = time.perf_counter() - t0

@@ -111,7 +111,7 @@ def run_cell(root: Path, sources: int, dp: int, tokens: int, warmup: int, steps:
             prof.enable()
 
         threading.setprofile(start)
-    loader = overlord.Loader(write_plan(root, sources, dp, tokens))
+    loader = overlord.Loader(write_plan(root, sources, dp, tokens), runtime="inline")
     try:
         clients = [iter(loader.client(r)) for r in range(dp)]
         seen = 0

@@ -146,7 +146,7 @@ def run_embedded(plan_path: Path, warm: int, timed: int) -> dict[str, Any]:
     from overlord import Loader
 
     t_start = time.time()
-    with Loader(plan_path) as loader:
+    with Loader(plan_path, runtime="inline") as loader:
         client = loader.client(0)
         return consume(client, lambda b: b.num_tokens, t_start, warm, timed, os.getpid())
 

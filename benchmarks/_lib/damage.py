@@ -113,7 +113,7 @@ def try_checkpoint(path: Path, plan: Plan) -> tuple[bool, str]:
     """(refused, the message or what ran) for a checkpoint file given to a resume."""
     try:
         state = checkpoint.load(path)
-        with Loader(plan, state=state) as loader:
+        with Loader(plan, runtime="inline", state=state) as loader:
             got = next(loader.client(0))
     except (OverlordError, ValueError) as e:
         return True, _flat(f"{type(e).__name__}: {e}", path.parent)
@@ -142,7 +142,7 @@ def real_journal(plan: Plan, root: Path, steps: int) -> Path:
     data = plan.model_dump(mode="json")
     data["recovery"].update(journal_dir=str(root), snapshot_every=steps + 10)
     with_journal = validate_plan(data, base_dir=plan.base_dir)
-    loader = Loader(with_journal)
+    loader = Loader(with_journal, runtime="inline")
     clients = [loader.client(r) for r in range(with_journal.world.dp)]
     for _ in range(steps):
         for c in clients:
@@ -156,7 +156,7 @@ def real_journal(plan: Plan, root: Path, steps: int) -> Path:
 def damage_table(plan: Plan, root: Path, seed: int, steps: int = 8) -> list[dict[str, Any]]:
     """Every damaged checkpoint and journal, and what a resume made of it."""
     rows: list[dict[str, Any]] = []
-    with Loader(plan) as loader:
+    with Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r) for r in range(plan.world.dp)]
         for _ in range(steps):
             for c in clients:

@@ -188,7 +188,7 @@ from overlord.errors import OverlordError
 out = {"error": None, "skipped": 0, "examples": []}
 try:
     plan = overlord.load_plan(sys.argv[1])
-    with overlord.Loader(plan) as loader:
+    with overlord.Loader(plan, runtime="inline") as loader:
         client = loader.client(0)
         for _ in range(int(sys.argv[2])):
             next(client)
