@@ -132,11 +132,16 @@ def _corpus() -> Path:
 
 
 def setup(namespace: dict[str, Any]) -> None:
-    """Before a page: its own copy of the corpus, as the working directory."""
+    """Before a page: its own copy of the corpus, as the working directory.
+
+    The page runs as a reader would run it: a Loader's runtime is the default one,
+    not the one ``tests/`` sets for its own tests (``OVERLORD_RUNTIME``).
+    """
     work = Path(tempfile.mkdtemp(prefix="overlord-docs-"))
     shutil.copytree(_corpus(), work, dirs_exist_ok=True)
     namespace["_docs_cwd"] = os.getcwd()
     namespace["_docs_dir"] = work
+    namespace["_docs_runtime"] = os.environ.pop("OVERLORD_RUNTIME", None)
     os.chdir(work)
 
 
@@ -144,6 +149,8 @@ def teardown(namespace: dict[str, Any]) -> None:
     """After a page: back to where pytest was, the page's folder removed."""
     os.chdir(namespace["_docs_cwd"])
     shutil.rmtree(namespace["_docs_dir"], ignore_errors=True)
+    if namespace["_docs_runtime"] is not None:
+        os.environ["OVERLORD_RUNTIME"] = namespace["_docs_runtime"]
 
 
 def _shell_env(work: Path) -> dict[str, str]:

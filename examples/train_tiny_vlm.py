@@ -10,8 +10,8 @@ What happens:
   generated pictures (a coloured disc or square on a coloured background, 20
   to 200 pixels a side) with captions that name the colours and the shape,
   some as ``.txt`` members and some in ``.json``. Nothing is downloaded.
-- ``overlord.Loader(plan)`` (under torchrun, the node's one Loader runs on
-  rank 0) gives each rank its DP rank's batches: packed
+- ``overlord.Loader(plan)`` (under torchrun, the node's roles run in one data
+  process that rank 0 starts) gives each rank its DP rank's batches: packed
   ``input_ids`` in which each image is ``(h1/14)(w1/14)/4`` image tokens (id
   258) before its caption, ``pixel_values`` (float32, one row of 3·14·14 per
   patch, images in sample order) and ``image_grid`` (patches per image).
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     losses, t0 = [], time.perf_counter()
-    loader = overlord.Loader(plan)  # node mode under torchrun: rank 0 reads for the node
+    loader = overlord.Loader(plan)  # node mode under torchrun: one data process reads for all
     client = loader.client(dist.get_rank(), stop_step=args.steps)
     for batch in client:
         b = {k: torch.from_numpy(v) for k, v in batch.arrays().items()}

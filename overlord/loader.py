@@ -98,16 +98,21 @@ class Loader:
             state = loader.state_dict()  # save it with the trainer's checkpoint
 
     ``state`` (from :meth:`state_dict`) resumes the stream exactly where every
-    rank had consumed it, on any DP size. ``runtime`` is ``inline`` (every role
-    in this process; the default, but under torchrun), ``process`` (every role
+    rank had consumed it, on any DP size. ``runtime`` is ``process`` (every role
     in a data process of the node, beside this one: batches arrive in shared
     memory, and the trainer's thread only takes them; see
-    :mod:`overlord.dist.data_process`; the default under torchrun) or ``ray``
+    :mod:`overlord.dist.data_process`; the default, where ``OVERLORD_RUNTIME``
+    names none and the Loader builds batches: :func:`overlord.streams.resolved_runtime`),
+    ``inline`` (every role in this process: tests, a debugger; the default of a
+    Loader that only plans) or ``ray``
     (every role a Ray actor of job ``job``, on the
     cluster at ``address`` or a local instance of its own; joining a cluster
     gives up after ``connect_timeout`` seconds, None: ``OVERLORD_CONNECT_TIMEOUT``,
     else 60). With ``build_batches=False``
-    the loaders keep no payloads and only :meth:`dry_run` is available. With
+    the loaders keep no payloads and only :meth:`dry_run` is available. With the
+    data process, :meth:`stats`, :meth:`monitor`, :meth:`feedback`,
+    :meth:`quarantine` and the steering are asked of the Loader there (answers as
+    JSON carries them); :meth:`slots` and :meth:`dry_run` are refused. With
     ``build_ahead=False`` a batch is built on the thread that asks for it, and
     clients send their consumption notices from it too: no thread of the
     Loader's hands work to another, for a caller that runs ahead of its
@@ -153,7 +158,7 @@ class Loader:
         # one torchrun process of a node's: the node's roles run (for every rank) in the data
         # process rank 0 starts, or with runtime inline in rank 0's process, once this
         # process's stream starts; until then, only what the stream starts from
-        runtime = resolved_runtime(self.plan, runtime, node)  # None: process in node mode
+        runtime = resolved_runtime(runtime, build_batches=build_batches)  # None: process
         self.node = stream_kind(self.plan, runtime, node) is StreamKind.NODE
         self._state = state
         self._stream: RankStream | None = None  # node mode: this process's, on first use
@@ -164,7 +169,8 @@ class Loader:
         if self.node:
             return
         if runtime == "process":
-            self._process = DataProcess(self.plan, state, node=False)
+            journal = None if journal_dir is None else str(journal_dir)
+            self._process = DataProcess(self.plan, state, node=False, journal_dir=journal)
             return
         base = str(self.plan.base_dir)
         # the job's data: listed once, here; every role reads this list
@@ -361,7 +367,7 @@ class Loader:
             )
 
     def _roles_here(self) -> None:
-        """Refuse what only the roles can do where they are not in this process."""
+        """Refuse what only the roles can do where they are not here (nor in our data process)."""
         if self.node and self._runtime == "process":
             raise LoaderError(
                 "under torchrun the node's roles run in its data process: steering and "
@@ -372,12 +378,21 @@ class Loader:
             raise LoaderError("under torchrun the node's Loader is rank 0's: steer it there")
         if self._process is not None:
             raise LoaderError(
-                "with runtime 'process' the roles run in the data process: steering and "
-                "figures are the inline runtime's (Loader(plan, runtime='inline'))"
+                "with runtime 'process' the roles run in the data process: their handles "
+                "are the inline runtime's (Loader(plan, runtime='inline'))"
             )
+
+    def _reports(self) -> dict[int, int]:
+        """How many reports each of this Loader's streams sent its data process."""
+        return {r: stream.reports for r, stream in self._streams.items()}
 
     def dry_run(self, steps: int) -> list[dict[str, Any]]:
         """Plan ``steps`` steps from the start state without building batches."""
+        if self._process is not None:  # it builds the steps it would plan here
+            raise LoaderError(
+                "dry_run plans steps without building them: a Loader of a data process "
+                "builds its steps from the start; use Loader(plan, build_batches=False)"
+            )
         self._roles_here()
         return self._ops.call(OpsRole.dry_run, steps).result()
 
@@ -401,6 +416,7 @@ class Loader:
         """Planner history, events, scaling and every current loader's counters.
 
         In node mode: the node's Loader's, on rank 0 only (``runtime="inline"``).
+        With the data process: its Loader's, as JSON carries them (a tuple is a list).
         """
         if self.node and self._runtime == "inline":
             host = getattr(self._stream, "loader", None)  # the NodeClient's, on rank 0
@@ -408,8 +424,11 @@ class Loader:
                 raise LoaderError("the node's Loader runs on rank 0: read its stats there")
             stats: dict[str, Any] = host.stats()
             return stats
-        if self.node or self._process is not None:
-            self._roles_here()  # the roles are in a data process
+        if self._process is not None:
+            answer: dict[str, Any] = self._process.ask("stats", reports=self._reports())
+            return answer
+        if self.node:
+            self._roles_here()  # the roles are in the node's data process
         self._notices.flush()
         return self._ops.call(OpsRole.stats).result()
 
@@ -417,13 +436,20 @@ class Loader:
     def metrics_url(self) -> str | None:
         """The Prometheus endpoint (``monitoring.port``), e.g. ``http://127.0.0.1:9108/metrics``.
 
-        None when the plan serves none. On Ray the planner serves it.
+        None when the plan serves none. On Ray the planner serves it; with the
+        data process, that process.
         """
+        if self._process is not None:
+            url: str | None = self._process.ask("metrics_url")
+            return url
         self._roles_here()
         return self._ops.call(OpsRole.metrics_url).result()
 
     def monitor(self) -> dict[str, Any]:
         """What the endpoint and ``overlord status`` show, as plain data."""
+        if self._process is not None:
+            answer: dict[str, Any] = self._process.ask("monitor", reports=self._reports())
+            return answer
         self._roles_here()
         self._notices.flush()
         return self._ops.call(OpsRole.monitor).result()
@@ -434,6 +460,9 @@ class Loader:
         ``{rank: {"seconds": s or None, "predicted": cost, "predicted_seconds": ...}}``,
         from the trainers' ``report`` calls; the planner keeps its last 1,024 steps.
         """
+        if self._process is not None:
+            got = self._process.ask("feedback", step, reports=self._reports())  # JSON: str ranks
+            return None if got is None else {int(r): v for r, v in got.items()}
         self._roles_here()
         return self._ops.call(OpsRole.feedback, step).result()
 
@@ -445,6 +474,11 @@ class Loader:
         ``from_step`` None: the first step the planner has not planned yet (a step
         already planned is refused, naming the earliest one). See the operating guide.
         """
+        if self._process is not None:
+            answer: dict[str, Any] = self._process.ask(
+                "quarantine", list(ids), list(files), from_step
+            )
+            return answer
         self._roles_here()
         return self._ops.call(OpsRole.add_quarantine, list(ids), list(files), from_step).result()
 
@@ -455,11 +489,17 @@ class Loader:
 
     def repartition(self, source: str, count: int) -> list[int] | None:
         """Read ``source`` with ``count`` loaders from the next shard boundary on (online)."""
+        if self._process is not None:
+            shards: list[int] | None = self._process.ask("repartition", source, count)
+            return shards
         self._roles_here()
         return self._pool.call(PoolRole.repartition, source, count).result()
 
     def set_threads(self, source: str, threads: int) -> None:
         """Reader threads of every current loader of ``source`` (online)."""
+        if self._process is not None:
+            self._process.ask("set_threads", source, threads)
+            return
         self._roles_here()
         self._pool.call(PoolRole.set_threads, source, threads).result()
 

@@ -178,29 +178,42 @@ def stream_kind(
     return StreamKind.NODE
 
 
+RUNTIME_ENV = "OVERLORD_RUNTIME"  # the default runtime, where a caller names none
+DEFAULT_RUNTIMES = ("inline", "process", "ray")
+
+
 def resolved_runtime(
-    plan: Plan, runtime: str | None, node: bool | None = None, env: Mapping[str, str] | None = None
+    runtime: str | None, env: Mapping[str, str] | None = None, build_batches: bool = True
 ) -> str:
-    """``runtime`` as given; where None, ``process`` in node mode and ``inline`` elsewhere.
+    """``runtime`` as given; where None, ``OVERLORD_RUNTIME``; where that is unset, ``process``.
 
-    Under torchrun the node's trainers take their batches from one data process
-    (:mod:`overlord.dist.data_process`), so that no rank hosts loading work beside
-    its trainer; ``runtime="inline"`` keeps rank 0 hosting the node's Loader
-    (:mod:`overlord.dist.node`). A process of its own keeps every role in it.
+    A trainer takes its batches from a data process (:mod:`overlord.dist.data_process`),
+    so that no loader thread shares its process and its GIL; under torchrun one data
+    process serves the node's trainers, so that no rank hosts loading work beside its
+    trainer. ``runtime="inline"`` keeps every role in this process (tests, debugging,
+    a debugger's breakpoint in a role): under torchrun rank 0 then hosts the node's
+    Loader (:mod:`overlord.dist.node`). A Loader without batches (``build_batches=False``:
+    planning only) has nothing to serve: ``inline``. ``OVERLORD_RUNTIME`` (``inline``,
+    ``process`` or ``ray``) changes the default for every Loader of the process.
 
-    >>> from overlord.plan.spec import validate_plan
-    >>> plan = validate_plan({"sources": [{"name": "a", "path": "a/*", "format": "jsonl"}],
-    ...                       "batch": {"tokens_per_step": 64, "max_seq_len": 16},
-    ...                       "world": {"dp": 2}})
-    >>> resolved_runtime(plan, None, env={}), resolved_runtime(plan, None, env={"WORLD_SIZE": "2"})
-    ('inline', 'process')
-    >>> resolved_runtime(plan, "inline", env={"WORLD_SIZE": "2"})
+    >>> resolved_runtime(None, env={}), resolved_runtime("inline", env={})
+    ('process', 'inline')
+    >>> resolved_runtime(None, env={"OVERLORD_RUNTIME": "inline"})
+    'inline'
+    >>> resolved_runtime(None, env={}, build_batches=False)
     'inline'
     """
     if runtime is not None:
         return runtime
-    kind = stream_kind(plan, "inline", node, env)
-    return "process" if kind is StreamKind.NODE else "inline"
+    named = (os.environ if env is None else env).get(RUNTIME_ENV, "").strip()
+    if named:
+        if named not in DEFAULT_RUNTIMES:
+            raise ValueError(
+                f"{RUNTIME_ENV}={named!r} is not a runtime: expected one of "
+                f"{', '.join(DEFAULT_RUNTIMES)}"
+            )
+        return named
+    return "process" if build_batches else "inline"
 
 
 def open_stream(
@@ -250,7 +263,7 @@ def open_stream(
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     if start is not None:
         check_state(start, plan)
-    runtime = resolved_runtime(plan, runtime, node)
+    runtime = resolved_runtime(runtime)
     if stream_kind(plan, runtime, node=node) is StreamKind.NODE:
         _check_node_rank(plan, rank, global_rank)
         if runtime == "process":
@@ -264,7 +277,7 @@ def open_stream(
 
         def serve(plan: Plan, state: dict[str, Any] | None) -> PlanHost:
             """Rank 0's Loader of the node: this process's alone."""
-            return make(plan, state=state, node=False)
+            return make(plan, state=state, node=False, runtime="inline")
 
         return NodeClient(plan, start, stop_step, serve=serve)
     return EmbeddedStream(

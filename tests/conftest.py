@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -32,6 +33,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+
+# The tests run the roles in their own process (the inline runtime), where a test can reach
+# and kill them; a Loader's default runs them in a data process, which the tests that check
+# it name (test_data_process, test_node, test_default_runtime), or unset this for.
+os.environ["OVERLORD_RUNTIME"] = "inline"
 
 DEFAULT_PLAN: dict[str, Any] = {
     "seed": 1234,

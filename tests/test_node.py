@@ -44,6 +44,7 @@ def torchrun(
     args = [str(plan), str(out), str(steps)] + ([str(state)] if state else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     env = {**os.environ, **({"OVERLORD_TEST_DATASET": "1"} if dataset else {})}
+    env.pop("OVERLORD_RUNTIME", None)  # the workers' default is a user's
     env |= {"OVERLORD_TEST_LOADER": "1"} if loader else {}
     env |= {"OVERLORD_TEST_MESH": "1"} if mesh else {}
     env |= {"OVERLORD_TEST_REPORT": "1"} if report else {}
@@ -212,6 +213,7 @@ def test_under_torchrun_the_data_process_is_the_default_and_its_roles_are_not_at
 ):
     monkeypatch.setenv("WORLD_SIZE", str(RANKS))
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("OVERLORD_RUNTIME")  # a user's default
     loader = Loader(plan_path)  # nothing starts before the first batch
     assert loader.node and loader._runtime == "process"  # noqa: SLF001
     for ask in (loader.stats, loader.monitor, lambda: loader.set_threads("web", 2)):
@@ -244,6 +246,7 @@ def _by_hand(
     env["WORLD_SIZE"] = str(RANKS)
     env["OVERLORD_TEST_RUNTIME"] = runtime
     env.pop("LOCAL_WORLD_SIZE", None)
+    env.pop("OVERLORD_RUNTIME", None)  # the workers' default is a user's
     procs = []
     for r in range(RANKS):
         with open(f"{out}.{r}.err", "w") as err:  # the child holds its own copy

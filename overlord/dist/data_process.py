@@ -38,6 +38,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -82,17 +83,30 @@ class DataProcess:
     ``ranks`` streams are served (the world's DP ranks, or every mesh rank
     when the plan has CP, TP or PP); ``node``: they are other processes,
     ``owner``: this process's rank among them (named when it dies).
+    ``journal_dir``: the Loader's there (``overlord.Loader``). :meth:`ask` asks
+    the Loader there for its figures, or to steer its roles.
     """
 
-    def __init__(self, plan: Plan, state: dict[str, Any] | None, node: bool, owner: int = 0):
+    def __init__(
+        self,
+        plan: Plan,
+        state: dict[str, Any] | None,
+        node: bool,
+        owner: int = 0,
+        journal_dir: str | None = None,
+    ):
         self.timeout_s = plan.loading.timeout_s
+        self._asking = threading.Lock()  # one question at a time, and none after close
+        self._asked = 0  # questions asked: each answer names its own
         here, there = _pipe()
         address = os.path.join(tempfile.gettempdir(), f"overlord-{uuid.uuid4().hex[:12]}.sock")
         authkey = secrets.token_bytes(32)
         config = {
-            "plan": plan.model_dump(mode="json"), "base_dir": str(plan.base_dir),
+            # the fields the plan was given, so that its defaults are chosen there as here
+            "plan": plan.model_dump(mode="json", exclude_unset=True),
+            "base_dir": str(plan.base_dir),
             "state": state, "address": address, "authkey": authkey.hex(), "node": node,
-            "owner": owner,
+            "owner": owner, "journal_dir": journal_dir,
         }  # fmt: skip
         cmd = [sys.executable, "-m", ENTRY, str(there.fileno()), str(os.getpid())]
         self.proc = subprocess.Popen(cmd, pass_fds=[there.fileno()], start_new_session=True)
@@ -126,6 +140,41 @@ class DataProcess:
                 "output above"
             ) from e
 
+    def ask(self, name: str, *args: Any, reports: dict[int, int] | None = None) -> Any:
+        """The data process's Loader's ``name(*args)`` (a method of its, or a property): the answer.
+
+        ``name`` is one of :data:`overlord.ops.data_process.ASKS`; the answer
+        comes as JSON (a tuple is a list; a dict's keys are strings). The
+        Loader's error is raised here with its type. ``reports``: how many
+        reports each rank's stream sent; the question is answered once the
+        planner has them.
+        """
+        with self._asking:
+            control = self._control
+            if control is None:
+                raise LoaderError(f"Loader.{name}: overlord's data process is closed")
+            self._asked += 1
+            try:
+                question = {"ask": name, "args": list(args), "id": self._asked}
+                control.send_bytes(encode({**question, "reports": reports or {}}))
+                while True:  # an answer to a question that timed out before is passed over
+                    if not control.poll(self.timeout_s + 30):
+                        raise LoaderError(
+                            f"Loader.{name}: overlord's data process did not answer within "
+                            f"{self.timeout_s + 30:.0f} s (loading.timeout_s + 30)"
+                        )
+                    reply: dict[str, Any] = json.loads(control.recv_bytes())
+                    if reply.get("id") == self._asked:
+                        break
+            except (EOFError, OSError) as e:
+                raise LoaderError(
+                    f"Loader.{name}: overlord's data process ended (exit code "
+                    f"{self.proc.poll()}): see its output above"
+                ) from e
+        if "error" in reply:
+            raise _error(reply["error"])
+        return reply["answer"]
+
     @property
     def pid(self) -> int:
         """The data process's pid."""
@@ -133,15 +182,17 @@ class DataProcess:
 
     def close(self) -> None:
         """End the data process once every rank closed its stream (at most ``loading.timeout_s``)."""
-        control, self._control = self._control, None
+        with self._asking:
+            control, self._control = self._control, None
         if control is not None:
             try:
                 control.send_bytes(encode({"close": True}))
             except OSError:
                 pass
-            try:  # it answers once it unlinked its slots
-                if control.poll(self.timeout_s + 30):
-                    control.recv_bytes()
+            try:  # it answers once it unlinked its slots (after any answer still on its way)
+                while control.poll(self.timeout_s + 30):
+                    if "closed" in json.loads(control.recv_bytes()):
+                        break
             except (EOFError, OSError):
                 pass
             control.close()
@@ -220,6 +271,7 @@ class ProcessStream(Iterator[Batch]):
         self._error: dict[str, Any] | None = None  # the error behind it, where one is
         self.owned: DataProcess | None = None
         self.closed = False
+        self.reports = 0  # sent to the data process
         self.slot: str | None = None  # the segment of the last batch (peers': the same)
         self._names: list[str] | None = None  # the plan's sources, for checking reports
 
@@ -322,6 +374,16 @@ class ProcessStream(Iterator[Batch]):
         losses = check_report(step, seconds, loss_by_source, self._names)
         conn = self._connect()
         conn.send_bytes(encode({"report": [int(step), float(seconds), losses]}))
+        self.reports += 1
+
+    def flush(self) -> None:
+        """Nothing to wait for: the Loader's next question is answered after the reports sent.
+
+        (``Client.flush`` waits for its one-way calls; a stream's reports are
+        messages in order, and the data process answers ``Loader.stats``,
+        ``monitor`` and ``feedback`` once the planner has every report its
+        Loader's streams sent.)
+        """
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's state as of this rank's position (what a resume starts from)."""

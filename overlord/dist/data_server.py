@@ -99,6 +99,7 @@ class _Rank:
         self.taken = start  # the step it takes next
         self.pending: deque[bytes] = deque()  # built before it connected
         self.bye = False
+        self.reports = 0  # the trainer's reports handed to the planner
         self.lock = threading.Lock()  # one sender at a time
 
 
@@ -202,6 +203,9 @@ class DataServer:
                     self.pool.release(int(index))
             if "report" in message:  # a trainer's step time: its client here sends it on
                 self._report(r, message["report"])
+                with self._cv:
+                    rank.reports += 1
+                    self._cv.notify_all()
             if message.get("failed"):
                 self.fail(f"rank {r}'s trainer failed ({message['failed']}), so every rank stops")
             with self._cv:
@@ -329,6 +333,20 @@ class DataServer:
                             rank.conn.send_bytes(ending)
                         except OSError:
                             pass
+
+    def wait_for_reports(self, sent: dict[int, int], timeout_s: float) -> None:
+        """Wait until the planner has rank ``r``'s first ``sent[r]`` reports, at most ``timeout_s``.
+
+        A rank's reports come on its connection and a question of the starter's on
+        another: what a rank sent before the question is answered first.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while any(self.ranks[r].reports < n and not self.ranks[r].bye for r, n in sent.items()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(min(left, 0.5))
 
     def wait_for_byes(self, timeout_s: float) -> None:
         """Wait until every connected rank closed its stream (or died), at most ``timeout_s``."""

@@ -1,7 +1,7 @@
 """One node's trainer processes fed by one embedded Loader: ``torchrun`` without Ray.
 
 Node mode with ``runtime="inline"``, rank 0 as the node's host (the default
-under torchrun is the data process: :mod:`overlord.dist.data_process`).
+is the data process: :mod:`overlord.dist.data_process`).
 ``torchrun --nproc_per_node N train.py`` starts N processes, one mesh rank
 each (one DP rank each where ``cp = tp = pp = 1``). Were each to run its own
 Loader, every source would be read and tokenized N times. Here the node's

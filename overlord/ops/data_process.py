@@ -6,7 +6,10 @@ the first message there is its configuration (JSON: the plan, its folder,
 the state to start from, where to listen and the key ranks connect with).
 It runs the plan's roles (an embedded Loader, its allocators those of a
 loader process), answers ``{"ready": state}`` (or ``{"error": ...}``) and
-serves every rank (:class:`overlord.dist.data_server.DataServer`) until its
+serves every rank (:class:`overlord.dist.data_server.DataServer`), and answers
+its starter's questions of the Loader (``{"ask": name, "args": [...], "reports":
+{rank: count}}``: one of :data:`ASKS`, answered ``{"answer": ...}`` in JSON or
+``{"error": ...}`` once the planner has the reports its streams sent) until its
 starter asks it to close (``{"close": true}``: it waits for every rank to
 close its stream, at most ``loading.timeout_s``), or is gone (the control
 connection ends, or its parent's pid changes): then every rank still
@@ -30,12 +33,19 @@ from overlord.plan.spec import validate_plan
 from overlord.runtime.hosting import lean_allocators
 
 WATCH_S = 0.2  # how often the parent is looked for
+# what the starter may ask of the Loader here: its figures, and what steers its roles
+ASKS = frozenset(
+    {"stats", "monitor", "feedback", "quarantine", "metrics_url", "repartition", "set_threads"}
+)  # fmt: skip
 
 
 def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
     plan = validate_plan(config["plan"], base_dir=config["base_dir"])
     # the server's thread builds ahead of the ranks itself: the roles work on that thread
-    loader = Loader(plan, state=config["state"], node=False, build_ahead=False)
+    loader = Loader(
+        plan, runtime="inline", state=config["state"], node=False, build_ahead=False,
+        journal_dir=config.get("journal_dir"),
+    )  # fmt: skip
     try:
         world = plan.world
         # a DP rank's batch is built once, its views cut once for all its peers
@@ -57,6 +67,19 @@ def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
     return loader, server
 
 
+def answer(loader: Loader, name: str, args: list[Any]) -> dict[str, Any]:
+    """The reply to the starter's question ``name(*args)`` of the Loader: its answer or error."""
+    try:
+        if name not in ASKS:
+            raise ValueError(f"the data process answers {sorted(ASKS)}, not {name!r}")
+        got = getattr(loader, name)
+        reply = {"answer": got(*args) if callable(got) else got}
+        encode(reply)  # an answer that is not JSON is an error here, not a dead process
+        return reply
+    except Exception as e:  # raised again in the starter, with its type
+        return {"error": describe(e)}
+
+
 def main(argv: list[str]) -> int:
     """Serve until the starter closes or is gone; 0 on an orderly close."""
     control = Connection(int(argv[1]))
@@ -76,9 +99,16 @@ def main(argv: list[str]) -> int:
         while True:
             if os.getppid() != parent:
                 raise EOFError("the parent's pid changed")
-            if control.poll(WATCH_S) and json.loads(control.recv_bytes()).get("close"):
+            if not control.poll(WATCH_S):
+                continue
+            message = json.loads(control.recv_bytes())
+            if message.get("close"):
                 server.wait_for_byes(server.timeout_s)
                 break
+            sent = {int(r): int(n) for r, n in message.get("reports", {}).items()}
+            server.wait_for_reports(sent, server.timeout_s)  # what the trainers sent before
+            reply = answer(loader, message["ask"], message.get("args", []))
+            control.send_bytes(encode({**reply, "id": message.get("id")}))
     except (EOFError, OSError):
         code = 1
         server.fail(

@@ -235,7 +235,8 @@ def consume(plan: Plan, steps: int, ckpt_dir: Path) -> tuple[dict[str, Any], dic
         old.unlink()
     t0 = time.perf_counter()
     tokens = ckpt_bytes = 0
-    with Loader(plan) as loader:
+    # every role in this process: the report's memory (this process's peak) is the job's
+    with Loader(plan, runtime="inline") as loader:
         clients = [loader.client(r, stop_step=steps) for r in range(plan.world.dp)]
         with tqdm(total=steps, desc="overlord demo", unit="step", disable=None, leave=False) as bar:
             history: dict[int, dict[str, Any]] = {}  # the planner keeps only recent steps'
