@@ -82,9 +82,7 @@ def test_the_trainer_asks_the_data_process_what_it_asks_the_inline_runtime(plan_
     answers: dict[str, dict[str, Any]] = {}
     for runtime in ("inline", None):
         with Loader(plan_path, runtime=runtime) as loader:
-            _lines(loader, report=True)
-            for c in loader._streams.values() or []:  # noqa: SLF001
-                c.flush()
+            _lines(loader, report=True)  # and asked at once: no flush, no sleep
             stats, monitor = loader.stats(), loader.monitor()
             added = loader.quarantine(ids=["data/web/p0.jsonl:3"])
             answers[str(runtime)] = {
