@@ -43,6 +43,7 @@ from overlord.plans import load_plan
 from overlord.roles.api import ConstructorRole, LoaderRole, OpsRole, PlannerRole, PoolRole
 from overlord.roles.client import Client
 from overlord.roles.constructor import DataConstructor
+from overlord.runtime import RUNTIMES
 from overlord.runtime.base import Handle
 from overlord.runtime.inline import InlineHandle
 from overlord.sources.catalog import SourceFiles
@@ -179,7 +180,7 @@ def stream_kind(
 
 
 RUNTIME_ENV = "OVERLORD_RUNTIME"  # the default runtime, where a caller names none
-DEFAULT_RUNTIMES = ("inline", "process", "ray")
+DEFAULT_RUNTIMES = (*RUNTIMES, "process")  # Loader's runtimes: the seam's, and the data process
 
 
 def resolved_runtime(

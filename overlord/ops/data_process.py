@@ -36,7 +36,7 @@ WATCH_S = 0.2  # how often the parent is looked for
 # what the starter may ask of the Loader here: its figures, and what steers its roles
 ASKS = frozenset(
     {"stats", "monitor", "feedback", "quarantine", "metrics_url", "repartition", "set_threads"}
-)  # fmt: skip
+)
 
 
 def _start(config: dict[str, Any]) -> tuple[Loader, DataServer]:
