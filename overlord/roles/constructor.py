@@ -26,6 +26,7 @@ import numpy as np
 from overlord.batch import Batch, Sample, Samples
 from overlord.batch.cp import cp_slices
 from overlord.batch.cp_dynamic import dynamic_slices
+from overlord.batch.gather import gather
 from overlord.batch.images import BatchImages
 from overlord.batch.rows import pack
 from overlord.batch.stages import stage_of, stage_view
@@ -326,34 +327,13 @@ class DataConstructor:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The planned items' tokens back to back, in the plan's order, taken from the loaders.
 
-        And their loss mask (uint8, 1: a label to keep), where a loader sent one (a chat
-        source's): the other sources' tokens are all kept. None when no loader sent one, so
-        that a text plan allocates none.
+        And their loss mask, where a loader sent one (a chat source's):
+        :func:`overlord.batch.gather.gather`.
         """
-        src, ldr, keys = rp["source"], rp["loader"], rp["key"]
-        n = len(src)
-        starts = np.zeros(n, dtype=np.int64)
-        if n:
-            np.cumsum(lengths[:-1], out=starts[1:])
-        tokens = np.empty(int(lengths.sum()), dtype=np.int32)
-        mask: np.ndarray | None = None
-        for mine, got in self.loaders.take(by_slot(src, ldr), keys):
-            # a run of items next to each other in the rank's order is one slice of both
-            got_starts = np.zeros(len(mine) + 1, dtype=np.int64)
-            np.cumsum(got["lengths"], out=got_starts[1:])
-            cuts = np.flatnonzero(np.diff(mine) != 1) + 1
-            run_lo, run_hi = np.append(0, cuts), np.append(cuts, len(mine))
-            runs = list(zip(
-                mine[run_lo].tolist(), got_starts[run_lo].tolist(), got_starts[run_hi].tolist()
-            ))  # fmt: skip
-            for j, g0, g1 in runs:
-                tokens[starts[j] : starts[j] + g1 - g0] = got["tokens"][g0:g1]
-            if "mask" in got:
-                if mask is None:
-                    mask = np.ones(len(tokens), dtype=np.uint8)
-                for j, g0, g1 in runs:
-                    mask[starts[j] : starts[j] + g1 - g0] = got["mask"][g0:g1]
-            if images is not None:
+        answers = self.loaders.take(by_slot(rp["source"], rp["loader"]), rp["key"])
+        tokens, mask, answered = gather(answers, lengths)
+        if images is not None:
+            for mine, got in answered:
                 images.add(mine, got)
         return tokens, mask
 
