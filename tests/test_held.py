@@ -56,8 +56,9 @@ def test_release_and_pick_match_an_item_by_item_model(sizes, gap, rounds, read_b
                 if q >= 0:
                     assert pieces[q].base <= i < pieces[q].base + len(pieces[q].items)
     assert sorted(set(held._released_ahead.get(at, []))) == sorted(set(ahead))
-    # a piece goes once every item of it was released
+    # a piece goes once every item of it was released; its count of items left is kept
     assert all(p.remaining.any() for p in held.shards.get(at, []))
+    assert all(p.left == p.remaining.sum() for p in held.shards.get(at, []))
 
 
 def test_pick_of_a_shard_not_held():

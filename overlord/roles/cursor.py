@@ -209,7 +209,9 @@ class SourceCursor:
         prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
         pick = slice(0, len(idx)) if prefix else idx
         out = {c: cols[c][pick] for c in _TAKEN}
-        out["key"] = np.stack([cols[c][pick] for c in _KEY], axis=1)
+        key = out["key"] = np.empty((len(idx), 3), dtype=np.int64)
+        for column, c in enumerate(_KEY):  # three copies: less than np.stack's calls
+            key[:, column] = cols[c][pick]
         if prefix:
             first_left, ahead = len(idx), idx[:0]
         else:
@@ -233,6 +235,8 @@ class SourceCursor:
 
     def _behind(self) -> None:
         """Forget the placed items that the first pending one has passed."""
+        if not self._placed_ahead:
+            return
         # placed items at or before the first pending one are behind the cursor now; with
         # nothing pending, those not yet received stay placed ahead (a cursor that starts
         # from a state holds its skip runs before the loaders send their shard again)

@@ -103,9 +103,16 @@ def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.nda
     pieces: list[ShardItems] = []  # the piece of each slice
     j = 0
     for items, lo, hi in runs:
+        if hi - lo == 1:  # most runs of a step of many sources: no array for one item
+            a, n = int(items.start[lo]), int(items.length[lo])
+            lengths[j] = n
+            parts.append(slice(a, a + n))
+            pieces.append(items)
+            j += 1
+            continue
         lengths[j : j + hi - lo] = items.length[lo:hi]
         start = items.start[lo:hi]
-        if hi - lo == 1 or (np.diff(start) == items.length[lo : hi - 1]).all():
+        if (np.diff(start) == items.length[lo : hi - 1]).all():
             # a run of items back to back in the piece: one slice of its tokens
             parts.append(slice(int(start[0]), int(start[-1]) + int(lengths[j + hi - lo - 1])))
             pieces.append(items)
@@ -175,6 +182,11 @@ class HeldPiece:
     base: int
     items: ShardItems
     remaining: np.ndarray  # bool per item: not released yet
+    left: int = -1  # how many are not released yet (counted from ``remaining`` when -1)
+
+    def __post_init__(self) -> None:
+        if self.left < 0:
+            self.left = int(np.count_nonzero(self.remaining))
 
 
 class HeldItems:
@@ -252,12 +264,20 @@ class HeldItems:
         Or, as the second value, a key not held (released, or never read).
         """
         picked: list[tuple[ShardItems, int]] = []
-        if len(keys) <= FEW:
+        if len(keys) <= FEW:  # plain Python, the shard's pieces looked up once per shard
+            at: Position | None = None
+            pieces: list[HeldPiece] = []
+            bases: list[int] = []
             for e, p, i in keys.tolist():
-                piece = self.piece_of((e, p), i)
-                if piece is None or not piece.remaining[i - piece.base]:
+                if (e, p) != at:
+                    at = (e, p)
+                    pieces = self.shards.get(at) or []
+                    bases = [q.base for q in pieces]
+                j = bisect.bisect_right(bases, i) - 1
+                k = i - bases[j] if j >= 0 else -1
+                if k < 0 or k >= len(pieces[j].items) or not pieces[j].remaining[k]:
                     return [], (e, p, i)
-                picked.append((piece.items, i - piece.base))
+                picked.append((pieces[j].items, k))
             return picked, None
         slots: list[Any] = [None] * len(keys)
         for at, rows in by_shard(keys):
@@ -349,7 +369,7 @@ class HeldItems:
                 pieces, np.unique(index)
             )
         if emptied:
-            self.shards[at] = [p for p in pieces if p.remaining.any()]
+            self.shards[at] = [p for p in pieces if p.left]
             if not self.shards[at] and at not in self.open:
                 del self.shards[at]
 
@@ -364,8 +384,9 @@ class HeldItems:
             piece, k = pieces[j], i - bases[j]
             if k < len(piece.items) and piece.remaining[k]:
                 piece.remaining[k] = False
+                piece.left -= 1
                 self.tokens -= int(piece.items.length[k])
-                emptied = emptied or not piece.remaining.any()
+                emptied = emptied or not piece.left
         return emptied
 
     def _release_by_piece(self, pieces: list[HeldPiece], index: np.ndarray) -> bool:
@@ -383,8 +404,9 @@ class HeldItems:
             k = k[piece.remaining[k]]
             if len(k):
                 piece.remaining[k] = False
+                piece.left -= len(k)
                 self.tokens -= int(piece.items.length[k].sum())
-                emptied = emptied or not piece.remaining.any()
+                emptied = emptied or not piece.left
         return emptied
 
     def rewind(self, start: dict[str, Any], shards: list[Position]) -> Key | None:
