@@ -98,5 +98,7 @@ def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.n
         return [(int(source[0]), int(loader[0]), np.arange(len(source), dtype=np.int64))]
     key = source.astype(np.int64) * (int(loader.max()) + 1) + loader
     order = np.argsort(key, kind="stable")
-    cuts = np.flatnonzero(np.diff(key[order])) + 1
-    return [(int(source[g[0]]), int(loader[g[0]]), g) for g in np.split(order, cuts)]
+    firsts = np.flatnonzero(np.diff(key[order], prepend=-1))  # each slot's first, in order
+    ends = [*firsts[1:].tolist(), len(order)]
+    slots = zip(source[order[firsts]].tolist(), loader[order[firsts]].tolist())
+    return [(int(s), int(k), order[a:b]) for (s, k), a, b in zip(slots, firsts.tolist(), ends)]

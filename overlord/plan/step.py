@@ -87,14 +87,17 @@ def take_columns(
     # gave items are visited (a step of many sources takes from a few of them)
     order = np.argsort(source, kind="stable")
     ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
+    parts = []  # the windows' answers, in window order: their items are ``order``'s
     start = 0
     for s, end in enumerate(ends):
         if end > start:
-            mine = order[start:end]
-            taken = windows[s].take(pending[mine])
-            for c in TAKEN:
-                cols[c][mine] = taken[c]
+            parts.append(windows[s].take(pending[order[start:end]]))
         start = end
+    for c in TAKEN:  # one placement per column, not one per column and window
+        if len(parts) == 1:
+            cols[c][order] = parts[0][c]
+        elif parts:
+            cols[c][order] = np.concatenate([taken[c] for taken in parts])
     return cols
 
 
