@@ -274,8 +274,10 @@ class LoaderPool:
 
     def _send_releases(self, calls: list[tuple[Handle[LoaderRole], Any]]) -> None:
         # loaders that share a process are told in one call to it
-        for (handle, _), ref in zip(calls, call_each(LoaderRole.release, calls)):
-            self._releases.keep(ref, f"{handle.name}.release")
+        refs = call_each(LoaderRole.release, calls)
+        self._releases.keep_each(
+            (ref, f"{handle.name}.release") for (handle, _), ref in zip(calls, refs)
+        )
 
     # ---- faults ----------------------------------------------------------------------------
 

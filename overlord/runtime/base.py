@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
@@ -277,8 +277,12 @@ class OneWay:
 
     def keep(self, ref: Ref[Any], what: str) -> None:
         """Keep a call started elsewhere (``what`` names it) as one of these one-way calls."""
+        self.keep_each([(ref, what)])
+
+    def keep_each(self, calls: Iterable[tuple[Ref[Any], str]]) -> None:
+        """:meth:`keep` for several calls ``(ref, what)`` at once: one lock, one check."""
         with self._lock:
-            self._pending.append((ref, what))
+            self._pending.extend(calls)
             while len(self._pending) > self.limit:
                 self._settle(*self._pending.popleft(), timeout=None)
         self.check()
