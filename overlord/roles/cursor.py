@@ -17,6 +17,7 @@ in ``dropped`` until the planner hands them back to their loaders.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -240,12 +241,14 @@ class SourceCursor:
         # placed items at or before the first pending one are behind the cursor now; with
         # nothing pending, those not yet received stay placed ahead (a cursor that starts
         # from a state holds its skip runs before the loaders send their shard again)
+        ahead = self._placed_ahead
+        ahead.sort()  # sorted but for the keys placed since: what is behind is a prefix
         start = self._first()
         if start is None:
             (e, p), i = self._expect, self._start_index
-            self._placed_ahead = sorted(k for k in self._placed_ahead if k >= (e, p, i))
+            del ahead[: bisect.bisect_left(ahead, (e, p, i))]
         else:
-            self._placed_ahead = sorted(k for k in self._placed_ahead if k > start)
+            del ahead[: bisect.bisect_right(ahead, start)]
 
     def _first(self) -> Key | None:
         """The key of the first pending item (None: nothing is pending)."""

@@ -112,7 +112,7 @@ def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.nda
             continue
         lengths[j : j + hi - lo] = items.length[lo:hi]
         start = items.start[lo:hi]
-        if (np.diff(start) == items.length[lo : hi - 1]).all():
+        if _back_to_back(start, lengths[j : j + hi - lo]):
             # a run of items back to back in the piece: one slice of its tokens
             parts.append(slice(int(start[0]), int(start[-1]) + int(lengths[j + hi - lo - 1])))
             pieces.append(items)
@@ -145,6 +145,14 @@ def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.nda
             out["keys"] = np.frombuffer(b"".join(keys), dtype=np.uint8)
             out["key_lengths"] = np.array([len(k) for k in keys], dtype=np.int32)
     return out
+
+
+def _back_to_back(start: np.ndarray, length: np.ndarray) -> bool:
+    """Whether items starting at ``start`` with ``length`` tokens lie back to back."""
+    if len(start) <= FEW:  # a few: plain Python costs less than numpy's calls
+        at = start.tolist()
+        return all(a + n == b for a, n, b in zip(at, length.tolist(), at[1:]))
+    return bool((np.diff(start) == length[:-1]).all())
 
 
 def _joined(parts: list[Any], dtype: type) -> np.ndarray:
