@@ -81,3 +81,5 @@ def test_an_answer_that_is_not_the_plans_items_is_refused(compiled, monkeypatch)
     short = {"tokens": np.array([7, 8], np.int32), "lengths": np.array([1, 2], np.int32)}
     with pytest.raises(LoaderError, match="2 tokens where its lengths count 3"):
         gather_mod.gather([(np.array([0, 1]), short)], lengths)
+    with pytest.raises(LoaderError, match="for item 2, which the step's 2 items do not have"):
+        gather_mod.gather([(np.array([2]), wrong_length)], lengths)

@@ -32,11 +32,14 @@ def _place(
 ) -> int:
     """Copy answered item ``k`` (``got_lengths[k]`` of ``got``) to ``out[starts[mine[k]]:]``.
 
-    -1, or the first ``k`` whose length is not the plan's (nothing after it is copied).
+    -1, or the first ``k`` that is not an item of the plan, whose length is not the plan's,
+    or whose tokens the answer lacks (nothing after it is copied).
     """
     g = 0
     for k in range(len(mine)):
         j = mine[k]
+        if j < 0 or j >= len(lengths):  # compiled indexing checks no bounds: this does
+            return k
         n = got_lengths[k]
         if n != lengths[j] or g + n > len(got):
             return k
@@ -117,6 +120,8 @@ def _place_runs(
     """:func:`_place` with numpy: a run of items next to each other in the plan is one slice."""
     if not len(mine):
         return
+    if (mine < 0).any() or (mine >= len(lengths)).any():
+        _refuse(mine, got, lengths, int(np.flatnonzero((mine < 0) | (mine >= len(lengths)))[0]))
     got_lengths = np.asarray(got["lengths"], dtype=np.int64)
     wrong = np.flatnonzero(got_lengths != lengths[mine])
     if len(wrong) or int(got_lengths.sum()) > len(got["tokens"]):
@@ -140,7 +145,9 @@ def _place_runs(
 
 def _refuse(mine: np.ndarray, got: dict[str, np.ndarray], lengths: np.ndarray, k: int) -> None:
     j, have = int(mine[k]), int(got["lengths"][k])
-    if have != int(lengths[j]):
+    if not 0 <= j < len(lengths):
+        why = f"for item {j}, which the step's {len(lengths)} items do not have"
+    elif have != int(lengths[j]):
         why = f"item {j} of the step with {have} tokens where the plan has {int(lengths[j])}"
     else:
         counted = int(np.asarray(got["lengths"], dtype=np.int64).sum())

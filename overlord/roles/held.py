@@ -256,16 +256,6 @@ class HeldItems:
             self.tokens += tokens
         return tokens
 
-    def piece_of(self, at: Position, i: int) -> HeldPiece | None:
-        """The held piece of shard ``at`` that item ``i`` is in."""
-        pieces = self.shards.get(at)
-        if not pieces:
-            return None
-        j = bisect.bisect_right([p.base for p in pieces], i) - 1
-        if j < 0 or i >= pieces[j].base + len(pieces[j].items):
-            return None
-        return pieces[j]
-
     def take(self, keys: np.ndarray) -> tuple[list[tuple[ShardItems, int]], Key | None]:
         """The held ``(piece items, index in the piece)`` of every key (``(n, 3)``), in order.
 
