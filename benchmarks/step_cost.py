@@ -24,7 +24,7 @@ large step (a per-token cost that rises with the step is a super-linear term)::
 
     .venv/bin/python -m benchmarks.step_cost            # a few minutes on 2 cores
     .venv/bin/python -m benchmarks.step_cost --quick    # fewer steps, about a minute
-    .venv/bin/python -m benchmarks.step_cost --profile 8,8,32768   # cProfile of one cell
+    .venv/bin/python -m benchmarks.step_cost --profile 8,8,32768   # cProfile of one cell, calls
     .venv/bin/python -m benchmarks.step_cost --baseline ../before  # each cell there, then here
 """
 
@@ -268,7 +268,10 @@ def main() -> None:
             warmup = args.warmup + fill_steps(s, t, args.tokens // args.files)
             got = run_cell(root, s, d, t, warmup, steps, str(out))
             print(json.dumps(got))
-            pstats.Stats(str(out)).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(str(out))
+            # a count that does not move with the machine's load, as CPU time does
+            print(f"{stats.total_calls / steps:.0f} Python calls per step, every thread")
+            stats.sort_stats("tottime").print_stats(30)
             return
         grid = itertools.product(*(map(int, v.split(",")) for v in
                                    (args.sources, args.dp, args.step_tokens)))  # fmt: skip
