@@ -138,15 +138,27 @@ def run_cell(root: Path, sources: int, dp: int, tokens: int, warmup: int, steps:
 
         threading.setprofile(None)  # type: ignore[arg-type]
         profiles[-1].disable()
+        parts = []
         for prof, before in itertools.zip_longest(profiles, warm, fillvalue={}):
             prof.snapshot_stats()
-            prof.stats = _timed_part(prof.stats, before)
-        stats = pstats.Stats(profiles[0])
-        for prof in profiles[1:]:
-            stats.add(prof)
+            parts.append(_Made(_timed_part(prof.stats, before)))
+        # (pstats.Stats(prof) would make prof's stats again, warm-up included)
+        stats = pstats.Stats(parts[0])  # type: ignore[arg-type]
+        for part in parts[1:]:
+            stats.add(part)
         stats.dump_stats(profile)
     return {"cpu_per_step": cpu / steps, "wall_per_step": wall / steps,
             "tokens_per_step": seen / steps}  # fmt: skip
+
+
+class _Made:
+    """Stats made already, as ``pstats.Stats`` loads a profile (its ``create_stats``: nothing)."""
+
+    def __init__(self, stats: dict[Any, Any]):
+        self.stats = stats
+
+    def create_stats(self) -> None:
+        pass
 
 
 def _timed_part(stats: dict[Any, Any], before: dict[Any, Any]) -> dict[Any, Any]:
