@@ -120,3 +120,23 @@ def test_the_compiled_loop_packs_what_numpy_packs(rows_docs, seq_len, pad_id, ma
     for k in want:
         assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape, k
         assert (want[k] == got[k]).all(), k
+
+
+def test_a_block_is_written_again_only_once_nothing_holds_it():
+    # a step's outputs are views of one block; a later pack of the same shape writes into
+    # a block that nothing holds any more, never into one a batch still shows
+    tokens = np.arange(1, 13, dtype=np.int32)
+    first = pack(tokens, np.array([5, 7]), np.array([0, 1]), 2, 8, 0)
+    kept = first["labels"][1:]  # a slice of one output holds the whole block
+    seen = kept.copy()
+    block = id(kept.base)  # its id: a name for it would hold it too
+    del first
+    second = pack(tokens[:3] + 50, np.array([3]), np.array([1]), 2, 8, 0)
+    assert id(second["input_ids"].base) != block
+    assert (kept == seen).all()
+    del kept
+    third = pack(tokens[:4] + 90, np.array([4]), np.array([0]), 2, 8, 7)
+    assert id(third["input_ids"].base) == block  # free again: written again
+    want = _reference(tokens[:4] + 90, [4], [0], 2, 8, 7)
+    for name, w in zip(("input_ids", "labels", "position_ids", "segment_ids"), want):
+        assert third[name].tolist() == w.tolist(), name  # nothing of the first batch left
