@@ -55,6 +55,7 @@ MEGATRON_DTYPES: dict[int, type] = {
 }
 _MEGATRON_FLOATS = {6: "float64", 7: "float32"}
 _SCAN_TOKENS = 4 << 20  # ids counted at once by the eos pass
+_FIRST_REST = 4096  # ids read first of a document's rest past its block (then twice as many)
 
 
 class _Ranges:
@@ -108,29 +109,41 @@ class _Ranges:
 
 
 def _records(
-    number: int, rows: np.ndarray, data: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    number: int,
+    rows: np.ndarray,
+    data: np.ndarray | tuple[np.ndarray, ...],
+    starts: np.ndarray,
+    ends: np.ndarray,
 ) -> RecordBlock:
     """A block whose record ``i`` is ids ``data[starts[i]:ends[i]]``, stored as int32 ids.
 
-    The ranges are in order and do not overlap; ids outside every range (an eos alone, a
-    gap in a Megatron ``.bin``) are left out. Every block holds int32 ids whatever the file's
-    dtype, so that a window's records read the same way whichever file they came from.
+    ``data``: the ids in the file's dtype, or their parts in order (a block's ids and the
+    rest of its last document), widened to int32 in one copy. The ranges are in order
+    and do not overlap; ids outside every range (an eos alone, a gap in a Megatron
+    ``.bin``) are left out. Every block holds int32 ids whatever the file's dtype, so
+    that a window's records read the same way whichever file they came from.
     """
+    parts = data if isinstance(data, tuple) else (data,)
+    for part in parts:  # ids int32 cannot hold
+        wide = part.dtype.itemsize > 4 or part.dtype == np.uint32
+        if wide and len(part) and part.max() > 2**31 - 1:
+            raise _TooLarge(f"an id above {2**31 - 1} in block {number}: ids are int32")
     lengths = ends - starts
     offsets = np.zeros(len(starts) + 1, np.int64)
     np.cumsum(lengths * 4, out=offsets[1:])
     covered = len(starts) and starts[0] == 0 and np.array_equal(starts[1:], ends[:-1])
-    if covered:
-        data = data[: int(ends[-1])]
-    else:  # mark each range's ids: +1 where a range starts, -1 where it ends
-        mark = np.zeros(len(data) + 1, np.int64)
+    size = int(ends[-1]) if covered else sum(len(p) for p in parts)
+    ids = np.empty(size, np.int32)
+    at = 0
+    for part in parts:
+        n = min(len(part), size - at)
+        ids[at : at + n] = part[:n]
+        at += n
+    if not covered:  # mark each range's ids: +1 where a range starts, -1 where it ends
+        mark = np.zeros(len(ids) + 1, np.int64)
         np.add.at(mark, starts, 1)
         np.add.at(mark, ends, -1)
-        data = data[np.cumsum(mark[:-1]) > 0]
-    wide = data.dtype.itemsize > 4 or data.dtype == np.uint32  # ids int32 cannot hold
-    if wide and len(data) and data.max() > 2**31 - 1:
-        raise _TooLarge(f"an id above {2**31 - 1} in block {number}: ids are int32")
-    ids = np.ascontiguousarray(data, dtype=np.int32)
+        ids = ids[np.cumsum(mark[:-1]) > 0]
     texts = pa.LargeBinaryArray.from_buffers(
         pa.large_binary(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(ids)]
     )
@@ -232,10 +245,11 @@ class FlatTokenFile(ShardReader):
     def through_eos(self, start: int) -> np.ndarray:
         """The ids from ``start`` through the first eos at or after it (or to the file's end).
 
-        The rest of a document, read a chunk at a time.
+        The rest of a document, read a chunk at a time, each twice the last: most rests
+        are short, and a block's last document is read on past the block.
         """
         chunks, at = [], start
-        step = max(self.per_block, 1 << 16)
+        step, most = _FIRST_REST, max(self.per_block, 1 << 16)
         while at < self.n:
             chunk = self.ids(at, at + step)
             hit = np.flatnonzero(chunk == self.eos)
@@ -244,6 +258,7 @@ class FlatTokenFile(ShardReader):
                 break
             chunks.append(chunk)
             at += step
+            step = min(2 * step, most)
         return np.concatenate(chunks) if chunks else np.zeros(0, self.dtype)
 
     def end_of(self, start: int) -> int:
@@ -269,15 +284,16 @@ class FlatTokenFile(ShardReader):
         if not len(starts):
             return RecordBlock(k, np.zeros(0, np.int64), pa.array([], pa.large_binary()))
         rows = self.eos_before[k] + np.searchsorted(eos[eos >= lo], starts - 1, side="right")
-        data = head[int(starts[0]) - before :]
+        data = head[int(starts[0]) - before :]  # every document starts in it
+        parts: tuple[np.ndarray, ...] = (data,)
         if not (len(head) and head[-1] == self.eos and hi - 1 >= starts[-1]):
-            data = np.concatenate((data, self.through_eos(hi)))  # the last document's rest
-        ends = np.append(starts[1:], int(starts[0]) + len(data))
+            parts = (data, self.through_eos(hi))  # and the last document's rest
+        ends = np.append(starts[1:], int(starts[0]) + sum(len(p) for p in parts))
         rel_start, rel_end = starts - starts[0], ends - starts[0]
         alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)
         rel_end = np.where(alone, rel_start, rel_end)  # an eos alone: an empty document
         try:
-            return _records(k, rows, data, rel_start, rel_end)
+            return _records(k, rows, parts, rel_start, rel_end)
         except _TooLarge as e:
             raise self._error(str(e)) from None
 
