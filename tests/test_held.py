@@ -6,7 +6,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlord.roles.held import FEW, HeldItems, _runs, by_shard, payload, payload_of_runs
+from overlord.roles.held import (
+    FEW,
+    HeldItems,
+    Located,
+    _runs,
+    by_shard,
+    payload,
+    payload_of,
+    payload_of_runs,
+)
 from overlord.sources.shard import ShardItems
 
 
@@ -150,4 +159,12 @@ def test_take_runs_are_the_runs_of_take(released, asked, start, sorted_run, othe
     assert [(id(items), lo, hi) for items, lo, hi in runs] == [
         (id(items), lo, hi) for items, lo, hi in _runs(picked)
     ]
-    assert payload_of_runs(runs)["tokens"].tolist() == payload(picked)["tokens"].tolist()
+    want = payload(picked)
+    assert payload_of_runs(runs)["tokens"].tolist() == want["tokens"].tolist()
+    # found by arrays (many keys of a shard), the answer is built by pieces: the same
+    taken, _ = held.locate(keys)
+    assert isinstance(taken, Located) == (len(keys) > FEW and not other_shard)
+    got = payload_of(taken)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].tolist() == want[k].tolist(), k

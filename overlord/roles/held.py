@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from overlord.plan.compiled import compiled_once
 from overlord.sources.shard import ShardItems
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
@@ -179,6 +180,80 @@ def _runs(picked: list[tuple[ShardItems, int]]) -> list[tuple[ShardItems, int, i
     return runs
 
 
+def _copy_ranges(
+    out: np.ndarray, at: np.ndarray, src: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> None:
+    """Copy ``src[start[i] : start[i] + length[i]]`` to ``out[at[i]:]``, for every ``i``."""
+    for i in range(len(at)):
+        a, s, n = at[i], start[i], length[i]
+        out[a : a + n] = src[s : s + n]
+
+
+_copy_kernel = compiled_once(_copy_ranges)
+
+
+@dataclass
+class Located:
+    """Items of one shard found by arrays: item ``k[i]`` of ``pieces[which[i]]``, in order.
+
+    What a take of many items of a shard finds (:meth:`HeldItems.locate`): its answer is
+    then built by arrays, a few calls per piece the items lie in, not per run of them.
+    """
+
+    pieces: list[HeldPiece]
+    which: np.ndarray  # int64: each item's piece
+    k: np.ndarray  # int64: each item's index in its piece
+
+    def runs(self) -> list[tuple[ShardItems, int, int]]:
+        """The items as runs ``(piece items, lo, hi)`` of items next to each other."""
+        which, k = self.which, self.k
+        cuts = np.flatnonzero((which[1:] != which[:-1]) | (k[1:] != k[:-1] + 1)) + 1
+        lo = np.concatenate(([0], cuts))
+        hi = np.concatenate((cuts, [len(k)]))
+        return [
+            (self.pieces[q].items, a, a + n)
+            for q, a, n in zip(which[lo].tolist(), k[lo].tolist(), (hi - lo).tolist())
+        ]
+
+
+def payload_of(taken: Located | list[tuple[ShardItems, int, int]]) -> dict[str, np.ndarray]:
+    """What ``take`` answers for what :meth:`HeldItems.locate` found (see :func:`payload_of_runs`).
+
+    Items found by arrays, of a text source, are copied by one compiled loop per piece
+    they lie in (where numba imports): their lengths and starts by arrays, no object
+    per item or run. Else, and for images and loss masks, by their runs.
+    """
+    if not isinstance(taken, Located):
+        return payload_of_runs(taken)
+    copy = _copy_kernel()
+    first = taken.pieces[0].items if taken.pieces else None
+    if copy is None or first is None or first.mask is not None or first.pixels is not None:
+        return payload_of_runs(taken.runs())
+    which, k = taken.which, taken.k
+    lengths = np.empty(len(k), dtype=np.int32)
+    starts = np.empty(len(k), dtype=np.int64)
+    parts = []
+    hit = np.flatnonzero(np.bincount(which)).tolist()  # the pieces the items lie in
+    for q in hit:
+        mine = None if len(hit) == 1 else (which == q).nonzero()[0]  # None: every item
+        items = taken.pieces[q].items
+        kk = k if mine is None else k[mine]
+        if mine is None:
+            lengths[:], starts[:] = items.length[kk], items.start[kk]
+        else:
+            lengths[mine], starts[mine] = items.length[kk], items.start[kk]
+        parts.append((mine, items))
+    at = np.zeros(len(k), dtype=np.int64)
+    lengths[:-1].cumsum(out=at[1:])
+    tokens = np.empty(int(at[-1]) + int(lengths[-1]) if len(k) else 0, dtype=np.int32)
+    for mine, items in parts:
+        s, n = (starts, lengths) if mine is None else (starts[mine], lengths[mine])
+        if len(s) and int(np.maximum.reduce(s + n)) > len(items.tokens):  # compiled: unchecked
+            raise ValueError("a held item lies past its piece's tokens")
+        copy(tokens, at if mine is None else at[mine], items.tokens, s, n)
+    return {"tokens": tokens, "lengths": lengths}
+
+
 @dataclass
 class HeldPiece:
     """Items ``base ..`` of a shard, held until released: one piece of a window, tokenized.
@@ -189,7 +264,7 @@ class HeldPiece:
 
     base: int
     items: ShardItems
-    remaining: np.ndarray  # bool per item: not released yet
+    remaining: np.ndarray  # bool per item (one per item of the piece): not released yet
     left: int = -1  # how many are not released yet (counted from ``remaining`` when -1)
 
     def __post_init__(self) -> None:
@@ -206,6 +281,8 @@ class HeldItems:
         self.open: set[Position] = set()  # shards whose closing block is not published
         self.tokens = 0  # tokens of the items held
         self._released_ahead: dict[Position, list[int]] = {}  # releases of items not read
+        # per shard: its pieces list, their number, their first indexes and sizes
+        self._piece_starts: dict[Position, tuple[list[HeldPiece], int, np.ndarray, np.ndarray]] = {}
 
     def consumed_from(self, start: dict[str, Any]) -> None:
         """Items before ``start`` and in its ``skip`` runs are consumed."""
@@ -247,6 +324,7 @@ class HeldItems:
         self.open.discard(at)
         if not self.shards.get(at):
             self.shards.pop(at, None)
+            self._piece_starts.pop(at, None)
 
     def add(self, at: Position, base: int, items: ShardItems, keep: np.ndarray) -> int:
         """Hold the items of a piece in ``keep``; the tokens they hold."""
@@ -273,7 +351,7 @@ class HeldItems:
                     bases = [q.base for q in pieces]
                 j = bisect.bisect_right(bases, i) - 1
                 k = i - bases[j] if j >= 0 else -1
-                if k < 0 or k >= len(pieces[j].items) or not pieces[j].remaining[k]:
+                if k < 0 or k >= len(pieces[j].remaining) or not pieces[j].remaining[k]:
                     return [], (e, p, i)
                 picked.append((pieces[j].items, k))
             return picked, None
@@ -286,13 +364,19 @@ class HeldItems:
                 slots[r] = (pieces[q].items, i - pieces[q].base)
         return slots, None
 
-    def take_runs(
-        self, keys: np.ndarray
-    ) -> tuple[list[tuple[ShardItems, int, int]], Key | None]:
-        """:meth:`take` as runs ``(piece items, lo, hi)`` of items next to each other, in order.
+    def take_runs(self, keys: np.ndarray) -> tuple[list[tuple[ShardItems, int, int]], Key | None]:
+        """:meth:`take` as runs ``(piece items, lo, hi)`` of items next to each other, in order."""
+        taken, missing = self.locate(keys)
+        return (taken.runs() if isinstance(taken, Located) else taken), missing
 
-        Many keys of one shard (a step's items of a loader, most often) are
-        found and cut into runs with a few numpy calls, without an entry per item.
+    def locate(
+        self, keys: np.ndarray
+    ) -> tuple[Located | list[tuple[ShardItems, int, int]], Key | None]:
+        """The held items of ``keys``, in order, for :func:`payload_of`; or a key not held.
+
+        Many keys of one shard (a step's items of a loader, most often) are found
+        by arrays (:class:`Located`), without an entry per item; a few, or keys of
+        several shards, as runs ``(piece items, lo, hi)`` of items next to each other.
         """
         if len(keys) > FEW:
             groups = by_shard(keys)
@@ -302,17 +386,22 @@ class HeldItems:
                 pieces, found = self.pick(at, index)
                 if (found < 0).any():
                     return [], (*at, int(index[np.flatnonzero(found < 0)[0]]))
-                bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
-                k = index - bases[found]
-                cuts = np.flatnonzero((found[1:] != found[:-1]) | (k[1:] != k[:-1] + 1)) + 1
-                lo = np.concatenate(([0], cuts))
-                hi = np.concatenate((cuts, [len(k)]))
-                return [
-                    (pieces[q].items, a, a + n)
-                    for q, a, n in zip(found[lo].tolist(), k[lo].tolist(), (hi - lo).tolist())
-                ], None
+                return Located(pieces, found, index - self._starts(at, pieces)[0][found]), None
         picked, missing = self.take(keys)
         return _runs(picked), missing
+
+    def _starts(self, at: Position, pieces: list[HeldPiece]) -> tuple[np.ndarray, np.ndarray]:
+        """The first index and the size of each of shard ``at``'s ``pieces``, kept while they are.
+
+        A shard's pieces only grow at its end, or are replaced by those left: the list and
+        its length say whether the arrays kept are still its.
+        """
+        kept = self._piece_starts.get(at)
+        if kept is None or kept[0] is not pieces or kept[1] != len(pieces):
+            starts = np.array([p.base for p in pieces], dtype=np.int64)
+            sizes = np.array([len(p.remaining) for p in pieces], dtype=np.int64)
+            kept = self._piece_starts[at] = (pieces, len(pieces), starts, sizes)
+        return kept[2], kept[3]
 
     def pick(self, at: Position, index: np.ndarray) -> tuple[list[HeldPiece], np.ndarray]:
         """The held pieces of shard ``at`` and, per item ``index``, its piece there (-1: not held).
@@ -329,15 +418,14 @@ class HeldItems:
             found = []
             for i in index.tolist():
                 q = bisect.bisect_right(bases, i) - 1
-                held = q >= 0 and i - bases[q] < len(pieces[q].items)
+                held = q >= 0 and i - bases[q] < len(pieces[q].remaining)
                 found.append(q if held and pieces[q].remaining[i - bases[q]] else -1)
             return pieces, np.array(found, dtype=np.int64)
-        starts = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
-        sizes = np.fromiter((len(p.items) for p in pieces), dtype=np.int64, count=len(pieces))
-        j = np.searchsorted(starts, index, side="right") - 1
+        starts, sizes = self._starts(at, pieces)
+        j = starts.searchsorted(index, side="right") - 1
         inside = (j >= 0) & (index < starts[j] + sizes[j])
-        for q in np.unique(j[inside]).tolist():  # and not released yet
-            mine = np.flatnonzero(inside & (j == q))
+        for q in np.bincount(j[inside]).nonzero()[0].tolist():  # and not released yet
+            mine = (inside & (j == q)).nonzero()[0]
             inside[mine] = pieces[q].remaining[index[mine] - starts[q]]
         return pieces, np.where(inside, j, -1)
 
@@ -364,10 +452,11 @@ class HeldItems:
                 index = index[~ahead]  # dropped when they are read
             pieces = self.shards.get(at) or []
             emptied = bool(pieces and len(index)) and self._release_by_piece(
-                pieces, np.unique(index)
+                at, pieces, np.unique(index)
             )
         if emptied:
             self.shards[at] = [p for p in pieces if p.left]
+            self._piece_starts.pop(at, None)  # (it holds the list it was made for)
             if not self.shards[at] and at not in self.open:
                 del self.shards[at]
 
@@ -380,30 +469,30 @@ class HeldItems:
             if j < 0:
                 continue
             piece, k = pieces[j], i - bases[j]
-            if k < len(piece.items) and piece.remaining[k]:
+            if k < len(piece.remaining) and piece.remaining[k]:
                 piece.remaining[k] = False
                 piece.left -= 1
                 self.tokens -= int(piece.items.length[k])
                 emptied = emptied or not piece.left
         return emptied
 
-    def _release_by_piece(self, pieces: list[HeldPiece], index: np.ndarray) -> bool:
+    def _release_by_piece(self, at: Position, pieces: list[HeldPiece], index: np.ndarray) -> bool:
         """Release items ``index`` (sorted, unique), a piece at a time; whether a piece emptied."""
-        bases = np.fromiter((p.base for p in pieces), dtype=np.int64, count=len(pieces))
-        j = np.searchsorted(bases, index, side="right") - 1
-        cuts = np.searchsorted(j, np.arange(len(pieces) + 1))  # index is sorted: so is j
+        j = self._starts(at, pieces)[0].searchsorted(index, side="right") - 1
+        cuts = (j[1:] != j[:-1]).nonzero()[0] + 1  # index is sorted: so is j
         emptied = False
-        for q, (lo, hi) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
-            if lo == hi:
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(j)]):
+            q = int(j[lo])
+            if q < 0:
                 continue
             piece = pieces[q]
             k = index[lo:hi] - piece.base
-            k = k[k < len(piece.items)]
+            k = k[k < len(piece.remaining)]
             k = k[piece.remaining[k]]
             if len(k):
                 piece.remaining[k] = False
                 piece.left -= len(k)
-                self.tokens -= int(piece.items.length[k].sum())
+                self.tokens -= int(np.add.reduce(piece.items.length[k], dtype=np.int64))
                 emptied = emptied or not piece.left
         return emptied
 
@@ -439,4 +528,5 @@ class HeldItems:
     def clear(self) -> None:
         """Hold nothing more."""
         self.shards.clear()
+        self._piece_starts.clear()
         self.tokens = 0

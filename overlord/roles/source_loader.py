@@ -76,7 +76,7 @@ from overlord.roles.held import (
     Position,
     by_shard,
     metadata_block,
-    payload_of_runs,
+    payload_of,
 )
 from overlord.roles.read_ahead import LoaderSide, Outlet, ReadAhead, Reader, Task, Tokenized
 from overlord.roles.read_stats import ReadStats, rss
@@ -311,7 +311,7 @@ class SourceLoader:
                 e, p, i = max(keys.tolist())
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
-            runs, missing = self._held.take_runs(keys)
+            taken, missing = self._held.locate(keys)
             if missing is not None:
                 e, p, i = missing
                 raise LoaderError(
@@ -319,7 +319,7 @@ class SourceLoader:
                     f"(epoch {e}, shard {p}, index {i}): it was released (its step was "
                     "consumed) or never read"
                 )
-        return payload_of_runs(runs)
+        return payload_of(taken)
 
     def _wait_until_read(self, key: Key) -> None:
         """Wait (lock held) until item ``key`` is read: a promoted shadow may lag its primary."""
