@@ -97,6 +97,21 @@ def test_the_eos_belongs_to_its_document_and_a_trailing_run_is_the_last(tmp_path
     assert got == {"t.npy:0": [5, 6, EOS], "t.npy:2": [7, EOS], "t.npy:3": [8, 9, 10]}
 
 
+def test_documents_far_longer_than_a_block_are_read_whole(tmp_path: Path) -> None:
+    # a block's last document is read on past the block, in chunks that grow: documents of
+    # up to 20,000 ids over blocks of 2,048, and blocks where no document starts
+    rng = np.random.default_rng(5)
+    docs = [np.append(rng.integers(3, 60_000, int(n)), EOS) for n in rng.integers(1, 20_000, 24)]
+    np.save(tmp_path / "long.npy", np.concatenate(docs).astype(np.uint16))
+    want = {f"long.npy:{i}": d.tolist() for i, d in enumerate(docs)}
+    src = {"path": "long.npy", "format": "tokens", "eos_id": EOS}
+    batch = {"tokens_per_step": 32_768, "max_seq_len": 4096}
+    plan = overlord.load_plan(plan_for(tmp_path, src, batch=batch, world={"dp": 1}))
+    batches = delivered(plan, 8)
+    assert check_against(batches, want, 4096) > 40
+    assert {sid.partition("#")[0] for b in batches for sid in sample_tokens(b)} == set(want)
+
+
 def test_big_endian_and_uint32_files_read_as_written(tmp_path: Path) -> None:
     docs = documents(2, 40, vocab=3_000_000)
     np.save(tmp_path / "a.npy", np.concatenate(docs).astype(">u4"))
