@@ -383,7 +383,7 @@ def cut_items(plan: Plan, tokenizer: Tokenizer, window: Window, lo: int, hi: int
         patches=np.zeros(len(length), dtype=np.int32),
         dropped=dropped,
         empty=empty,
-        text_bytes=int(pc.sum(pc.binary_length(texts)).as_py() or 0),
+        text_bytes=_text_bytes(texts),
     )
     if chat is not None:
         items.mask, items.skipped = chat.mask, skipped
@@ -485,6 +485,17 @@ def _not_blank(texts: pa.Array) -> tuple[np.ndarray, int]:
         blank = pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts))
     kept = np.flatnonzero(~np.asarray(blank, dtype=bool))
     return kept, len(texts) - len(kept)
+
+
+def _text_bytes(texts: pa.Array) -> int:
+    """The bytes of the texts: their offsets' span (a compute kernel's call costs far more)."""
+    large = pa.types.is_large_binary(texts.type) or pa.types.is_large_string(texts.type)
+    if not len(texts):
+        return 0
+    if not large or texts.null_count:
+        return int(pc.sum(pc.binary_length(texts)).as_py() or 0)
+    offsets = _array_offsets(texts)
+    return int(offsets[-1] - offsets[0])
 
 
 def _array_offsets(a: pa.Array) -> np.ndarray:
