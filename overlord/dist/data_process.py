@@ -32,6 +32,7 @@ batch's arrays in place (copy first, as ``to_torch`` does for the int64 ids).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -47,8 +48,9 @@ from multiprocessing.connection import Client as connect
 from multiprocessing.connection import Connection
 from typing import Any
 
-from overlord.batch import Batch, Sample
-from overlord.roles.feedback import check_report
+import numpy as np
+
+from overlord.batch import Batch, Sample, Samples
 from overlord.errors import (
     ActorDiedError,
     CheckpointError,
@@ -58,6 +60,7 @@ from overlord.errors import (
     SourceError,
 )
 from overlord.plan.spec import Plan
+from overlord.roles.feedback import check_report
 from overlord.runtime.shm_ring import SlotViews
 
 ENTRY = "overlord.ops.data_process"  # the data process's module (python -m)
@@ -181,14 +184,12 @@ class DataProcess:
         return self.proc.pid
 
     def close(self) -> None:
-        """End the data process once every rank closed its stream (at most ``loading.timeout_s``)."""
+        """End the data process once every rank closed its stream (within ``loading.timeout_s``)."""
         with self._asking:
             control, self._control = self._control, None
         if control is not None:
-            try:
+            with contextlib.suppress(OSError):
                 control.send_bytes(encode({"close": True}))
-            except OSError:
-                pass
             try:  # it answers once it unlinked its slots (after any answer still on its way)
                 while control.poll(self.timeout_s + 30):
                     if "closed" in json.loads(control.recv_bytes()):
@@ -323,10 +324,8 @@ class ProcessStream(Iterator[Batch]):
                 f"rank {self.rank} expected step {self.step} of DP rank {self.dp_rank} and "
                 f"received step {batch.step} of DP rank {batch.rank} from the data process"
             )
-        try:
+        with contextlib.suppress(OSError):  # the data process is gone: the next receive says so
             conn.send_bytes(encode({"took": batch.step, "free": self._views.released()}))
-        except OSError:
-            pass  # the data process is gone: the next receive says so
         self.step += 1
         self._after, self._state = after, None
         return batch
@@ -353,7 +352,7 @@ class ProcessStream(Iterator[Batch]):
         return Batch(
             info["step"], info["rank"], arrays.get("input_ids"), arrays.get("labels"),
             arrays["position_ids"], arrays["segment_ids"], arrays["cu_seqlens"],
-            [Sample(*s) for s in info["samples"]], info["cost"],
+            _samples(info["samples"]), info["cost"],
             global_positions=arrays.get("global_positions"), cp_layout=layout,
             cp_rank=cp_rank, cp_size=cp_size, cp_groups=arrays.get("cp_groups"),
             pixel_values=arrays.get("pixel_values"), image_grid=arrays.get("image_grid"),
@@ -434,10 +433,8 @@ class ProcessStream(Iterator[Batch]):
             message: dict[str, Any] = {"free": self._views.released(), "bye": failure is None}
             if failure is not None:
                 message["failed"] = failure
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(encode(message))
-            except OSError:
-                pass
             conn.close()
         if self.owned is not None:
             self.owned.close()
@@ -447,6 +444,12 @@ class ProcessStream(Iterator[Batch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _samples(rows: list[list[Any]]) -> Samples:
+    """A batch's sample records as the data process sent them, made when first read."""
+    lengths = np.array([row[2] for row in rows], dtype=np.int64)
+    return Samples(lambda lo, hi: [Sample(*row) for row in rows[lo:hi]], lengths)
 
 
 def _close_at_exit(ref: weakref.ref[ProcessStream]) -> None:
@@ -465,7 +468,7 @@ def node_stream(
     rank: int,
     dp_rank: int,
 ) -> ProcessStream:
-    """This torchrun process's stream; the node's rank 0 starts the data process for all.
+    """The stream of this torchrun process; the node's rank 0 starts the data process for all.
 
     On first use every rank joins node mode's gloo group (as the gloo node
     mode does), rank 0 starts the data process from ``state`` (the same on

@@ -33,6 +33,7 @@ when it is gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -221,10 +222,9 @@ class DataServer:
         if send is None:
             return
         step, seconds, losses = report
-        try:
+        # a source name the trainer could not check: the planner's count
+        with contextlib.suppress(ValueError):
             send(int(step), float(seconds), losses)
-        except ValueError:  # a source name the trainer could not check: the planner's count
-            pass
 
     def _ready(self) -> bool:
         """Whether step ``self.step`` may be built: every rank reading is within ``ahead``."""
@@ -329,10 +329,8 @@ class DataServer:
             for rank in self.ranks:
                 with rank.lock:
                     if rank.conn is not None and not rank.bye:
-                        try:
+                        with contextlib.suppress(OSError):
                             rank.conn.send_bytes(ending)
-                        except OSError:
-                            pass
 
     def wait_for_reports(self, sent: dict[int, int], timeout_s: float) -> None:
         """Wait until the planner has rank ``r``'s first ``sent[r]`` reports, at most ``timeout_s``.
@@ -364,15 +362,11 @@ class DataServer:
             self.stopping.set()
         with self._cv:
             self._cv.notify_all()
-        try:
+        with contextlib.suppress(OSError):
             self.listener.close()
-        except OSError:
-            pass
         for rank in self.ranks:
             if rank.conn is not None:
-                try:
+                with contextlib.suppress(OSError):
                     rank.conn.close()
-                except OSError:
-                    pass
         with self._pool_lock:
             self.pool.close()

@@ -181,7 +181,8 @@ class NodeClient(Iterator[Batch]):
             self.loader = loader = self._make_loader(plan, state)
             # a DP rank's batch is built once, its views cut once for all its peers
             serve = loader.client if world.peers == 1 else loader.rank_client
-            self._clients = clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
+            clients = [serve(r, stop_step=self.stop_step) for r in range(world.size)]
+            self._clients = clients
             start = loader.state_dict()
             for r in sorted(live):
                 text = json.dumps(start)
