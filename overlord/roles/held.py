@@ -180,6 +180,14 @@ def _runs(picked: list[tuple[ShardItems, int]]) -> list[tuple[ShardItems, int, i
     return runs
 
 
+def _sorted_once(index: np.ndarray) -> np.ndarray:
+    """``np.unique(index)`` by a sort and a comparison (its own calls cost more, here)."""
+    index = np.sort(index)
+    if len(index) > 1:
+        index = index[np.concatenate(([True], index[1:] != index[:-1]))]
+    return index
+
+
 def _copy_ranges(
     out: np.ndarray, at: np.ndarray, src: np.ndarray, start: np.ndarray, length: np.ndarray
 ) -> None:
@@ -452,7 +460,7 @@ class HeldItems:
                 index = index[~ahead]  # dropped when they are read
             pieces = self.shards.get(at) or []
             emptied = bool(pieces and len(index)) and self._release_by_piece(
-                at, pieces, np.unique(index)
+                at, pieces, _sorted_once(index)
             )
         if emptied:
             self.shards[at] = [p for p in pieces if p.left]
