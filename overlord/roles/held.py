@@ -240,25 +240,22 @@ def payload_of(taken: Located | list[tuple[ShardItems, int, int]]) -> dict[str, 
     which, k = taken.which, taken.k
     lengths = np.empty(len(k), dtype=np.int32)
     starts = np.empty(len(k), dtype=np.int64)
-    parts = []
     hit = np.flatnonzero(np.bincount(which)).tolist()  # the pieces the items lie in
-    for q in hit:
-        mine = None if len(hit) == 1 else (which == q).nonzero()[0]  # None: every item
-        items = taken.pieces[q].items
-        kk = k if mine is None else k[mine]
-        if mine is None:
-            lengths[:], starts[:] = items.length[kk], items.start[kk]
-        else:
-            lengths[mine], starts[mine] = items.length[kk], items.start[kk]
-        parts.append((mine, items))
+    # each piece's items: all of them where they lie in one piece
+    parts = [
+        (slice(None) if len(hit) == 1 else (which == q).nonzero()[0], taken.pieces[q].items)
+        for q in hit
+    ]
+    for mine, items in parts:
+        lengths[mine], starts[mine] = items.length[k[mine]], items.start[k[mine]]
     at = np.zeros(len(k), dtype=np.int64)
     lengths[:-1].cumsum(out=at[1:])
     tokens = np.empty(int(at[-1]) + int(lengths[-1]) if len(k) else 0, dtype=np.int32)
     for mine, items in parts:
-        s, n = (starts, lengths) if mine is None else (starts[mine], lengths[mine])
+        s, n = starts[mine], lengths[mine]
         if len(s) and int(np.maximum.reduce(s + n)) > len(items.tokens):  # compiled: unchecked
             raise ValueError("a held item lies past its piece's tokens")
-        copy(tokens, at if mine is None else at[mine], items.tokens, s, n)
+        copy(tokens, at[mine], items.tokens, s, n)
     return {"tokens": tokens, "lengths": lengths}
 
 

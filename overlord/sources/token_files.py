@@ -111,19 +111,18 @@ class _Ranges:
 def _records(
     number: int,
     rows: np.ndarray,
-    data: np.ndarray | tuple[np.ndarray, ...],
+    parts: tuple[np.ndarray, ...],
     starts: np.ndarray,
     ends: np.ndarray,
 ) -> RecordBlock:
-    """A block whose record ``i`` is ids ``data[starts[i]:ends[i]]``, stored as int32 ids.
+    """A block whose record ``i`` is ids ``[starts[i], ends[i])`` of ``parts`` end to end.
 
-    ``data``: the ids in the file's dtype, or their parts in order (a block's ids and the
-    rest of its last document), widened to int32 in one copy. The ranges are in order
+    ``parts``: the ids in the file's dtype, in order (a block's ids, then the chunks of
+    its last document's rest), widened to int32 in one copy. The ranges are in order
     and do not overlap; ids outside every range (an eos alone, a gap in a Megatron
     ``.bin``) are left out. Every block holds int32 ids whatever the file's dtype, so
     that a window's records read the same way whichever file they came from.
     """
-    parts = data if isinstance(data, tuple) else (data,)
     for part in parts:  # ids int32 cannot hold
         wide = part.dtype.itemsize > 4 or part.dtype == np.uint32
         if wide and len(part) and part.max() > 2**31 - 1:
@@ -243,10 +242,15 @@ class FlatTokenFile(ShardReader):
         return np.cumsum(counts)
 
     def through_eos(self, start: int) -> np.ndarray:
-        """The ids from ``start`` through the first eos at or after it (or to the file's end).
+        """The ids from ``start`` through the first eos at or after it (or to the file's end)."""
+        chunks = self._rest(start)
+        return np.concatenate(chunks) if chunks else np.zeros(0, self.dtype)
 
-        The rest of a document, read a chunk at a time, each twice the last: most rests
-        are short, and a block's last document is read on past the block.
+    def _rest(self, start: int) -> list[np.ndarray]:
+        """:meth:`through_eos` as the chunks read, each twice the last: most rests are short.
+
+        A block's last document is read on past the block, and its chunks widened with
+        the block's ids in one copy.
         """
         chunks, at = [], start
         step, most = _FIRST_REST, max(self.per_block, 1 << 16)
@@ -259,7 +263,7 @@ class FlatTokenFile(ShardReader):
             chunks.append(chunk)
             at += step
             step = min(2 * step, most)
-        return np.concatenate(chunks) if chunks else np.zeros(0, self.dtype)
+        return chunks
 
     def end_of(self, start: int) -> int:
         """One past the eos that ends the document starting at ``start`` (or the file's end)."""
@@ -287,7 +291,7 @@ class FlatTokenFile(ShardReader):
         data = head[int(starts[0]) - before :]  # every document starts in it
         parts: tuple[np.ndarray, ...] = (data,)
         if not (len(head) and head[-1] == self.eos and hi - 1 >= starts[-1]):
-            parts = (data, self.through_eos(hi))  # and the last document's rest
+            parts = (data, *self._rest(hi))  # and the last document's rest
         ends = np.append(starts[1:], int(starts[0]) + sum(len(p) for p in parts))
         rel_start, rel_end = starts - starts[0], ends - starts[0]
         alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)
@@ -379,7 +383,7 @@ class MegatronFile(ShardReader):
         starts = (self.doc_start[d0:d1] - first) // size
         ends = (self.doc_end[d0:d1] - first) // size
         try:
-            return _records(k, rows, data, starts, ends)
+            return _records(k, rows, (data,), starts, ends)
         except _TooLarge as e:
             raise self._error(str(e)) from None
 
