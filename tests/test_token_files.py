@@ -389,3 +389,55 @@ def test_an_id_int32_cannot_hold_is_named(tmp_path: Path) -> None:
     src = {"path": "wide.npy", "format": "tokens", "eos_id": EOS}
     plan = overlord.load_plan(plan_for(tmp_path, src))
     assert "an id above 2147483647" in (msg := failure(plan)) and "wide.npy" in msg
+
+
+# ---- a window gathered from its blocks' ids ---------------------------------------------
+
+
+def windows_of(plan: Any, pos: int) -> list[Any]:
+    from overlord.sources.files import resolve_files
+    from overlord.sources.shard import shard_windows
+
+    spec = plan.sources[0]
+    return list(shard_windows(plan, spec, resolve_files(spec, plan.base_dir), 0, pos))
+
+
+def window_view(w: Any) -> tuple[Any, ...]:
+    texts = [p.texts.to_pylist() for p in w.pieces]
+    return (w.rows.tolist(), w.offsets.tolist(), w.cut, texts, w.records, w.empty, w.number)
+
+
+@pytest.mark.parametrize("kind", ["npy-uint16", "raw-uint32", "npy-int32", "megatron"])
+def test_a_gathered_window_is_the_window_the_text_way_makes(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(9)
+    # short documents, eos alone (empty), and documents over several blocks
+    lengths = rng.choice([1, 2, 40, 300, 9_000], size=160, p=[0.1, 0.1, 0.4, 0.35, 0.05])
+    docs = [np.append(rng.integers(3, 60_000, int(n) - 1), EOS) for n in lengths]
+    if kind == "megatron":
+        seqs = [[d[: len(d) // 2], d[len(d) // 2 :]] for d in docs] + [[]]  # and one of none
+        megatron_by_description(tmp_path / "m", seqs, np.uint16)
+        src: dict[str, Any] = {"path": "m.idx", "format": "megatron"}
+    else:
+        suffix, dtype = kind.split("-")
+        ids = np.concatenate(docs).astype(dtype)
+        if suffix == "npy":
+            np.save(tmp_path / "t.npy", ids)
+        else:
+            ids.tofile(tmp_path / "t.bin")
+        src = {"path": f"t.{suffix if suffix == 'npy' else 'bin'}", "format": "tokens"}
+        src |= {"eos_id": EOS, **({"dtype": dtype} if suffix == "raw" else {})}
+    plan = overlord.load_plan(
+        plan_for(tmp_path, src, shuffle={"block_bytes": 2048, "window_blocks": 3})
+    )
+    gathered = windows_of(plan, 0)
+    monkeypatch.setattr("overlord.sources.shard.gathers", lambda dtype: False)
+    text_way = windows_of(plan, 0)
+    assert len(gathered) == len(text_way) > 3
+    # empty: a flat file's eos alone, the megatron document of no sequence
+    assert sum(w.empty for w in gathered) == (1 if kind == "megatron" else (lengths == 1).sum())
+    assert any(len(w.cut) > 1 for w in gathered)
+    for got, want in zip(gathered, text_way):
+        assert window_view(got) == window_view(want)

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 
 def compiled_once(
     loop: Callable[..., Any], helpers: tuple[str, ...] = ()
@@ -50,3 +52,20 @@ def _compile(loop: Callable[..., Any], helpers: tuple[str, ...]) -> Callable[...
         module[name] = jit(module[name])
     compiled: Callable[..., Any] = jit(loop)
     return compiled
+
+
+def copy_ranges(
+    out: np.ndarray, at: np.ndarray, src: np.ndarray, start: np.ndarray, length: np.ndarray
+) -> None:
+    """Copy ``src[start[i] : start[i] + length[i]]`` to ``out[at[i]:]``, for every ``i``.
+
+    Each value is cast to ``out``'s dtype as it is placed (file ids of any integer
+    dtype into int32, say). Compiled: nothing checks the ranges.
+    """
+    for i in range(len(at)):
+        a, s, n = at[i], start[i], length[i]
+        out[a : a + n] = src[s : s + n]
+
+
+# copy_ranges compiled (None where numba does not import)
+copy_kernel = compiled_once(copy_ranges)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from overlord.plan.compiled import compiled_once
+from overlord.plan.compiled import copy_kernel
 from overlord.sources.shard import ShardItems
 
 Position = tuple[int, int]  # (epoch, shard_pos): the order of a source's shards
@@ -188,18 +188,6 @@ def _sorted_once(index: np.ndarray) -> np.ndarray:
     return index
 
 
-def _copy_ranges(
-    out: np.ndarray, at: np.ndarray, src: np.ndarray, start: np.ndarray, length: np.ndarray
-) -> None:
-    """Copy ``src[start[i] : start[i] + length[i]]`` to ``out[at[i]:]``, for every ``i``."""
-    for i in range(len(at)):
-        a, s, n = at[i], start[i], length[i]
-        out[a : a + n] = src[s : s + n]
-
-
-_copy_kernel = compiled_once(_copy_ranges)
-
-
 @dataclass
 class Located:
     """Items of one shard found by arrays: item ``k[i]`` of ``pieces[which[i]]``, in order.
@@ -233,7 +221,7 @@ def payload_of(taken: Located | list[tuple[ShardItems, int, int]]) -> dict[str, 
     """
     if not isinstance(taken, Located):
         return payload_of_runs(taken)
-    copy = _copy_kernel()
+    copy = copy_kernel()
     first = taken.pieces[0].items if taken.pieces else None
     if copy is None or first is None or first.mask is not None or first.pixels is not None:
         return payload_of_runs(taken.runs())

@@ -9,6 +9,7 @@ any block (:meth:`ShardReader.block`); a compressed file only in order
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -238,17 +239,24 @@ def open_shard(
 
 def read_blocks(reader: ShardReader, ks: list[int] | None = None) -> Iterator[RecordBlock]:
     """Blocks ``ks`` of an open shard (every block in file order if None), errors named."""
-    source, name = reader.source, reader.shard.name
-    try:
+    with read_errors(reader):
         if ks is None:
             yield from reader.blocks()
         else:
             for k in ks:
                 yield reader.block(k)
+
+
+@contextlib.contextmanager
+def read_errors(reader: ShardReader) -> Iterator[None]:
+    """A failed read of ``reader``'s file raised as a :class:`SourceError` that names it."""
+    try:
+        yield
     except SourceError:
         raise
     except (OSError, pa.ArrowException) as e:
-        raise SourceError(source, name, None, f"cannot read file ({e})") from None
+        where = (reader.source, reader.shard.name, None)
+        raise SourceError(*where, f"cannot read file ({e})") from None
 
 
 def read_shard(

@@ -47,11 +47,12 @@ from overlord.plan.spec import Format, LongDocs, OnError, Plan, SourceSpec, Toke
 from overlord.sources.catalog import File
 from overlord.sources.chat import chat_field, encode_chat, plan_template
 from overlord.sources.files import Shard
-from overlord.sources.formats import RecordBlock, open_shard, read_blocks
+from overlord.sources.formats import RecordBlock, open_shard, read_blocks, read_errors
 from overlord.sources.images import fuse_images, image_payload, image_token_id
-from overlord.sources.records import JsonField
+from overlord.sources.records import JsonField, ShardReader
 from overlord.sources.remote import Retries
-from overlord.sources.token_files import open_token_shard
+from overlord.sources.token_files import TokenReader, open_token_shard
+from overlord.sources.token_window import gathers, token_window
 from overlord.sources.tokenizers import LONG_TEXT, Tokenizer, encode_capped
 from overlord.sources.transforms import load_transform
 from overlord.sources.webdataset import is_image_source, open_image_shard
@@ -194,6 +195,7 @@ def shard_windows(
     W = plan.shuffle.window_blocks
     where = Shard(shard.url, shard.name, spec.storage_options, cache.retries)
     B = plan.shuffle.block_bytes
+    reader: ShardReader
     if spec.format.pretokenized:
         reader = open_token_shard(spec, where, B, cache.indexes)
     elif is_image_source(spec.format, spec.image_field):
@@ -214,6 +216,10 @@ def shard_windows(
             _text_prefix(plan, spec),
         )
     try:
+        if isinstance(reader, TokenReader) and spec.transform is None and gathers(reader.dtype):
+            # a token file's windows are gathered from its blocks' ids (the same windows)
+            yield from _token_windows(plan, spec, reader, epoch, shard_pos, file_index)
+            return
         if reader.n_blocks is not None:
             order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()
             groups: Iterator[list[RecordBlock]] = (
@@ -225,6 +231,28 @@ def shard_windows(
             yield _window(plan, spec, shard.name, epoch, shard_pos, file_index, number, blocks)
     finally:
         reader.close()
+
+
+def _token_windows(
+    plan: Plan,
+    spec: SourceSpec,
+    reader: TokenReader,
+    epoch: int,
+    shard_pos: int,
+    file_index: int,
+) -> Iterator[Window]:
+    """The windows of a token file, each gathered from its blocks' ids (:func:`token_window`)."""
+    W = plan.shuffle.window_blocks
+    order = block_order(plan.seed, spec.name, epoch, file_index, reader.n_blocks).tolist()
+    for number, i in enumerate(range(0, len(order), W)):
+        with read_errors(reader):
+            blocks = [reader.block_ids(k) for k in order[i : i + W]]
+
+        def permute(n: int, number: int = number) -> np.ndarray:
+            return window_order(plan.seed, spec.name, epoch, file_index, number, n)
+
+        place = (epoch, shard_pos, file_index, number, spec.name, reader.shard.name)
+        yield token_window(blocks, permute, *place)
 
 
 def _text_prefix(plan: Plan, spec: SourceSpec) -> int | None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -108,25 +108,49 @@ class _Ranges:
             self._file = None
 
 
-def _records(
-    number: int,
-    rows: np.ndarray,
-    parts: tuple[np.ndarray, ...],
-    starts: np.ndarray,
-    ends: np.ndarray,
-) -> RecordBlock:
-    """A block whose record ``i`` is ids ``[starts[i], ends[i])`` of ``parts`` end to end.
+class BlockIds(NamedTuple):
+    """A block's documents as read: ranges of its ids in the file's dtype, not copied yet.
 
-    ``parts``: the ids in the file's dtype, in order (a block's ids, then the chunks of
-    its last document's rest), widened to int32 in one copy. The ranges are in order
-    and do not overlap; ids outside every range (an eos alone, a gap in a Megatron
-    ``.bin``) are left out. Every block holds int32 ids whatever the file's dtype, so
-    that a window's records read the same way whichever file they came from.
+    Document ``i`` is ids ``[starts[i], ends[i])`` of ``data`` and ``rest`` end to end
+    (``rest``: the ids of the block's last document past the block, if it runs on). The
+    ranges are in order and do not overlap; ids outside every range (an eos alone, a gap in
+    a Megatron ``.bin``) belong to no document. :func:`_records` makes the block's Arrow
+    records of them; :mod:`overlord.sources.token_window` gathers a window's pieces from
+    them directly.
     """
-    for part in parts:  # ids int32 cannot hold
+
+    number: int  # the block's place in the file
+    rows: np.ndarray  # int64: each document's row
+    data: np.ndarray  # the block's ids, from its first document's start
+    rest: np.ndarray  # the last document's ids past ``data`` (often none)
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+
+
+def _no_ids(number: int, dtype: np.dtype[Any]) -> BlockIds:
+    none = np.zeros(0, np.int64)
+    return BlockIds(number, none, np.zeros(0, dtype), np.zeros(0, dtype), none, none)
+
+
+def _fits_int32(number: int, parts: tuple[np.ndarray, ...]) -> None:
+    """Raise :class:`_TooLarge` for an id that int32 cannot hold (in a uint32 or int64 file)."""
+    for part in parts:
         wide = part.dtype.itemsize > 4 or part.dtype == np.uint32
         if wide and len(part) and part.max() > 2**31 - 1:
             raise _TooLarge(f"an id above {2**31 - 1} in block {number}: ids are int32")
+
+
+def _records(block: BlockIds) -> RecordBlock:
+    """The block's documents as records: each one's ids as int32 bytes (one Arrow value).
+
+    Its ids are widened to int32 in one copy. Every block holds int32 ids whatever the
+    file's dtype, so that a window's records read the same way whichever file they came
+    from.
+    """
+    number, rows, starts, ends = block.number, block.rows, block.starts, block.ends
+    parts = (block.data, block.rest) if len(block.rest) else (block.data,)
+    if not len(rows):
+        return RecordBlock(number, rows, pa.array([], pa.large_binary()))
     lengths = ends - starts
     offsets = np.zeros(len(starts) + 1, np.int64)
     np.cumsum(lengths * 4, out=offsets[1:])
@@ -149,12 +173,18 @@ def _records(
     return RecordBlock(number, rows.astype(np.int64), texts)
 
 
+def _joined(chunks: list[np.ndarray], dtype: np.dtype[Any]) -> np.ndarray:
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype)
+
+
 class _TooLarge(ValueError):
     """An id that a uint32 or int64 file holds and int32 cannot."""
 
 
 class FlatTokenFile(ShardReader):
     """A flat array of ids, read by blocks; documents end at ``eos_id``."""
+
+    n_blocks: int  # known from the file's size
 
     def __init__(
         self,
@@ -243,8 +273,7 @@ class FlatTokenFile(ShardReader):
 
     def through_eos(self, start: int) -> np.ndarray:
         """The ids from ``start`` through the first eos at or after it (or to the file's end)."""
-        chunks = self._rest(start)
-        return np.concatenate(chunks) if chunks else np.zeros(0, self.dtype)
+        return _joined(self._rest(start), self.dtype)
 
     def _rest(self, start: int) -> list[np.ndarray]:
         """:meth:`through_eos` as the chunks read, each twice the last: most rests are short.
@@ -270,7 +299,11 @@ class FlatTokenFile(ShardReader):
         return start + len(self.through_eos(start))
 
     def block(self, k: int) -> RecordBlock:
-        """The documents that start in block ``k``, with their rows (places in the file).
+        """The documents that start in block ``k``, with their rows (places in the file)."""
+        return _records(self.block_ids(k))
+
+    def block_ids(self, k: int) -> BlockIds:
+        """Block ``k``'s documents as ranges of its ids (see :meth:`block`).
 
         The block's ids are read once: a document starts after each eos, so the only eos
         past the block's last start is its last id, else the last document runs on past the
@@ -286,20 +319,22 @@ class FlatTokenFile(ShardReader):
         if lo == 0:
             starts = np.concatenate(([0], starts))
         if not len(starts):
-            return RecordBlock(k, np.zeros(0, np.int64), pa.array([], pa.large_binary()))
+            return _no_ids(k, self.dtype)
         rows = self.eos_before[k] + np.searchsorted(eos[eos >= lo], starts - 1, side="right")
         data = head[int(starts[0]) - before :]  # every document starts in it
-        parts: tuple[np.ndarray, ...] = (data,)
+        rest = np.zeros(0, self.dtype)
         if not (len(head) and head[-1] == self.eos and hi - 1 >= starts[-1]):
-            parts = (data, *self._rest(hi))  # and the last document's rest
-        ends = np.append(starts[1:], int(starts[0]) + sum(len(p) for p in parts))
+            chunks = self._rest(hi)  # and the last document's rest
+            rest = chunks[0] if len(chunks) == 1 else _joined(chunks, self.dtype)
+        ends = np.append(starts[1:], int(starts[0]) + len(data) + len(rest))
         rel_start, rel_end = starts - starts[0], ends - starts[0]
         alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)
         rel_end = np.where(alone, rel_start, rel_end)  # an eos alone: an empty document
         try:
-            return _records(k, rows, parts, rel_start, rel_end)
+            _fits_int32(k, (data, rest))
         except _TooLarge as e:
             raise self._error(str(e)) from None
+        return BlockIds(k, rows, data, rest, rel_start, rel_end)
 
     def close(self) -> None:
         """Close the file of ids."""
@@ -308,6 +343,8 @@ class FlatTokenFile(ShardReader):
 
 class MegatronFile(ShardReader):
     """An ``.idx`` + ``.bin`` pair of Megatron-LM's indexed dataset, read by blocks of ``.bin``."""
+
+    n_blocks: int  # known from the index
 
     def __init__(self, source: str, shard: Shard, block_bytes: int):
         self.source, self.shard, self.name = source, shard, shard.name
@@ -372,29 +409,37 @@ class MegatronFile(ShardReader):
 
     def block(self, k: int) -> RecordBlock:
         """The documents whose first byte lies in block ``k`` of ``.bin``, in file order."""
+        return _records(self.block_ids(k))
+
+    def block_ids(self, k: int) -> BlockIds:
+        """Block ``k``'s documents as ranges of its ids (see :meth:`block`)."""
         lo, hi = k * self.block_bytes, (k + 1) * self.block_bytes
         d0, d1 = np.searchsorted(self.doc_start, [lo, hi], side="left")
-        rows = np.arange(d0, d1, dtype=np.int64)
         if d0 == d1:
-            return RecordBlock(k, rows, pa.array([], pa.large_binary()))
+            return _no_ids(k, self.dtype)
+        rows = np.arange(d0, d1, dtype=np.int64)
         first, end = int(self.doc_start[d0]), int(self.doc_end[d0:d1].max())
         size = self.dtype.itemsize
         data = np.frombuffer(self.file.read(first, end), self.dtype, (end - first) // size)
         starts = (self.doc_start[d0:d1] - first) // size
         ends = (self.doc_end[d0:d1] - first) // size
         try:
-            return _records(k, rows, (data,), starts, ends)
+            _fits_int32(k, (data,))
         except _TooLarge as e:
             raise self._error(str(e)) from None
+        return BlockIds(k, rows, data, np.zeros(0, self.dtype), starts, ends)
 
     def close(self) -> None:
         """Close the file of ids."""
         self.file.close()
 
 
+TokenReader = FlatTokenFile | MegatronFile  # a pre-tokenized shard's reader
+
+
 def open_token_shard(
     spec: SourceSpec, shard: Shard, block_bytes: int, cache: dict[Any, Any]
-) -> ShardReader:
+) -> TokenReader:
     """The reader of one pre-tokenized shard (``spec.format`` tokens or megatron)."""
     if spec.format is Format.MEGATRON:
         return MegatronFile(spec.name, shard, block_bytes)
