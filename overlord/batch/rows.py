@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -101,7 +102,19 @@ def _outputs(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     the block. The block is one that nothing holds any more where there is one
     (:class:`_Blocks`): both packs write every element of it.
     """
-    return dict(zip(_OUTPUTS, _BLOCKS.get((len(_OUTPUTS), rows, seq_len))))
+    shape = (len(_OUTPUTS), rows, seq_len)
+    return dict(zip(_OUTPUTS, _BLOCKS.get(shape) if _SOURCE is None else _SOURCE(shape)))
+
+
+def use_blocks(source: Callable[[tuple[int, ...]], np.ndarray] | None) -> None:
+    """Where this process's packs take their output blocks: ``source(shape)``, an int32 block.
+
+    None: kept blocks of the heap (:class:`_Blocks`), the default. A data process packs
+    straight into the shared memory that its trainers map
+    (:meth:`overlord.runtime.shm_ring.SlotPool.pack_block`).
+    """
+    global _SOURCE
+    _SOURCE = source
 
 
 class _Blocks:
@@ -110,8 +123,8 @@ class _Blocks:
     A batch's arrays are views of its block, and every view (a torch tensor made from
     one, a slice, a memoryview) holds the block: a block whose only holder is this list
     is free, whatever the batch went through. So a process that builds batch after
-    batch (a data process writing each to shared memory, a trainer that drops each)
-    writes into the same few blocks instead of mapping fresh memory every step: in a
+    batch (a trainer that drops each) writes into the same few blocks instead of
+    mapping fresh memory every step: in a
     process whose allocator hands blocks of 128 KiB and more back to the system when
     freed (:func:`overlord.runtime.hosting.lean_allocators`), a fresh block costs a page
     fault per page. At most ``keep`` blocks of a shape are kept; more are made and
@@ -138,6 +151,7 @@ class _Blocks:
 
 
 _BLOCKS = _Blocks()
+_SOURCE: Callable[[tuple[int, ...]], np.ndarray] | None = None  # see use_blocks
 
 
 def _pack_numpy(

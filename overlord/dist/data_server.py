@@ -3,13 +3,16 @@
 The node's data process (started by :mod:`overlord.dist.data_process`, its
 entry point :mod:`overlord.ops.data_process`) runs the plan's roles (an
 embedded Loader) and one :class:`DataServer`. The server takes every rank's
-batch of a step from that Loader, in step order and rank order, writes each
-distinct batch once into a slot of its :class:`~overlord.runtime.shm_ring.SlotPool`
-(tensor-parallel peers receive the same batch object, so they share one
-slot: batch memory per node does not grow with TP), and sends each rank a
-short message naming its slot, the arrays' layout, the batch's samples and
-the state as of the step after it. A rank's trainer maps the slot and takes
-the batch as views (:class:`~overlord.dist.data_process.ProcessStream`).
+batch of a step from that Loader, in step order and rank order. The Loader's
+packs write each batch's rows straight into a slot of the server's
+:class:`~overlord.runtime.shm_ring.SlotPool` (``SlotPool.pack_block``), so a
+batch lies in its slot without a copy (a batch made otherwise, a CP rank's
+slices say, is written into one). Tensor-parallel peers receive the same batch
+object, so they share one slot: batch memory per node does not grow with TP.
+The server sends each rank a short message naming its slot, the arrays'
+layout, the batch's samples and the state as of the step after it. A rank's
+trainer maps the slot and takes the batch as views
+(:class:`~overlord.dist.data_process.ProcessStream`).
 
 Transport: ``multiprocessing.connection`` over a Unix socket that only
 holders of the job's random key may use (the standard library's
@@ -42,7 +45,10 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
+import numpy as np
+
 from overlord.batch import Batch
+from overlord.batch.rows import use_blocks
 from overlord.errors import SourceError
 from overlord.runtime.shm_ring import SlotPool, needed
 
@@ -133,10 +139,15 @@ class DataServer:
         self.pool = SlotPool("batches")
         self._cv = threading.Condition()
         self._pool_lock = threading.Lock()
+        use_blocks(self._pack_block)  # this process's packs write into slots
         self._finishing = threading.Lock()  # held while an ending is sent to every rank
         self.ending: bytes | None = None  # the end or error every rank receives
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _pack_block(self, shape: tuple[int, ...]) -> np.ndarray:
+        with self._pool_lock:
+            return self.pool.pack_block(shape)
 
     # ---- threads -------------------------------------------------------------------------
 
@@ -266,20 +277,22 @@ class DataServer:
         """Each distinct batch of the step into one slot; each rank its message."""
         written: dict[int, tuple[int, bytes]] = {}  # id(batch) -> slot index, message
         holders: dict[int, int] = {}
+        tails: dict[int, int] = {}  # where the batches' other arrays go in slots packed into
         for batch in batches:
             if id(batch) in written:
                 holders[written[id(batch)][0]] += 1
                 continue
             arrays = batch_arrays(batch)
-            with self._pool_lock:
-                slot = self.pool.acquire(needed(arrays))
-            layout = slot.write(arrays)
+            with self._pool_lock:  # packed into a slot (the pack's block): sent as it lies
+                placed = self.pool.place(arrays, tails)
+                slot = placed[0] if placed is not None else self.pool.acquire(needed(arrays))
+            layout = placed[1] if placed is not None else slot.write(arrays)
             meta = batch_meta(batch) | {
                 "k": "b", "slot": slot.index, "shm": slot.name, "size": slot.size,
                 "layout": layout,
             }  # fmt: skip
             written[id(batch)] = (slot.index, encode(meta) + b"\n" + after)
-            holders[slot.index] = 1
+            holders[slot.index] = holders.get(slot.index, 0) + 1
         with self._pool_lock:
             for index, count in holders.items():
                 self.pool.hold(self.pool.slots[index], count)
@@ -368,5 +381,6 @@ class DataServer:
             if rank.conn is not None:
                 with contextlib.suppress(OSError):
                     rank.conn.close()
+        use_blocks(None)
         with self._pool_lock:
             self.pool.close()

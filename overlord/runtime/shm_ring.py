@@ -68,11 +68,10 @@ class Slot:
         assert buf is not None
         self._bytes: np.ndarray | None = np.frombuffer(buf, dtype=np.uint8)
 
-    def write(self, arrays: dict[str, np.ndarray]) -> Layout:
-        """Copy ``arrays`` into the slot; their layout, for :meth:`SlotViews.arrays`."""
+    def write(self, arrays: dict[str, np.ndarray], offset: int = 0) -> Layout:
+        """Copy ``arrays`` into the slot from byte ``offset``; their layout (:class:`SlotViews`)."""
         assert self._bytes is not None, "a closed slot"
         layout: Layout = []
-        offset = 0
         for name, a in arrays.items():
             a = np.ascontiguousarray(a)
             end = offset + a.nbytes
@@ -82,11 +81,24 @@ class Slot:
             offset += -(-a.nbytes // ALIGN) * ALIGN
         return layout
 
+    def buffer(self) -> memoryview:
+        """The segment's memory."""
+        buf = self._shm.buf
+        assert buf is not None, "a closed slot"
+        return buf
+
     def close(self) -> None:
-        """Unmap and unlink the segment (mapped views elsewhere stay valid until unmapped)."""
+        """Unlink the segment, and unmap it once no view of it is left here.
+
+        Views elsewhere stay valid until they are unmapped; views here (a batch packed
+        into the slot, still referenced) keep the mapping until they go.
+        """
         self._bytes = None
-        with contextlib.suppress(BufferError):  # a view of ours alive: it goes with the process
+        try:
             self._shm.close()
+        except BufferError:  # views of it live on: they hold the mapping, which goes with them
+            # (the standard library's finalizer would try again, and fail, under them)
+            self._shm._buf = self._shm._mmap = None  # type: ignore[attr-defined]
         with contextlib.suppress(FileNotFoundError):
             self._shm.unlink()
 
@@ -104,6 +116,12 @@ class SlotPool:
         self.slots: list[Slot] = []
         self._free: list[int] = []
         self._holders: dict[int, int] = {}  # slot index -> trainers that still hold it
+        # slots packed into (:meth:`pack_block`): slot index -> its int32 buffer, and the
+        # bytes of its last block; the id of each buffer -> its slot
+        self._packed: dict[int, np.ndarray] = {}
+        self._block_bytes: dict[int, int] = {}
+        self._address: dict[int, int] = {}  # where each one's buffer starts
+        self._of_buffer: dict[int, int] = {}
         self.closed = False
 
     def acquire(self, nbytes: int) -> Slot:
@@ -115,6 +133,69 @@ class SlotPool:
             i = min(fits, key=lambda i: self.slots[i].size)
             self._free.remove(i)
             return self.slots[i]
+        return self._new_slot(nbytes)
+
+    def pack_block(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An int32 block of ``shape`` in a slot, for a pack to write a batch straight into.
+
+        The batch's arrays are then views of the slot: :meth:`place` finds them there,
+        and the batch reaches trainers without a copy. A slot packed into is used again
+        once no trainer holds it and nothing in this process references its buffer (its
+        reference count, as :class:`overlord.batch.rows._Blocks` counts); the room after
+        the block takes the batch's other arrays. A closed pool gives a block of the heap.
+        """
+        size = 4 * math.prod(shape)
+        if self.closed:
+            return np.empty(shape, dtype=np.int32)
+        best = None
+        for index in self._packed:
+            room = self.slots[index].size
+            # referenced by the dict and getrefcount's argument only: no view of it is left
+            free = index not in self._holders and sys.getrefcount(self._packed[index]) == 2
+            if free and room >= size + _tail(size) and (best is None or room < best[1]):
+                best = (index, room)
+        if best is None:
+            slot = self._new_slot(size + _tail(size))
+            # its base is the segment's buffer, not an array: every view of it has it as base
+            flat = np.frombuffer(slot.buffer(), dtype=np.int32)
+            self._packed[slot.index] = flat
+            self._address[slot.index] = flat.ctypes.data
+            self._of_buffer[id(flat)] = slot.index
+            index = slot.index
+        else:
+            index = best[0]
+        self._block_bytes[index] = size
+        return self._packed[index][: size // 4].reshape(shape)
+
+    def place(
+        self, arrays: dict[str, np.ndarray], tails: dict[int, int]
+    ) -> tuple[Slot, Layout] | None:
+        """The slot a pack wrote ``arrays`` into (:meth:`pack_block`), and their layout there.
+
+        The arrays that lie in it (C-contiguous views of its block) are not copied; the
+        others are written after its block, from ``tails[index]`` (where the step's
+        batches of that slot have written so far: several ranks' batches can be views of
+        one block). None: they lie in no such slot, or the rest does not fit after it.
+        """
+        first = next(iter(arrays.values()), None)
+        index = None if first is None else self._of_buffer.get(id(first.base))
+        if index is None or index not in self._packed:
+            return None
+        slot, flat, at = self.slots[index], self._packed[index], self._address[index]
+        layout: Layout = []
+        rest = {}
+        for name, a in arrays.items():
+            if a.base is flat and a.flags.c_contiguous:
+                layout.append([name, a.dtype.str, list(a.shape), a.ctypes.data - at])
+            else:
+                rest[name] = a
+        start = tails.get(index, -(-self._block_bytes[index] // ALIGN) * ALIGN)
+        if start + needed(rest) > slot.size:
+            return None
+        tails[index] = start + needed(rest)
+        return slot, layout + slot.write(rest, start)
+
+    def _new_slot(self, nbytes: int) -> Slot:
         size = max(GRAIN, -(-nbytes // GRAIN) * GRAIN)
         slot = Slot(len(self.slots), f"{self.prefix}-{len(self.slots)}", size)
         self.slots.append(slot)
@@ -133,7 +214,8 @@ class SlotPool:
             self._holders[index] = left
             return
         self._holders.pop(index, None)
-        if 0 <= index < len(self.slots) and index not in self._free:
+        # a slot packed into is not free for a copy: its block may still be referenced here
+        if 0 <= index < len(self.slots) and index not in self._free and index not in self._packed:
             self._free.append(index)
 
     @property
@@ -144,9 +226,16 @@ class SlotPool:
     def close(self) -> None:
         """Unlink every slot; no slot is made after this."""
         self.closed = True
+        self._packed.clear()
+        self._of_buffer.clear()
         for slot in self.slots:
             slot.close()
         self.slots, self._free = [], []
+
+
+def _tail(block_bytes: int) -> int:
+    """Room a slot packed into keeps after its block, for the batch's other arrays."""
+    return max(64 << 10, block_bytes // 8)
 
 
 class SlotViews:
