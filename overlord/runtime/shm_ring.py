@@ -8,6 +8,11 @@ enough, so the pool settles at the few slots in flight (the steps built
 ahead, the one each trainer holds) and memory stays bounded by what is ahead
 plus what trainers keep.
 
+A batch is packed straight into a slot where it can be: the data process's packs
+take their output block from the pool (:meth:`SlotPool.pack_block`), and
+:meth:`SlotPool.place` lays the batch out where it lies, its other arrays
+written after the block; a batch made otherwise is copied into a free slot.
+
 A trainer holds a :class:`SlotViews`: it maps a slot by name once (the
 segment stays mapped while a batch of it lives) and hands out numpy views on
 it, without a copy. Each delivery gets an *owner* array that every view of
