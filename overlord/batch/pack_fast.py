@@ -65,5 +65,29 @@ def _rows(
     return -1
 
 
-# the compiled loop (None where numba does not import), compiled at the first call
+def _bounds(
+    lengths: np.ndarray, row_of: np.ndarray, used: np.ndarray, seq_len: int, cu: np.ndarray
+) -> int:
+    """Write ``cu_seqlens`` into ``cu``: each row's documents, then its padding if any.
+
+    ``row_of`` must not decrease (as :func:`_rows` packs). Returns how many bounds were
+    written, or -1 where ``row_of`` decreases (nothing then holds).
+    """
+    cu[0] = 0
+    k, at, d = 1, 0, 0
+    for r in range(len(used)):
+        while d < len(lengths) and row_of[d] == r:
+            at += lengths[d]
+            cu[k] = at
+            k += 1
+            d += 1
+        if used[r] < seq_len:
+            at += seq_len - used[r]
+            cu[k] = at
+            k += 1
+    return k if d == len(lengths) else -1
+
+
+# the compiled loops (None where numba does not import), compiled at the first call
 kernel = compiled_once(_rows)
+bounds_kernel = compiled_once(_bounds)

@@ -85,7 +85,10 @@ def _pack_compiled(
     )  # fmt: skip
     if bad >= 0:
         raise ValueError(f"row {row_of[bad]} overflows its {seq_len} tokens (a planner bug)")
-    return {**out, "cu_seqlens": _cu_seqlens(lengths, row_of, used, seq_len)}
+    cu = np.empty(len(lengths) + rows + 1, dtype=np.int32)
+    bounds = pack_fast.bounds_kernel()
+    k = -1 if bounds is None else bounds(lengths, row_of, used, seq_len, cu)
+    return {**out, "cu_seqlens": cu[:k] if k >= 0 else _cu_seqlens(lengths, row_of, used, seq_len)}
 
 
 _OUTPUTS = ("input_ids", "labels", "position_ids", "segment_ids")
