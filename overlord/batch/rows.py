@@ -126,12 +126,12 @@ class _Blocks:
     A batch's arrays are views of its block, and every view (a torch tensor made from
     one, a slice, a memoryview) holds the block: a block whose only holder is this list
     is free, whatever the batch went through. So a process that builds batch after
-    batch (a trainer that drops each) writes into the same few blocks instead of
-    mapping fresh memory every step: in a
-    process whose allocator hands blocks of 128 KiB and more back to the system when
-    freed (:func:`overlord.runtime.hosting.lean_allocators`), a fresh block costs a page
-    fault per page. At most ``keep`` blocks of a shape are kept; more are made and
-    freed as before. Thread-safe.
+    batch (a trainer that drops each) writes into the same few blocks instead of mapping
+    fresh memory every step: in a process whose allocator hands blocks of 128 KiB and
+    more back to the system when freed (:func:`overlord.runtime.hosting.lean_allocators`),
+    a fresh block costs a page fault per page. At most ``keep`` blocks of a shape are
+    kept; more are made and freed as before. Thread-safe. (A data process packs into
+    its shared-memory slots instead: :func:`use_blocks`.)
     """
 
     def __init__(self, keep: int = 8):
