@@ -49,14 +49,19 @@ def token_window(
     """
     rows = _joined([b.rows for b in blocks], np.int64)
     lengths = _joined([b.ends - b.starts for b in blocks], np.int64)
-    first = np.cumsum([0] + [len(b.rows) for b in blocks])  # each block's first document
+    # the blocks' ids end to end, in the file's dtype (each block's, then its rest): every
+    # document is one range of them, and a piece is placed by one compiled copy
+    sizes = [n for b in blocks for n in (len(b.data), len(b.rest))]
+    at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
+    ids = _joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
+    starts = _joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
     kept = np.flatnonzero(lengths > 0)
     order = kept[permute(len(kept))]
     offsets = np.zeros(len(order) + 1, np.int64)
     np.cumsum(lengths[order] * ID_BYTES, out=offsets[1:])
     cut = piece_bounds(offsets, PIECE_BYTES)
     pieces: list[Piece | Packed | None] = [
-        _piece(blocks, first, order[lo:hi], lengths[order[lo:hi]]) for lo, hi in cut
+        _piece(ids, starts[order[lo:hi]], lengths[order[lo:hi]]) for lo, hi in cut
     ]
     return Window(
         *(epoch, shard_pos, file_index, number),
@@ -71,36 +76,22 @@ def token_window(
     )
 
 
-def _piece(blocks: list[BlockIds], first: np.ndarray, docs: np.ndarray, n: np.ndarray) -> Piece:
-    """The piece of documents ``docs`` (indexes over the blocks' documents), of ``n`` ids each.
-
-    One compiled copy per block the documents come from; a block's last document, where
-    it runs on past the block's ids (into ``rest``), is placed by two slices.
-    """
+def _piece(ids: np.ndarray, start: np.ndarray, n: np.ndarray) -> Piece:
+    """The piece of documents ``ids[start[i] : start[i] + n[i]]``, in order, as int32 records."""
     copy = copy_kernel()
     assert copy is not None  # see gathers()
-    at = np.zeros(len(docs) + 1, np.int64)
+    at = np.zeros(len(start) + 1, np.int64)
     np.cumsum(n, out=at[1:])
-    ids = np.empty(int(at[-1]), np.int32)
-    block_of = first.searchsorted(docs, side="right") - 1
-    for b in np.flatnonzero(np.bincount(block_of, minlength=len(blocks))).tolist():
-        mine = np.flatnonzero(block_of == b)
-        block = blocks[b]
-        local = docs[mine] - first[b]
-        start, end = block.starts[local], block.ends[local]
-        inside = end <= len(block.data)
-        if not inside.all():  # the block's last document, past its ids
-            (j,) = np.flatnonzero(~inside)
-            a, s, split = int(at[mine[j]]), int(start[j]), len(block.data) - int(start[j])
-            ids[a : a + split] = block.data[s:]
-            ids[a + split : a + int(n[mine[j]])] = block.rest[: int(end[j]) - len(block.data)]
-            mine, start = mine[inside], start[inside]
-        copy(ids, at[mine], block.data, start, n[mine])
+    # from Arrow's pool, as a taken piece's were: its memory is kept for the next ones
+    data = pa.allocate_buffer(int(at[-1]) * ID_BYTES)
+    copy(np.frombuffer(data, np.int32), at[:-1], ids, start, n)
     texts = pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), len(docs), [None, pa.py_buffer(at * ID_BYTES), pa.py_buffer(ids)]
+        pa.large_binary(), len(start), [None, pa.py_buffer(at * ID_BYTES), data]
     )
     return Piece(texts)
 
 
-def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+def _joined(parts: list[np.ndarray], dtype: type | np.dtype) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0].astype(dtype, copy=False)
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
