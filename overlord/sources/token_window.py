@@ -1,13 +1,13 @@
-"""A pre-tokenized shard's window, gathered from its blocks' ids in one copy.
+"""A pre-tokenized shard's window, its pieces placed from the blocks' ids by compiled copies.
 
 A text window (:func:`overlord.sources.shard.shard_windows`) joins its blocks' records
 into one Arrow array, then takes each piece's records out of it. A token file's records
-are ranges of ids already read (:class:`~overlord.sources.token_files.BlockIds`): here
-each piece's int32 ids are placed straight from the ids as read, in the file's dtype,
-widened as they are placed. An id is copied once on its way from the file to its piece,
-not three times (widened into its block's records, joined, taken), and a window being
-built holds its blocks' ids once, in the file's dtype. The window is the same, piece for
-piece and byte for byte, as the text path makes of the same blocks' records.
+are ranges of ids already read (:class:`~overlord.sources.token_files.BlockIds`): here the
+window's blocks are put end to end in the file's dtype, and each piece's int32 ids are
+placed from them by one compiled copy that widens them as it goes. After the read, an id
+is copied twice (once in the file's dtype, once into its piece) instead of three times
+as int32 (widened into its block's records, joined, taken). The window is the same,
+piece for piece and byte for byte, as the text way makes of the same blocks' records.
 
 Where numba does not import (the ``fast`` extra), or a file's ids are not in the
 machine's byte order, the window is made the text way.
