@@ -55,6 +55,8 @@ def token_window(
     at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
     ids = _joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
     starts = _joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
+    if len(starts) and int(np.maximum.reduce(starts + lengths)) > len(ids):  # compiled: unchecked
+        raise ValueError(f"a document of window {number} of {name} lies past its blocks' ids")
     kept = np.flatnonzero(lengths > 0)
     order = kept[permute(len(kept))]
     offsets = np.zeros(len(order) + 1, np.int64)
