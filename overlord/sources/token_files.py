@@ -278,8 +278,8 @@ class FlatTokenFile(ShardReader):
     def _rest(self, start: int) -> list[np.ndarray]:
         """:meth:`through_eos` as the chunks read, each twice the last: most rests are short.
 
-        A block's last document is read on past the block, and its chunks widened with
-        the block's ids in one copy.
+        A block's last document is read on past the block: its chunks are the block's
+        ``rest`` (one array; joined where there are several).
         """
         chunks, at = [], start
         step, most = _FIRST_REST, max(self.per_block, 1 << 16)
