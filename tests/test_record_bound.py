@@ -87,8 +87,11 @@ def test_a_huge_line_costs_no_memory(tmp_path: Path) -> None:
         data = yaml.safe_load(path.read_text())
         data["on_error"] = "skip"
         data["loading"]["max_record_bytes"] = 64 << 20
+        # skipping the huge line takes its reader up to about 25 s on an idle machine here:
+        # a loaded one stretches the time (not the memory this checks) past a tight timeout
+        data["loading"]["timeout_s"] = 600
         path.write_text(yaml.safe_dump(data))
-        return peak_kib(path, 6)
+        return peak_kib(path, 6, timeout=900)
 
     without = peak(corpus(tmp_path / "plain", None))
     with_it = peak(corpus(tmp_path / "huge", 300_000_000))
@@ -169,8 +172,11 @@ def test_a_small_compressed_file_holding_a_huge_line_costs_no_memory(tmp_path: P
         data["sources"][0]["path"] = "a.jsonl.gz"
         data["on_error"] = "skip"
         data["loading"]["max_record_bytes"] = 64 << 20
+        # skipping the huge line takes its reader up to about 25 s on an idle machine here:
+        # a loaded one stretches the time (not the memory this checks) past a tight timeout
+        data["loading"]["timeout_s"] = 600
         path.write_text(yaml.safe_dump(data))
-        return peak_kib(path, 6)
+        return peak_kib(path, 6, timeout=900)
 
     without = peak(None, tmp_path / "plain")
     with_it = peak(400_000_000, tmp_path / "bomb")  # a few MB compressed
