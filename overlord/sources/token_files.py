@@ -173,8 +173,11 @@ def _records(block: BlockIds) -> RecordBlock:
     return RecordBlock(number, rows.astype(np.int64), texts)
 
 
-def _joined(chunks: list[np.ndarray], dtype: np.dtype[Any]) -> np.ndarray:
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype)
+def joined(parts: list[np.ndarray], dtype: type | np.dtype[Any]) -> np.ndarray:
+    """``parts`` end to end as ``dtype`` (one part as it is, where it is of ``dtype``)."""
+    if len(parts) == 1:
+        return parts[0].astype(dtype, copy=False)
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
 class _TooLarge(ValueError):
@@ -273,7 +276,7 @@ class FlatTokenFile(ShardReader):
 
     def through_eos(self, start: int) -> np.ndarray:
         """The ids from ``start`` through the first eos at or after it (or to the file's end)."""
-        return _joined(self._rest(start), self.dtype)
+        return joined(self._rest(start), self.dtype)
 
     def _rest(self, start: int) -> list[np.ndarray]:
         """:meth:`through_eos` as the chunks read, each twice the last: most rests are short.
@@ -325,7 +328,7 @@ class FlatTokenFile(ShardReader):
         rest = np.zeros(0, self.dtype)
         if not (len(head) and head[-1] == self.eos and hi - 1 >= starts[-1]):
             chunks = self._rest(hi)  # and the last document's rest
-            rest = chunks[0] if len(chunks) == 1 else _joined(chunks, self.dtype)
+            rest = joined(chunks, self.dtype)
         ends = np.append(starts[1:], int(starts[0]) + len(data) + len(rest))
         rel_start, rel_end = starts - starts[0], ends - starts[0]
         alone = (rel_end - rel_start == 1) & (data[rel_start] == self.eos)

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from overlord.plan.compiled import copy_kernel
-from overlord.sources.token_files import BlockIds
+from overlord.sources.token_files import BlockIds, joined
 from overlord.sources.window import PIECE_BYTES, Packed, Piece, Window, piece_bounds
 
 ID_BYTES = 4  # a record's ids are int32 bytes
@@ -47,14 +47,14 @@ def token_window(
     ``permute(n)``: the window's order of its ``n`` documents that hold ids (a document
     that is its eos alone holds none: it is counted as empty, not a sample).
     """
-    rows = _joined([b.rows for b in blocks], np.int64)
-    lengths = _joined([b.ends - b.starts for b in blocks], np.int64)
+    rows = joined([b.rows for b in blocks], np.int64)
+    lengths = joined([b.ends - b.starts for b in blocks], np.int64)
     # the blocks' ids end to end, in the file's dtype (each block's, then its rest): every
     # document is one range of them, and a piece is placed by one compiled copy
     sizes = [n for b in blocks for n in (len(b.data), len(b.rest))]
     at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
-    ids = _joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
-    starts = _joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
+    ids = joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
+    starts = joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
     if len(starts) and int(np.maximum.reduce(starts + lengths)) > len(ids):  # compiled: unchecked
         raise ValueError(f"a document of window {number} of {name} lies past its blocks' ids")
     kept = np.flatnonzero(lengths > 0)
@@ -92,8 +92,3 @@ def _piece(ids: np.ndarray, start: np.ndarray, n: np.ndarray) -> Piece:
     )
     return Piece(texts)
 
-
-def _joined(parts: list[np.ndarray], dtype: type | np.dtype) -> np.ndarray:
-    if len(parts) == 1:
-        return parts[0].astype(dtype, copy=False)
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
