@@ -56,7 +56,8 @@ def _run(plan: Any, runtime: str, steps: int, state: dict[str, Any] | None = Non
             for c in clients:
                 b = next(c)
                 arrays = {k: v.tobytes().hex() for k, v in b.arrays().items()}
-                lines.append(dump_line(b) + json.dumps(arrays, sort_keys=True))
+                rows = [s.row for s in b.samples]  # where each sample lies: not in a dump line
+                lines.append(dump_line(b) + json.dumps([arrays, rows], sort_keys=True))
         return lines, loader.state_dict()
 
 

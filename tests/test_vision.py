@@ -403,6 +403,24 @@ def kk(tokens: np.ndarray, ref: np.ndarray, dp: int, rpr: int, cap: int) -> Any:
 
 @pytest.mark.ray
 @pytest.mark.integration
+def test_images_from_the_data_process_are_the_embedded_images(tmp_path: Path) -> None:
+    """A tar's samples are named by key: the names reach the trainer from the data process."""
+    image_text_tar(tmp_path / "a.tar", random_images(12, seed=6, sizes=(20, 160)))
+    plan = make_plan(tmp_path, [TAR], batch={"tokens_per_step": 2048, "max_seq_len": 512})
+
+    def batches(runtime: str) -> list[Any]:
+        with overlord.Loader(plan, runtime=runtime) as loader:
+            clients = [loader.client(r) for r in range(2)]
+            return [next(c) for _ in range(3) for c in clients]
+
+    for got, want in zip(batches("process"), batches("inline"), strict=True):
+        assert got.samples == want.samples and ".tar:s0000" in got.samples[0].id  # relpath:key
+        assert np.array_equal(got.input_ids, want.input_ids)
+        assert got.pixel_values is not None and want.pixel_values is not None
+        assert np.array_equal(got.pixel_values, want.pixel_values)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("site", ["actor", "trainer"])
 def test_images_on_ray_are_the_embedded_images(ray_session: Any, tmp_path: Path, site: str) -> None:
     """Patches travel from SourceLoader actors as numpy arrays: the batches equal embedded ones."""

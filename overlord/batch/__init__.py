@@ -18,31 +18,107 @@ class Sample(NamedTuple):
     row: int  # row of the batch that holds it
 
 
+@dataclass(frozen=True)
+class SampleColumns:
+    """A step's sample records as columns: an array per field, names by index.
+
+    Item ``i`` is a document (or a chunk of one) of source ``sources[source[i]]``,
+    read from file ``files[file[i]]`` at 0-based row ``at[i]`` (or named by key,
+    ``keys[i]``, where its source names samples so: a tar's), chunk ``chunk[i]``
+    (-1: the whole document), with ``tokens[i]`` tokens, in row ``row[i]`` of its
+    batch. A step's items come from a few files: ``files`` is short. Records are
+    made from the columns only when read; processes hand the columns on as they
+    are (:meth:`to_wire`, or a pickle), never the records.
+
+    >>> c = SampleColumns(("web",), ("a.jsonl",), np.array([0, 0]), np.array([0, 0]),
+    ...                   np.array([7, 9]), np.array([-1, 2]), np.array([5, 3]), np.array([0, 1]))
+    >>> [tuple(s) for s in c.records(0, 2)]
+    [('web', 'a.jsonl:7', 5, 0), ('web', 'a.jsonl:9#2', 3, 1)]
+    >>> SampleColumns.from_wire(*c.to_wire()).records(1, 2) == c.records(1, 2)
+    True
+    """
+
+    sources: Sequence[str]
+    files: Sequence[str]
+    source: np.ndarray
+    file: np.ndarray
+    at: np.ndarray
+    chunk: np.ndarray
+    tokens: np.ndarray
+    row: np.ndarray
+    keys: Sequence[str | None] | None = None
+
+    def records(self, lo: int, hi: int) -> list[Sample]:
+        """Records ``lo:hi``, made now."""
+        names, files = self.sources, self.files
+        keys = [None] * (hi - lo) if self.keys is None else self.keys[lo:hi]
+        out = []
+        for s, f, a, c, t, r, key in zip(
+            self.source[lo:hi].tolist(), self.file[lo:hi].tolist(), self.at[lo:hi].tolist(),
+            self.chunk[lo:hi].tolist(), self.tokens[lo:hi].tolist(), self.row[lo:hi].tolist(),
+            keys,
+        ):  # fmt: skip
+            at = a if key is None else key
+            out.append(Sample(names[s], f"{files[f]}:{at}" + ("" if c < 0 else f"#{c}"), t, r))
+        return out
+
+    def to_wire(self) -> tuple[dict[str, Any], np.ndarray]:
+        """The columns for another process: the names (JSON-able) and one ``(6, n)`` int64 array.
+
+        The array goes as arrays go (a batch's shared memory): a number in JSON
+        costs more to read back than the record it stands for.
+        """
+        names = {
+            "sources": list(self.sources),
+            "files": list(self.files),
+            "keys": None if self.keys is None else list(self.keys),
+        }
+        columns = (self.source, self.file, self.at, self.chunk, self.tokens, self.row)
+        return names, np.stack(columns).astype(np.int64, copy=False)
+
+    @classmethod
+    def from_wire(cls, names: dict[str, Any], array: np.ndarray) -> SampleColumns:
+        """The columns :meth:`to_wire` gave (views of ``array``)."""
+        source, file, at, chunk, tokens, row = array
+        keys = names["keys"]
+        return cls(names["sources"], names["files"], source, file, at, chunk, tokens, row, keys)
+
+    def part(self, lo: int, hi: int) -> SampleColumns:
+        """Items ``lo:hi`` (the names as they are)."""
+        return SampleColumns(
+            self.sources, self.files, self.source[lo:hi], self.file[lo:hi], self.at[lo:hi],
+            self.chunk[lo:hi], self.tokens[lo:hi], self.row[lo:hi],
+            None if self.keys is None else self.keys[lo:hi],
+        )  # fmt: skip
+
+
 class Samples(Sequence[Sample]):
     """A batch's sample records, to be made when first read.
 
     A step has a record per document, and most training loops never read
-    them: the constructor hands over a function that makes records
-    ``lo:hi`` of the step's, with their token counts, and :attr:`Batch.samples`
-    makes them (a list) on its first read; ``num_tokens`` needs none. A pickle
-    of it (a batch sent to another process) is the list.
+    them: the constructor hands over a function that makes the step's
+    :class:`SampleColumns` (once, when first asked), with each item's token
+    count, and :attr:`Batch.samples` makes this batch's records (a list) on its
+    first read; ``num_tokens`` needs neither. A pickle of it (a batch sent to
+    another process) holds the columns.
 
-    >>> s = Samples(lambda lo, hi: [Sample("a", f"f:{i}", 2, 0) for i in range(lo, hi)],
-    ...             np.array([2, 2, 2]))
+    >>> c = SampleColumns(("a",), ("f",), *np.zeros((2, 3), np.int64), np.arange(3),
+    ...                   np.full(3, -1), np.full(3, 2), np.zeros(3, np.int64))
+    >>> s = Samples(lambda: c, c.tokens)
     >>> len(s), s.tokens, s.part(1, 3).records()[0].id
     (3, 6, 'f:1')
     """
 
-    __slots__ = ("_make", "_lengths", "_lo", "_hi")
+    __slots__ = ("_columns", "_lengths", "_lo", "_hi")
 
     def __init__(
         self,
-        make: Callable[[int, int], list[Sample]],
+        columns: Callable[[], SampleColumns],
         lengths: np.ndarray,
         lo: int = 0,
         hi: int | None = None,
     ):
-        self._make, self._lengths = make, lengths
+        self._columns, self._lengths = columns, lengths
         self._lo, self._hi = lo, len(lengths) if hi is None else hi
 
     def __len__(self) -> int:
@@ -58,14 +134,22 @@ class Samples(Sequence[Sample]):
 
     def part(self, lo: int, hi: int) -> Samples:
         """Records ``lo:hi`` of these (a rank's of a step's), not made either."""
-        return Samples(self._make, self._lengths, self._lo + lo, self._lo + hi)
+        return Samples(self._columns, self._lengths, self._lo + lo, self._lo + hi)
+
+    def columns(self) -> SampleColumns:
+        """These records' columns: only they, not the step's."""
+        return self._columns().part(self._lo, self._hi)
 
     def records(self) -> list[Sample]:
         """The records, made now."""
-        return self._make(self._lo, self._hi)
+        return self._columns().records(self._lo, self._hi)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (list, (self.records(),))
+        return (_from_columns, (self.columns(),))
+
+
+def _from_columns(columns: SampleColumns) -> Samples:
+    return Samples(lambda: columns, columns.tokens)
 
 
 class _Records:
@@ -153,3 +237,22 @@ class Batch:
 # after the dataclass is made, so that its fields stay as declared: a given Samples is kept
 # as it is, and made into a list when ``samples`` is first read (num_tokens needs none)
 Batch.samples = _Records()  # type: ignore[assignment]
+
+
+def samples_wire(batch: Batch) -> tuple[dict[str, Any], np.ndarray | None]:
+    """A batch's records for another process, without making them (:meth:`SampleColumns.to_wire`).
+
+    Where the batch holds them made (a list), they go as they are: ``({"records":
+    [[source, id, tokens, row], ...]}, None)``.
+    """
+    samples = batch.__dict__["_samples"]
+    if isinstance(samples, Samples):
+        return samples.columns().to_wire()
+    return {"records": [list(s) for s in samples]}, None
+
+
+def samples_of_wire(names: dict[str, Any], array: np.ndarray | None) -> Sequence[Sample]:
+    """The records :func:`samples_wire` gave: :class:`Samples`, made when first read, or a list."""
+    if array is None:
+        return [Sample(*r) for r in names["records"]]
+    return _from_columns(SampleColumns.from_wire(names, array))

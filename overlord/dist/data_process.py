@@ -48,9 +48,7 @@ from multiprocessing.connection import Client as connect
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
-from overlord.batch import Batch, Sample, Samples
+from overlord.batch import Batch, samples_of_wire
 from overlord.errors import (
     ActorDiedError,
     CheckpointError,
@@ -352,7 +350,7 @@ class ProcessStream(Iterator[Batch]):
         return Batch(
             info["step"], info["rank"], arrays.get("input_ids"), arrays.get("labels"),
             arrays["position_ids"], arrays["segment_ids"], arrays["cu_seqlens"],
-            _samples(info["samples"]), info["cost"],
+            samples_of_wire(info["samples"], arrays.get("samples")), info["cost"],
             global_positions=arrays.get("global_positions"), cp_layout=layout,
             cp_rank=cp_rank, cp_size=cp_size, cp_groups=arrays.get("cp_groups"),
             pixel_values=arrays.get("pixel_values"), image_grid=arrays.get("image_grid"),
@@ -444,12 +442,6 @@ class ProcessStream(Iterator[Batch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _samples(rows: list[list[Any]]) -> Samples:
-    """A batch's sample records as the data process sent them, made when first read."""
-    lengths = np.array([row[2] for row in rows], dtype=np.int64)
-    return Samples(lambda lo, hi: [Sample(*row) for row in rows[lo:hi]], lengths)
 
 
 def _close_at_exit(ref: weakref.ref[ProcessStream]) -> None:

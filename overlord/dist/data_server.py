@@ -10,7 +10,9 @@ batch lies in its slot without a copy (a batch made otherwise, a CP rank's
 slices say, is written into one). Tensor-parallel peers receive the same batch
 object, so they share one slot: batch memory per node does not grow with TP.
 The server sends each rank a short message naming its slot, the arrays'
-layout, the batch's samples and the state as of the step after it. A rank's
+layout, the names its samples refer to and the state as of the step after it
+(the samples' columns are an array of the slot: their records are made in the
+trainer, when it reads them). A rank's
 trainer maps the slot and takes the batch as views
 (:class:`~overlord.dist.data_process.ProcessStream`).
 
@@ -47,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from overlord.batch import Batch
+from overlord.batch import Batch, samples_wire
 from overlord.batch.rows import use_blocks
 from overlord.errors import SourceError
 from overlord.runtime.shm_ring import SlotPool, needed
@@ -86,11 +88,10 @@ def batch_arrays(batch: Batch) -> dict[str, Any]:
 
 
 def batch_meta(batch: Batch) -> dict[str, Any]:
-    """What a batch is besides its arrays (samples, cost, CP fields), JSON-able."""
+    """What a batch is besides its arrays and samples (cost, CP fields), JSON-able."""
     return {
         "step": batch.step,
         "rank": batch.rank,
-        "samples": [[s.source, s.id, s.tokens, s.row] for s in batch.samples],
         "cost": batch.cost,
         "cp": [batch.cp_layout, batch.cp_rank, batch.cp_size],
         "costs": [batch.cost_llm, batch.cost_encoder],
@@ -283,13 +284,16 @@ class DataServer:
                 holders[written[id(batch)][0]] += 1
                 continue
             arrays = batch_arrays(batch)
+            names, columns = samples_wire(batch)  # the records' columns go as an array
+            if columns is not None:
+                arrays["samples"] = columns
             with self._pool_lock:  # packed into a slot (the pack's block): sent as it lies
                 placed = self.pool.place(arrays, tails)
                 slot = placed[0] if placed is not None else self.pool.acquire(needed(arrays))
             layout = placed[1] if placed is not None else slot.write(arrays)
             meta = batch_meta(batch) | {
                 "k": "b", "slot": slot.index, "shm": slot.name, "size": slot.size,
-                "layout": layout,
+                "layout": layout, "samples": names,
             }  # fmt: skip
             written[id(batch)] = (slot.index, encode(meta) + b"\n" + after)
             holders[slot.index] = holders.get(slot.index, 0) + 1

@@ -15,6 +15,7 @@ when the trainer asks for it.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from overlord.batch import Batch, Sample, Samples
+from overlord.batch import Batch, SampleColumns, Samples
 from overlord.batch.cp import cp_slices
 from overlord.batch.cp_dynamic import dynamic_slices
 from overlord.batch.gather import gather
@@ -342,34 +343,23 @@ class DataConstructor:
     ) -> Samples:
         """Each planned item's record (its source, where it was read, its tokens and row).
 
-        Made when a trainer first reads them (:class:`~overlord.batch.Samples`):
-        a loop that never does pays nothing for them.
+        Made when first asked for (:class:`~overlord.batch.Samples`): a loop that
+        never reads them pays nothing for them, and a process that hands them on
+        sends their columns, never the records.
         """
         src, epoch, file_index = rp["source"], rp["key"][:, 0], rp["file_index"]
-        rec_row, chunk, row = rp["rec_row"], rp["chunk"], rp["row"]
-        source_names, catalogs = self.names, self.files
+        sources, catalogs = self.names, self.files
 
-        def make(lo: int, hi: int) -> list[Sample]:
-            files: dict[tuple[int, int, int], str] = {}  # a step's items come from a few files
-            samples = []
-            keys = [None] * (hi - lo) if names is None else names[lo:hi]
-            for s, e, f, r, c, t, w, name in zip(
-                src[lo:hi].tolist(),
-                epoch[lo:hi].tolist(),
-                file_index[lo:hi].tolist(),
-                rec_row[lo:hi].tolist(),
-                chunk[lo:hi].tolist(),
-                lengths[lo:hi].tolist(),
-                row[lo:hi].tolist(),
-                keys,
-            ):
-                file = files.get((s, e, f))
-                if file is None:
-                    file = files[(s, e, f)] = catalogs[source_names[s]].at(e)[f].name
-                samples.append(Sample(source_names[s], _sample_id(file, r, c, name), t, w))
-            return samples
+        @functools.cache
+        def columns() -> SampleColumns:
+            file, firsts = _groups(src, epoch, file_index)  # a step's items come from a few files
+            at = zip(src[firsts].tolist(), epoch[firsts].tolist(), file_index[firsts].tolist())
+            files = [catalogs[sources[s]].at(e)[f].name for s, e, f in at]
+            return SampleColumns(
+                sources, files, src, file, rp["rec_row"], rp["chunk"], lengths, rp["row"], names
+            )
 
-        return Samples(make, lengths)
+        return Samples(columns, lengths)
 
     def stats(self) -> dict[str, Any]:
         """Batches packed (``builds``), the ``(step, rank)`` they span, and their bytes.
@@ -395,9 +385,19 @@ class DataConstructor:
             self._pool.shutdown()
 
 
-def _sample_id(file: str, row: int, chunk: int, key: str | None = None) -> str:
-    at = row if key is None else key  # a tar's sample is named by its key
-    return f"{file}:{at}" if chunk < 0 else f"{file}:{at}#{chunk}"
+def _groups(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's group of equal ``columns`` values, and an item of each group.
+
+    >>> _groups(np.array([1, 0, 1, 1]), np.array([5, 5, 5, 6]))
+    (array([1, 0, 1, 2]), array([1, 0, 3]))
+    """
+    order = np.lexsort(columns[::-1])
+    first = np.ones(len(order), dtype=bool)  # where a new group starts, in sorted order
+    if len(order):
+        first[1:] = np.logical_or.reduce([c[order][1:] != c[order][:-1] for c in columns])
+    group = np.empty(len(order), dtype=np.int64)
+    group[order] = np.cumsum(first) - 1
+    return group, order[first]
 
 
 if TYPE_CHECKING:  # the class answers every call of its role
