@@ -140,3 +140,27 @@ def test_a_block_is_written_again_only_once_nothing_holds_it():
     want = _reference(tokens[:4] + 90, [4], [0], 2, 8, 7)
     for name, w in zip(("input_ids", "labels", "position_ids", "segment_ids"), want):
         assert third[name].tolist() == w.tolist(), name  # nothing of the first batch left
+
+
+def test_a_scratch_array_is_never_one_that_something_still_holds():
+    # a step's temporaries come from kept blocks that nothing holds any more, whatever
+    # their length, never from one a slice still shows
+    from overlord.batch.rows import _Blocks
+
+    blocks = _Blocks(keep=2)
+    first = blocks.flat(100)
+    first[:] = 7
+    block = id(first.base)  # its id: a name for it would hold it too
+    kept = first[10:20]  # a slice holds the whole block
+    del first
+    second = blocks.flat(90)
+    assert id(second.base) != block
+    second[:] = 1
+    assert (kept == 7).all()
+    del kept
+    third = blocks.flat(95)  # free again, and long enough (an eighth more than first asked)
+    assert id(third.base) == block and len(third) == 95 and third.dtype == np.int32
+    del second, third
+    big = blocks.flat(10_000)  # longer than any kept: new, kept in place of a free one
+    assert len(big) == 10_000 and len(blocks._flat) == 2
+    assert sorted(len(b) for b in blocks._flat)[-1] >= 10_000

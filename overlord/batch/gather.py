@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from overlord.batch.rows import scratch
 from overlord.errors import LoaderError
 from overlord.plan.compiled import compiled_once
 
@@ -77,7 +78,7 @@ def gather(
     starts = np.zeros(n, dtype=np.int64)
     if n:
         np.cumsum(lengths[:-1], out=starts[1:])
-    tokens = np.empty(int(lengths.sum()), dtype=np.int32)
+    tokens = scratch(int(lengths.sum()))  # packed into rows, then dropped
     mask: np.ndarray | None = None
     place = _kernel()
     kept = []

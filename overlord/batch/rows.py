@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,21 @@ def _outputs(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     return dict(zip(_OUTPUTS, _BLOCKS.get(shape) if _SOURCE is None else _SOURCE(shape)))
 
 
+def scratch(n: int, dtype: Any = np.int32) -> np.ndarray:
+    """An array of ``n`` elements of ``dtype`` for temporaries, uninitialized.
+
+    A step's tokens gathered from its loaders, a loader's answer to a take, a window's
+    ids end to end: written whole, read once, then dropped. Kept blocks of the heap are
+    used again once nothing holds them (:class:`_Blocks`), so that in a process whose
+    allocator maps blocks of 128 KiB and more apart (a data process, a loader process)
+    they do not fault in fresh pages every time: at 512K tokens a step, the first two
+    cost a data process's serving thread about a thousand page faults a step.
+    """
+    size = np.dtype(dtype).itemsize
+    words = -(-n * size // 8) * 2  # int32 words, whole 8-byte ones: any dtype's view fits
+    return _SCRATCH.flat(words).view(dtype)[:n]
+
+
 def use_blocks(source: Callable[[tuple[int, ...]], np.ndarray] | None) -> None:
     """Where this process's packs take their output blocks: ``source(shape)``, an int32 block.
 
@@ -137,6 +153,7 @@ class _Blocks:
     def __init__(self, keep: int = 8):
         self.keep = keep
         self._kept: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self._flat: list[np.ndarray] = []  # blocks of :meth:`flat`, of any length
         self._lock = threading.Lock()
 
     def get(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -152,8 +169,31 @@ class _Blocks:
                 kept.append(block)
             return block
 
+    def flat(self, n: int) -> np.ndarray:
+        """An int32 array of ``n`` elements, uninitialized: the start of a free kept block.
+
+        For a step's temporaries, whose length moves from step to step: the smallest
+        free block that holds ``n``, else a new one an eighth longer (kept in place of
+        a smaller free one when ``keep`` are kept already).
+        """
+        with self._lock:
+            kept = self._flat
+            # a free block's holders: the list and getrefcount's argument (no loop name:
+            # enumerate's tuple would hold one too)
+            free = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
+            fits = [i for i in free if len(kept[i]) >= n]
+            if fits:
+                return kept[min(fits, key=lambda i: len(kept[i]))][:n]
+            block = np.empty(n + n // 8, dtype=np.int32)
+            if len(kept) < self.keep:
+                kept.append(block)
+            elif free:
+                kept[min(free, key=lambda i: len(kept[i]))] = block  # a free one too small
+            return block[:n]
+
 
 _BLOCKS = _Blocks()
+_SCRATCH = _Blocks(keep=4)  # a step's temporaries (scratch): a gather's, a few answers'
 _SOURCE: Callable[[tuple[int, ...]], np.ndarray] | None = None  # see use_blocks
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from overlord.batch.rows import scratch
 from overlord.plan.compiled import copy_kernel
 from overlord.sources.shard import ShardItems
 
@@ -238,7 +239,7 @@ def payload_of(taken: Located | list[tuple[ShardItems, int, int]]) -> dict[str, 
         lengths[mine], starts[mine] = items.length[k[mine]], items.start[k[mine]]
     at = np.zeros(len(k), dtype=np.int64)
     lengths[:-1].cumsum(out=at[1:])
-    tokens = np.empty(int(at[-1]) + int(lengths[-1]) if len(k) else 0, dtype=np.int32)
+    tokens = scratch(int(at[-1]) + int(lengths[-1]) if len(k) else 0)  # gathered, dropped
     for mine, items in parts:
         s, n = starts[mine], lengths[mine]
         if len(s) and int(np.maximum.reduce(s + n)) > len(items.tokens):  # compiled: unchecked
