@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
@@ -49,7 +50,8 @@ def test_a_part_sent_to_another_process_is_the_same_records_and_only_they():
     part = Samples(lambda: columns, columns.tokens).part(1, 3)
     names, array = samples_wire(_batch(part))
     assert array is not None and array.shape == (6, 2) and array.dtype == np.int64
-    got = samples_of_wire(names, array.copy())  # another process: the array's bytes
+    names = json.loads(json.dumps(names))  # another process: the names as JSON ...
+    got = samples_of_wire(names, array.copy())  # ... and the array's bytes
     assert isinstance(got, Samples) and len(got) == 2 and got.tokens == 50
     assert got.records() == columns.records(1, 3)
     assert _batch(got).samples == columns.records(1, 3)
