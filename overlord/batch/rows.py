@@ -113,12 +113,12 @@ def _outputs(rows: int, seq_len: int) -> dict[str, np.ndarray]:
 def scratch(n: int, dtype: Any = np.int32) -> np.ndarray:
     """An array of ``n`` elements of ``dtype`` for temporaries, uninitialized.
 
-    A step's tokens gathered from its loaders, a loader's answer to a take, a window's
-    ids end to end: written whole, read once, then dropped. Kept blocks of the heap are
-    used again once nothing holds them (:class:`_Blocks`), so that in a process whose
-    allocator maps blocks of 128 KiB and more apart (a data process, a loader process)
-    they do not fault in fresh pages every time: at 512K tokens a step, the first two
-    cost a data process's serving thread about a thousand page faults a step.
+    A step's tokens gathered from its loaders, a loader's answer to a take: written
+    whole, read once, then dropped. Kept blocks of the heap are used again once nothing
+    holds them (:class:`_Blocks`), so that in a process whose allocator maps blocks of
+    128 KiB and more apart (a data process, a loader process) they do not fault in
+    fresh pages every time: at 512K tokens a step, these two cost a data process's
+    serving thread about a thousand page faults a step.
     """
     size = np.dtype(dtype).itemsize
     words = -(-n * size // 8) * 2  # int32 words, whole 8-byte ones: any dtype's view fits

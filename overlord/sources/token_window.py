@@ -20,7 +20,6 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
-from overlord.batch.rows import scratch
 from overlord.plan.compiled import copy_kernel
 from overlord.sources.token_files import BlockIds, joined
 from overlord.sources.window import PIECE_BYTES, Packed, Piece, Window, piece_bounds
@@ -54,8 +53,7 @@ def token_window(
     # document is one range of them, and a piece is placed by one compiled copy
     sizes = [n for b in blocks for n in (len(b.data), len(b.rest))]
     at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
-    parts = [a for b in blocks for a in (b.data, b.rest)]
-    ids = np.concatenate(parts, out=scratch(sum(sizes), blocks[0].data.dtype))  # then dropped
+    ids = joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
     starts = joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
     if len(starts) and int(np.maximum.reduce(starts + lengths)) > len(ids):  # compiled: unchecked
         raise ValueError(f"a document of window {number} of {name} lies past its blocks' ids")
