@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -110,8 +109,8 @@ def _outputs(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     return dict(zip(_OUTPUTS, _BLOCKS.get(shape) if _SOURCE is None else _SOURCE(shape)))
 
 
-def scratch(n: int, dtype: Any = np.int32) -> np.ndarray:
-    """An array of ``n`` elements of ``dtype`` for temporaries, uninitialized.
+def scratch(n: int) -> np.ndarray:
+    """An int32 array of ``n`` elements for a step's temporaries, uninitialized.
 
     A step's tokens gathered from its loaders, a loader's answer to a take: written
     whole, read once, then dropped. Kept blocks of the heap are used again once nothing
@@ -120,9 +119,7 @@ def scratch(n: int, dtype: Any = np.int32) -> np.ndarray:
     fresh pages every time: at 512K tokens a step, these two cost a data process's
     serving thread about a thousand page faults a step.
     """
-    size = np.dtype(dtype).itemsize
-    words = -(-n * size // 8) * 2  # int32 words, whole 8-byte ones: any dtype's view fits
-    return _SCRATCH.flat(words).view(dtype)[:n]
+    return _SCRATCH.flat(n)
 
 
 def use_blocks(source: Callable[[tuple[int, ...]], np.ndarray] | None) -> None:
