@@ -143,7 +143,8 @@ class _Blocks:
     fresh memory every step: in a process whose allocator hands blocks of 128 KiB and
     more back to the system when freed (:func:`overlord.runtime.hosting.lean_allocators`),
     a fresh block costs a page fault per page. At most ``keep`` blocks of a shape are
-    kept; more are made and freed as before. Thread-safe. (A data process packs into
+    kept (:meth:`get`), and ``keep`` of any length (:meth:`flat`, a step's temporaries);
+    more are made and freed as before. Thread-safe. (A data process packs into
     its shared-memory slots instead: :func:`use_blocks`.)
     """
 
@@ -157,10 +158,9 @@ class _Blocks:
         """An int32 block of ``shape``, uninitialized: a free kept one, else a new one."""
         with self._lock:
             kept = self._kept.setdefault(shape, [])
-            for block in kept:
-                # its holders: the list, this loop's name and getrefcount's argument
-                if sys.getrefcount(block) == 3:
-                    return block
+            free = _free(kept)
+            if free:
+                return kept[free[0]]
             block = np.empty(shape, dtype=np.int32)
             if len(kept) < self.keep:
                 kept.append(block)
@@ -175,9 +175,7 @@ class _Blocks:
         """
         with self._lock:
             kept = self._flat
-            # a free block's holders: the list and getrefcount's argument (no loop name:
-            # enumerate's tuple would hold one too)
-            free = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
+            free = _free(kept)
             fits = [i for i in free if len(kept[i]) >= n]
             if fits:
                 return kept[min(fits, key=lambda i: len(kept[i]))][:n]
@@ -187,6 +185,15 @@ class _Blocks:
             elif free:
                 kept[min(free, key=lambda i: len(kept[i]))] = block  # a free one too small
             return block[:n]
+
+
+def _free(kept: list[np.ndarray]) -> list[int]:
+    """The indexes of the blocks of ``kept`` that nothing else holds (no view of them lives).
+
+    A free block's holders are the list and getrefcount's argument: read by index, with
+    no loop name bound to the block (``enumerate``'s reused tuple would hold one too).
+    """
+    return [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
 
 
 _BLOCKS = _Blocks()
