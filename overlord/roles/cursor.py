@@ -31,7 +31,9 @@ from overlord.roles.quarantine import Dropper
 Key = tuple[int, int, int]
 _KEY = ("epoch", "shard_pos", "index")  # an item's position: its key's three parts
 _TAKEN = ("tokens", "loader", "file_index", "row", "chunk", "patches")  # and what take gives
-_PENDING = (*_KEY, *_TAKEN)  # the columns of the pending items
+_PENDING = (*_KEY, *_TAKEN)  # the columns of the pending items: the rows of their array
+_ROW = {c: r for r, c in enumerate(_PENDING)}
+_FROM_BLOCK = ("index", "tokens", "row", "chunk", "patches")  # a block's arrays, per item
 
 
 class SourceCursor:
@@ -66,10 +68,12 @@ class SourceCursor:
         self._full_epoch = self._expect[1] == 0 and int(start.get("index", 0)) == 0
         self._epoch_items = 0
         # pending items, in source order: tokens as a list (the selector reads it item by
-        # item), every column as numpy arrays, one per block received (joined when taken)
+        # item), and every column as a row of one int64 array (rows: _PENDING), a part per
+        # block received, joined when taken: a take is then a slice of one array, not one
+        # per column
         self.tokens: list[int] = []
-        self._parts: list[dict[str, np.ndarray]] = []
-        self._pending = {c: np.zeros(0, dtype=np.int64) for c in _PENDING}
+        self._parts: list[np.ndarray] = []
+        self._pending = np.zeros((len(_PENDING), 0), dtype=np.int64)
         # placed items that lie after the first pending one (kept for the checkpoint)
         self._placed_ahead: list[Key] = [
             (e, p, i + j) for e, p, i, c in start.get("skip", []) for j in range(c)
@@ -82,7 +86,7 @@ class SourceCursor:
 
     def token_array(self) -> np.ndarray:
         """The pending items' tokens as an int64 array (``tokens``, without a conversion)."""
-        return self._joined()["tokens"]
+        return self._joined()[_ROW["tokens"]]
 
     def peek(self, i: int) -> int:
         """Tokens of the ``i``-th pending item."""
@@ -108,19 +112,12 @@ class SourceCursor:
             block = self._without_dropped(block, k)
         n = len(block["index"])
         self.tokens += block["tokens"].tolist()
-        self._parts.append(
-            {
-                "epoch": np.full(n, epoch, dtype=np.int64),
-                "shard_pos": np.full(n, pos, dtype=np.int64),
-                "index": block["index"],
-                "tokens": block["tokens"],
-                "loader": np.full(n, k, dtype=np.int64),
-                "file_index": np.full(n, int(block["file_index"]), dtype=np.int64),
-                "row": block["row"],
-                "chunk": block["chunk"],
-                "patches": block["patches"],
-            }
-        )
+        part = np.empty((len(_PENDING), n), dtype=np.int64)
+        part[_ROW["epoch"]], part[_ROW["shard_pos"]] = epoch, pos
+        part[_ROW["loader"]], part[_ROW["file_index"]] = k, int(block["file_index"])
+        for c in _FROM_BLOCK:
+            part[_ROW[c]] = block[c]
+        self._parts.append(part)
         self._epoch_items += n
         if not block["last"]:  # a piece of the shard: more follow
             self._start_index = int(block["stop"])
@@ -166,7 +163,7 @@ class SourceCursor:
         if self.drop is None or not self.tokens:
             return
         self._mark = None
-        cols = self._joined()
+        cols = dict(zip(_PENDING, self._joined()))
         drop = np.zeros(len(self.tokens), dtype=bool)
         files = np.unique(np.stack([cols["epoch"], cols["file_index"]], axis=1), axis=0)
         for e, f in files.tolist():
@@ -178,22 +175,19 @@ class SourceCursor:
             return
         key = np.stack([cols[c][drop] for c in _KEY], axis=1)
         self.dropped.append((cols["loader"][drop], key))
-        self._pending = {c: v[~drop] for c, v in cols.items()}
-        self.tokens = self._pending["tokens"].tolist()
+        self._pending = self._pending[:, ~drop]
+        self.tokens = self._pending[_ROW["tokens"]].tolist()
         self._behind()
 
     def loader_of(self, epoch: int, pos: int) -> int:
         """The loader that reads shard ``pos`` of epoch ``epoch``."""
         return owner((epoch, pos), self.partitions())
 
-    def _joined(self) -> dict[str, np.ndarray]:
-        """The pending items' columns, the blocks received since the last call joined in."""
+    def _joined(self) -> np.ndarray:
+        """The pending items' columns (rows: :data:`_PENDING`), the blocks received joined in."""
         if self._parts:
             parts, self._parts = [self._pending, *self._parts], []
-            self._pending = {
-                c: np.concatenate([p[c] for p in parts]).astype(np.int64, copy=False)
-                for c in _PENDING
-            }
+            self._pending = np.concatenate(parts, axis=1)
         return self._pending
 
     def take(self, indices: list[int] | np.ndarray) -> dict[str, np.ndarray]:
@@ -206,13 +200,11 @@ class SourceCursor:
         cols = self._joined()
         idx = np.asarray(indices, dtype=np.int64)
         n = len(self.tokens)
-        # the first pending items (most takes) are read by slices: views, not copies
+        # the first pending items (most takes) are read by a slice: a view, not a copy
         prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
-        pick = slice(0, len(idx)) if prefix else idx
-        out = {c: cols[c][pick] for c in _TAKEN}
-        key = out["key"] = np.empty((len(idx), 3), dtype=np.int64)
-        for column, c in enumerate(_KEY):  # three copies: less than np.stack's calls
-            key[:, column] = cols[c][pick]
+        chosen = cols[:, : len(idx)] if prefix else cols[:, idx]
+        out = dict(zip(_TAKEN, chosen[len(_KEY) :]))
+        out["key"] = chosen[: len(_KEY)].T.copy()  # (n, 3), each item's key in a row
         if prefix:
             first_left, ahead = len(idx), idx[:0]
         else:
@@ -220,16 +212,12 @@ class SourceCursor:
             keep[idx] = False
             first_left = int(np.argmax(keep)) if keep.any() else n
             ahead = idx[idx > first_left]
-            self._placed_ahead += [
-                (int(e), int(p), int(i))
-                for e, p, i in zip(*(cols[c][ahead].tolist() for c in _KEY))
-            ]
+            self._placed_ahead += [(e, p, i) for e, p, i in cols[: len(_KEY), ahead].T.tolist()]
         if len(ahead):
-            left = keep[first_left:]
-            self._pending = {c: v[first_left:][left] for c, v in cols.items()}
-            self.tokens = self._pending["tokens"].tolist()
+            self._pending = cols[:, first_left:][:, keep[first_left:]]
+            self.tokens = self._pending[_ROW["tokens"]].tolist()
         else:  # every item before the first left was taken, none after it: a slice
-            self._pending = {c: v[first_left:] for c, v in cols.items()}
+            self._pending = cols[:, first_left:]
             del self.tokens[:first_left]  # in place: no copy of what stays pending
         self._behind()
         return out
@@ -254,8 +242,8 @@ class SourceCursor:
         """The key of the first pending item (None: nothing is pending)."""
         if not self.tokens:
             return None
-        cols = self._joined()
-        return (int(cols["epoch"][0]), int(cols["shard_pos"][0]), int(cols["index"][0]))
+        e, p, i = self._joined()[: len(_KEY), 0].tolist()
+        return (e, p, i)
 
     def state(self) -> dict[str, Any]:
         """Where to restart this source: the first pending item and the runs placed after it."""
