@@ -117,6 +117,43 @@ def test_taken_columns_follow_the_selection_order_whichever_windows_gave_items()
     assert take_columns(windows, source[:0], pending[:0])["key"].shape == (0, 3)
 
 
+class _RowWindow(ColumnWindow):
+    """A ColumnWindow that also answers a take as one array (as the planner's cursors do)."""
+
+    def take_rows(self, indices: np.ndarray) -> np.ndarray:
+        from overlord.plan.step import TAKEN_ROWS
+
+        cols = self.take(indices)
+        key = cols.pop("key")
+        tokens = np.array([0] * len(key), dtype=np.int64) + 7  # a column the dict way lacks
+        by_name = {"epoch": key[:, 0], "shard_pos": key[:, 1], "index": key[:, 2],
+                   "tokens": tokens, **cols}  # fmt: skip
+        return np.stack([by_name[c] for c in TAKEN_ROWS])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [[3, 3, 3], [7, 2, 7, 11, 2, 7, 0], [5]],
+    ids=["one window", "several windows", "one item"],
+)
+def test_windows_that_answer_with_one_array_give_the_columns_the_others_do(source):
+    from overlord.plan.step import TAKEN, take_columns
+
+    def windows(kind: type[ColumnWindow]) -> list[ColumnWindow]:
+        out = [kind(np.arange(1, 40) + 100 * s, loaders=3) for s in range(12)]
+        for w in out:
+            w.peek(30)
+        return out
+
+    src = np.array(source, dtype=np.int64)
+    pending = np.array([4, 0, 1, 9, 3, 20, 5][: len(src)], dtype=np.int64)
+    by_dict = take_columns(windows(ColumnWindow), src, pending)
+    by_rows = take_columns(windows(_RowWindow), src, pending)
+    for c in TAKEN:
+        assert by_rows[c].dtype == np.int64 and by_rows[c].shape == by_dict[c].shape, c
+        assert by_rows[c].tolist() == by_dict[c].tolist(), c
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_one_ranks_statistics_are_its_whole_step_as_the_general_sums_give_them(plan, seed):
     from overlord.plan.balance import rank_costs

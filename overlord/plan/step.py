@@ -33,6 +33,9 @@ from overlord.plan.spec import Plan
 
 # what the plan needs of each chosen item, taken from its window
 TAKEN = ("key", "loader", "file_index", "row", "chunk", "patches")
+# the same as the rows of one array (a window's ``take_rows``): the key's three parts first
+TAKEN_ROWS = ("epoch", "shard_pos", "index", "tokens", "loader", "file_index", "row", "chunk",
+              "patches")  # fmt: skip
 # what a rank's plan holds of the step's columns
 RANK_COLUMNS = ("source", "tokens", "row", "loader", "key", "file_index", "chunk", "rec_row")
 # what a rank's plan sums of the step's columns, and where the step keeps every rank's sum
@@ -80,7 +83,13 @@ def take_columns(
 
     ``source[i]`` and ``pending[i]``: the window of the ``i``-th chosen item,
     and its index among that window's pending items.
+
+    Windows that have ``take_rows`` (the planner's cursors: :meth:`take` as one
+    int64 array, a row per column of :data:`TAKEN_ROWS`) are taken from by it:
+    their answers are joined and placed as one array, not column by column.
     """
+    if all(hasattr(w, "take_rows") for w in windows):
+        return _take_rows(windows, source, pending)
     cols = {c: np.empty(len(source), dtype=np.int64) for c in TAKEN if c != "key"}
     cols["key"] = np.empty((len(source), 3), dtype=np.int64)
     # each window's chosen items, in selection order, by one sort: only the windows that
@@ -98,6 +107,28 @@ def take_columns(
             cols[c][order] = parts[0][c]
         elif parts:
             cols[c][order] = np.concatenate([taken[c] for taken in parts])
+    return cols
+
+
+def _take_rows(
+    windows: Sequence[Any], source: np.ndarray, pending: np.ndarray
+) -> dict[str, np.ndarray]:
+    """:func:`take_columns` from windows that answer with one array (``take_rows``)."""
+    if len(source) and (source == source[0]).all():  # one window gave every item: in order
+        rows = windows[int(source[0])].take_rows(pending)
+    else:
+        order = np.argsort(source, kind="stable")  # each window's items, in selection order
+        ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
+        parts, start = [], 0
+        for s, end in enumerate(ends):
+            if end > start:
+                parts.append(windows[s].take_rows(pending[order[start:end]]))
+            start = end
+        rows = np.empty((len(TAKEN_ROWS), len(source)), dtype=np.int64)
+        if parts:
+            rows[:, order] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    cols = dict(zip(TAKEN_ROWS[3:], rows[3:]))
+    cols["key"] = rows[:3].T  # (n, 3): epoch, shard position, index
     return cols
 
 

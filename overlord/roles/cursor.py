@@ -26,12 +26,14 @@ import numpy as np
 
 from overlord.errors import LoaderError, SourceError
 from overlord.plan.partition import Span, owner
+from overlord.plan.step import TAKEN_ROWS
 from overlord.roles.quarantine import Dropper
 
 Key = tuple[int, int, int]
-_KEY = ("epoch", "shard_pos", "index")  # an item's position: its key's three parts
-_TAKEN = ("tokens", "loader", "file_index", "row", "chunk", "patches")  # and what take gives
-_PENDING = (*_KEY, *_TAKEN)  # the columns of the pending items: the rows of their array
+# the columns of the pending items, the rows of their array: an item's position (its key's
+# three parts: epoch, shard_pos, index), then what take gives of it
+_PENDING = TAKEN_ROWS
+_KEY, _TAKEN = _PENDING[:3], _PENDING[3:]
 _ROW = {c: r for r, c in enumerate(_PENDING)}
 _FROM_BLOCK = ("index", "tokens", "row", "chunk", "patches")  # a block's arrays, per item
 
@@ -196,6 +198,13 @@ class SourceCursor:
         Columns are int64 arrays in the order of ``indices``; ``key`` is ``(n, 3)``:
         epoch, shard position, index.
         """
+        rows = self.take_rows(indices)
+        out = dict(zip(_TAKEN, rows[len(_KEY) :]))
+        out["key"] = rows[: len(_KEY)].T.copy()  # (n, 3), each item's key in a row
+        return out
+
+    def take_rows(self, indices: list[int] | np.ndarray) -> np.ndarray:
+        """:meth:`take` as one int64 array: a row per column of :data:`_PENDING`, key first."""
         self._mark = None
         cols = self._joined()
         idx = np.asarray(indices, dtype=np.int64)
@@ -203,8 +212,6 @@ class SourceCursor:
         # the first pending items (most takes) are read by a slice: a view, not a copy
         prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
         chosen = cols[:, : len(idx)] if prefix else cols[:, idx]
-        out = dict(zip(_TAKEN, chosen[len(_KEY) :]))
-        out["key"] = chosen[: len(_KEY)].T.copy()  # (n, 3), each item's key in a row
         if prefix:
             first_left, ahead = len(idx), idx[:0]
         else:
@@ -220,7 +227,7 @@ class SourceCursor:
             self._pending = cols[:, first_left:]
             del self.tokens[:first_left]  # in place: no copy of what stays pending
         self._behind()
-        return out
+        return chosen
 
     def _behind(self) -> None:
         """Forget the placed items that the first pending one has passed."""
