@@ -391,6 +391,9 @@ def _groups(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     >>> _groups(np.array([1, 0, 1, 1]), np.array([5, 5, 5, 6]))
     (array([1, 0, 1, 2]), array([1, 0, 3]))
     """
+    n = len(columns[0])
+    if n and all((c == c[0]).all() for c in columns):  # one group: most steps read one file
+        return np.zeros(n, dtype=np.int64), np.zeros(1, dtype=np.int64)
     order = np.lexsort(columns[::-1])
     first = np.ones(len(order), dtype=bool)  # where a new group starts, in sorted order
     if len(order):
