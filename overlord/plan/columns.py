@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 _DIGIT = 16  # bits of one radix pass
+_SORT_FEW = 1024  # up to this many keys, numpy's stable argsort costs less than the passes
 _LANES = 8  # numpy's pairwise sum adds in eight lanes ...
 _BLOCK = 128  # ... over blocks of at most this many items; longer ones are split in halves
 # up to this many slices, a slice's own sum (a numpy call each) costs less than the lanes'
@@ -32,8 +33,8 @@ def stable_order(keys: np.ndarray) -> np.ndarray:
     [3, 1, 4, 0, 2]
     """
     keys = np.asarray(keys)
-    if len(keys) == 0 or keys.dtype.kind not in "iu" or keys.min() < 0:
-        return np.argsort(keys, kind="stable")
+    if len(keys) <= _SORT_FEW or keys.dtype.kind not in "iu" or keys.min() < 0:
+        return np.argsort(keys, kind="stable")  # (a few keys: one call costs less than passes)
     order = np.arange(len(keys))
     top, shift = int(keys.max()), 0
     while True:  # least significant digit first: each pass keeps the order of equal digits
