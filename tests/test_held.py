@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,6 +105,17 @@ def test_payload_by_runs_is_each_item_in_order(picks, gappy):
     assert got["lengths"].tolist() == [len(w) for w in want]
     assert got["tokens"].dtype == np.int32
     assert got["tokens"].tolist() == [t for w in want for t in w.tolist()]
+    assert got["lengths"].dtype == np.int32 and len(got["lengths"]) == len(picks)
+
+
+def test_an_answer_cannot_write_into_the_items_it_holds():
+    piece = _items([3, 4, 2])
+    held = piece.tokens.copy()
+    for runs in ([(piece, 1, 2)], [(piece, 0, 3)], [(piece, 0, 1), (piece, 2, 3)]):
+        got = payload_of_runs(runs)
+        with contextlib.suppress(ValueError):  # a copy may be written; a piece's tokens not
+            got["tokens"][:] = -1
+        assert piece.tokens.tolist() == held.tolist()
 
 
 @settings(max_examples=60, deadline=None)

@@ -100,32 +100,29 @@ def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.nda
     (int32 ``(items, 2)``, ``(0, 0)`` for an item without an image) and, from
     a tar, ``keys`` (UTF-8 bytes back to back) with ``key_lengths``.
     """
-    lengths = np.empty(sum(hi - lo for _, lo, hi in runs), dtype=np.int32)
+    lengths: list[int] = []
     parts: list[slice] = []
     pieces: list[ShardItems] = []  # the piece of each slice
-    j = 0
     for items, lo, hi in runs:
         if hi - lo == 1:  # most runs of a step of many sources: no array for one item
             a, n = int(items.start[lo]), int(items.length[lo])
-            lengths[j] = n
+            lengths.append(n)
             parts.append(slice(a, a + n))
             pieces.append(items)
-            j += 1
             continue
-        lengths[j : j + hi - lo] = items.length[lo:hi]
+        run = items.length[lo:hi].tolist()
         start = items.start[lo:hi]
-        if _back_to_back(start, lengths[j : j + hi - lo]):
+        lengths += run
+        if _back_to_back(start, items.length[lo:hi]):
             # a run of items back to back in the piece: one slice of its tokens
-            parts.append(slice(int(start[0]), int(start[-1]) + int(lengths[j + hi - lo - 1])))
+            parts.append(slice(int(start[0]), int(start[-1]) + run[-1]))
             pieces.append(items)
         else:
-            cut = zip(start.tolist(), lengths[j : j + hi - lo].tolist())
-            parts += [slice(a, a + n) for a, n in cut]
+            parts += [slice(a, a + n) for a, n in zip(start.tolist(), run)]
             pieces += [items] * (hi - lo)
-        j += hi - lo
     out = {
         "tokens": _joined([p.tokens[s] for p, s in zip(pieces, parts)], np.int32),
-        "lengths": lengths,
+        "lengths": np.array(lengths, dtype=np.int32),
     }
     if runs and runs[0][0].mask is not None:  # a chat source's: sliced as its tokens are
         out["mask"] = _joined(
@@ -158,6 +155,11 @@ def _back_to_back(start: np.ndarray, length: np.ndarray) -> bool:
 
 
 def _joined(parts: list[Any], dtype: type) -> np.ndarray:
+    """``parts`` back to back; one part as it is, read-only (a view of a held piece)."""
+    if len(parts) == 1:
+        view = parts[0].view()
+        view.flags.writeable = False
+        return view
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
