@@ -66,15 +66,21 @@ def _one_shard_cursor(n: int) -> SourceCursor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(takes=st.lists(st.sets(st.integers(0, 7), max_size=5), max_size=5), prefix=st.booleans())
-def test_takes_of_the_first_items_or_any_match_a_list_model(takes, prefix):
-    # the first pending items (the usual take) and any others leave the same pending items
-    # and the same checkpoint as a list of the items, with the placed ones ahead as skip runs
-    cursor = _one_shard_cursor(40)
-    cursor.peek(39)
-    pending, placed = list(range(40)), set()
-    for chosen in takes:
-        idx = list(range(len(chosen))) if prefix else sorted(chosen)
+@given(
+    takes=st.lists(st.sets(st.integers(0, 30), max_size=24), max_size=5),
+    prefix=st.booleans(),
+    backwards=st.booleans(),
+)
+def test_takes_of_the_first_items_or_any_match_a_list_model(takes, prefix, backwards):
+    # the first pending items (the usual take) and any others, a few or many, in any order,
+    # leave the same pending items and the same checkpoint as a list of the items, with the
+    # placed ones ahead as skip runs
+    cursor = _one_shard_cursor(130)  # more than the takes can take: some stay pending
+    cursor.peek(129)
+    pending, placed = list(range(130)), set()
+    for asked in takes:
+        chosen = {j for j in asked if j < len(pending)}  # the pending items there are
+        idx = list(range(len(chosen))) if prefix else sorted(chosen, reverse=backwards)
         out = cursor.take(np.array(idx, dtype=np.int64))
         items = [pending[j] for j in idx]
         assert out["key"][:, 2].tolist() == items and out["tokens"].tolist() == [

@@ -36,6 +36,7 @@ _PENDING = TAKEN_ROWS
 _KEY, _TAKEN = _PENDING[:3], _PENDING[3:]
 _ROW = {c: r for r, c in enumerate(_PENDING)}
 _FROM_BLOCK = ("index", "tokens", "row", "chunk", "patches")  # a block's arrays, per item
+_FEW = 16  # items taken ahead of the first one left that are cut from the token list one by one
 
 
 class SourceCursor:
@@ -212,17 +213,26 @@ class SourceCursor:
         # the first pending items (most takes) are read by a slice: a view, not a copy
         prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
         chosen = cols[:, : len(idx)] if prefix else cols[:, idx]
+        ahead: list[int] = []  # the items taken after the first one left, in order
         if prefix:
-            first_left, ahead = len(idx), idx[:0]
-        else:
-            keep = np.ones(n, dtype=bool)
-            keep[idx] = False
-            first_left = int(np.argmax(keep)) if keep.any() else n
-            ahead = idx[idx > first_left]
+            first_left = len(idx)
+        else:  # a step takes a few of a source's items: plain Python over them
+            taken = set(idx.tolist())
+            first_left = 0
+            while first_left in taken:  # the first pending item not taken (n: none is left)
+                first_left += 1
+            ahead = sorted(i for i in taken if i > first_left)
+        if ahead:
             self._placed_ahead += [(e, p, i) for e, p, i in cols[: len(_KEY), ahead].T.tolist()]
-        if len(ahead):
-            self._pending = cols[:, first_left:][:, keep[first_left:]]
-            self.tokens = self._pending[_ROW["tokens"]].tolist()
+            keep = np.ones(n - first_left, dtype=bool)
+            keep[[i - first_left for i in ahead]] = False
+            self._pending = cols[:, first_left:][:, keep]
+            if len(ahead) <= _FEW:  # the pending tokens' list cut in place
+                for i in reversed(ahead):
+                    del self.tokens[i]
+                del self.tokens[:first_left]
+            else:
+                self.tokens = self._pending[_ROW["tokens"]].tolist()
         else:  # every item before the first left was taken, none after it: a slice
             self._pending = cols[:, first_left:]
             del self.tokens[:first_left]  # in place: no copy of what stays pending
