@@ -13,6 +13,7 @@ from support.roundtrip import Part, check_save_restore
 from conftest import make_corpus
 from overlord import load_plan
 from overlord.plan.select import MixState
+from overlord.plan.step import taken_columns
 from overlord.roles.cursor import SourceCursor, cursor_state
 from overlord.roles.ledger import Ledger
 from overlord.roles.source_loader import SourceLoader
@@ -45,7 +46,7 @@ def test_a_source_cursor_resumes_from_its_state(tmp_path):
     def advance(part: tuple[SourceCursor, SourceLoader]) -> list[Any]:
         cursor, _ = part
         cursor.peek(2)
-        got = cursor.take([0, 2])  # item 1 stays pending: the state holds a skip run
+        got = taken_columns(cursor.take([0, 2]))  # item 1 stays pending: a skip run
         return [got["key"].tolist(), got["tokens"].tolist()]
 
     outputs = check_save_restore(
@@ -81,7 +82,7 @@ def test_takes_of_the_first_items_or_any_match_a_list_model(takes, prefix, backw
     for asked in takes:
         chosen = {j for j in asked if j < len(pending)}  # the pending items there are
         idx = list(range(len(chosen))) if prefix else sorted(chosen, reverse=backwards)
-        out = cursor.take(np.array(idx, dtype=np.int64))
+        out = taken_columns(cursor.take(np.array(idx, dtype=np.int64)))
         items = [pending[j] for j in idx]
         assert out["key"][:, 2].tolist() == items and out["tokens"].tolist() == [
             i + 1 for i in items

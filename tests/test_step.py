@@ -96,62 +96,33 @@ def test_the_windows_and_the_mixture_move_past_the_step(plan):
     assert mix.placed.sum() == placed.sum() + second.columns["tokens"].sum()
 
 
-def test_taken_columns_follow_the_selection_order_whichever_windows_gave_items():
+@pytest.mark.parametrize(
+    "source",
+    [[7, 2, 7, 11, 2, 7, 0], [3, 3, 3], [5]],
+    ids=["several windows", "one window", "one item"],
+)
+def test_taken_columns_follow_the_selection_order_whichever_windows_gave_items(source):
     from overlord.plan.step import take_columns
 
     windows = [ColumnWindow(np.arange(1, 40) + 100 * s, loaders=3) for s in range(12)]
     for w in windows:
         w.peek(30)
-    # items from a few of the windows only, interleaved, each window's in any order
-    source = np.array([7, 2, 7, 11, 2, 7, 0], dtype=np.int64)
-    pending = np.array([4, 0, 1, 9, 3, 20, 5], dtype=np.int64)
+    # items from a few of the windows only, interleaved, each window's in any order (one
+    # window alone: its answer is the step's columns as it is)
+    source = np.array(source, dtype=np.int64)
+    pending = np.array([4, 0, 1, 9, 3, 20, 5][: len(source)], dtype=np.int64)
     expected = [(int(s), windows[s].ids[int(i)]) for s, i in zip(source, pending)]
+    lengths = [windows[s].pending[int(i)] for s, i in zip(source, pending)]
     cols = take_columns(windows, source, pending)
     # ColumnWindow's record row is the item's read order: each row is its own item's
     assert [(int(s), int(r)) for s, r in zip(source, cols["row"])] == expected
     assert cols["key"][:, 2].tolist() == [r for _, r in expected]
+    assert cols["key"].shape == (len(source), 3)
     assert cols["loader"].tolist() == [r % 3 for _, r in expected]
-    untouched = [s for s in range(12) if s not in set(source.tolist())]
-    assert all(len(windows[s].pending) == 31 for s in untouched)
-    assert len(windows[7].pending) == 31 - 3 and len(windows[2].pending) == 31 - 2
+    assert cols["tokens"].tolist() == lengths
+    counts = np.bincount(source, minlength=12)
+    assert all(len(windows[s].pending) == 31 - counts[s] for s in range(12))
     assert take_columns(windows, source[:0], pending[:0])["key"].shape == (0, 3)
-
-
-class _RowWindow(ColumnWindow):
-    """A ColumnWindow that also answers a take as one array (as the planner's cursors do)."""
-
-    def take_rows(self, indices: np.ndarray) -> np.ndarray:
-        from overlord.plan.step import TAKEN_ROWS
-
-        cols = self.take(indices)
-        key = cols.pop("key")
-        tokens = np.array([0] * len(key), dtype=np.int64) + 7  # a column the dict way lacks
-        by_name = {"epoch": key[:, 0], "shard_pos": key[:, 1], "index": key[:, 2],
-                   "tokens": tokens, **cols}  # fmt: skip
-        return np.stack([by_name[c] for c in TAKEN_ROWS])
-
-
-@pytest.mark.parametrize(
-    "source",
-    [[3, 3, 3], [7, 2, 7, 11, 2, 7, 0], [5]],
-    ids=["one window", "several windows", "one item"],
-)
-def test_windows_that_answer_with_one_array_give_the_columns_the_others_do(source):
-    from overlord.plan.step import TAKEN, take_columns
-
-    def windows(kind: type[ColumnWindow]) -> list[ColumnWindow]:
-        out = [kind(np.arange(1, 40) + 100 * s, loaders=3) for s in range(12)]
-        for w in out:
-            w.peek(30)
-        return out
-
-    src = np.array(source, dtype=np.int64)
-    pending = np.array([4, 0, 1, 9, 3, 20, 5][: len(src)], dtype=np.int64)
-    by_dict = take_columns(windows(ColumnWindow), src, pending)
-    by_rows = take_columns(windows(_RowWindow), src, pending)
-    for c in TAKEN:
-        assert by_rows[c].dtype == np.int64 and by_rows[c].shape == by_dict[c].shape, c
-        assert by_rows[c].tolist() == by_dict[c].tolist(), c
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -31,9 +31,8 @@ from overlord.plan.mesh import resolved_layout
 from overlord.plan.select import MixState, Window, select_items
 from overlord.plan.spec import Plan
 
-# what the plan needs of each chosen item, taken from its window
-TAKEN = ("key", "loader", "file_index", "row", "chunk", "patches")
-# the same as the rows of one array (a window's ``take_rows``): the key's three parts first
+# what the plan needs of each chosen item, taken from its window: the rows of the array a
+# window's take answers, the item's key (its three parts) first
 TAKEN_ROWS = ("epoch", "shard_pos", "index", "tokens", "loader", "file_index", "row", "chunk",
               "patches")  # fmt: skip
 # what a rank's plan holds of the step's columns
@@ -45,11 +44,11 @@ SUMS = {c: f"{c}_by_rank" for c in ("cost", "cost_llm", "cost_encoder")}
 class StepWindow(Window, Protocol):
     """A source's pending items, which also hands out the columns of the ones chosen."""
 
-    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Remove pending items ``indices``; their :data:`TAKEN` columns, in that order.
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """Remove pending items ``indices``; their columns, in that order.
 
-        Each column is an int64 array; ``key`` is ``(n, 3)``: epoch, shard
-        position, index.
+        One int64 array, a row per column of :data:`TAKEN_ROWS`
+        (:func:`taken_columns` names them).
         """
         ...
 
@@ -82,53 +81,36 @@ def take_columns(
     """Take the chosen items from their windows: what the plan needs, in selection order.
 
     ``source[i]`` and ``pending[i]``: the window of the ``i``-th chosen item,
-    and its index among that window's pending items.
-
-    Windows that have ``take_rows`` (the planner's cursors: :meth:`take` as one
-    int64 array, a row per column of :data:`TAKEN_ROWS`) are taken from by it:
-    their answers are joined and placed as one array, not column by column.
+    and its index among that window's pending items. The windows' answers are
+    joined and placed in the selection's order as one array, not column by column.
     """
-    if all(hasattr(w, "take_rows") for w in windows):
-        return _take_rows(windows, source, pending)
-    cols = {c: np.empty(len(source), dtype=np.int64) for c in TAKEN if c != "key"}
-    cols["key"] = np.empty((len(source), 3), dtype=np.int64)
-    # each window's chosen items, in selection order, by one sort: only the windows that
-    # gave items are visited (a step of many sources takes from a few of them)
-    order = np.argsort(source, kind="stable")
-    ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
-    parts = []  # the windows' answers, in window order: their items are ``order``'s
-    start = 0
-    for s, end in enumerate(ends):
-        if end > start:
-            parts.append(windows[s].take(pending[order[start:end]]))
-        start = end
-    for c in TAKEN:  # one placement per column, not one per column and window
-        if len(parts) == 1:
-            cols[c][order] = parts[0][c]
-        elif parts:
-            cols[c][order] = np.concatenate([taken[c] for taken in parts])
-    return cols
-
-
-def _take_rows(
-    windows: Sequence[Any], source: np.ndarray, pending: np.ndarray
-) -> dict[str, np.ndarray]:
-    """:func:`take_columns` from windows that answer with one array (``take_rows``)."""
     if len(source) and (source == source[0]).all():  # one window gave every item: in order
-        rows = windows[int(source[0])].take_rows(pending)
+        rows = windows[int(source[0])].take(pending)
     else:
-        order = np.argsort(source, kind="stable")  # each window's items, in selection order
+        # each window's chosen items, in selection order, by one sort: only the windows that
+        # gave items are visited (a step of many sources takes from a few of them)
+        order = np.argsort(source, kind="stable")
         ends = np.cumsum(np.bincount(source, minlength=len(windows))).tolist()
         parts, start = [], 0
         for s, end in enumerate(ends):
             if end > start:
-                parts.append(windows[s].take_rows(pending[order[start:end]]))
+                parts.append(windows[s].take(pending[order[start:end]]))
             start = end
         rows = np.empty((len(TAKEN_ROWS), len(source)), dtype=np.int64)
         if parts:
             rows[:, order] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return taken_columns(rows)
+
+
+def taken_columns(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """A take's rows (:data:`TAKEN_ROWS`) by name, ``key`` as ``(n, 3)``: views, no copies.
+
+    >>> cols = taken_columns(np.arange(18).reshape(9, 2))
+    >>> cols["key"].tolist(), cols["tokens"].tolist()
+    ([[0, 2, 4], [1, 3, 5]], [6, 7])
+    """
     cols = dict(zip(TAKEN_ROWS[3:], rows[3:]))
-    cols["key"] = rows[:3].T  # (n, 3): epoch, shard position, index
+    cols["key"] = rows[:3].T  # epoch, shard position, index
     return cols
 
 

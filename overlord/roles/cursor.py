@@ -33,7 +33,7 @@ Key = tuple[int, int, int]
 # the columns of the pending items, the rows of their array: an item's position (its key's
 # three parts: epoch, shard_pos, index), then what take gives of it
 _PENDING = TAKEN_ROWS
-_KEY, _TAKEN = _PENDING[:3], _PENDING[3:]
+_KEY = _PENDING[:3]
 _ROW = {c: r for r, c in enumerate(_PENDING)}
 _FROM_BLOCK = ("index", "tokens", "row", "chunk", "patches")  # a block's arrays, per item
 _FEW = 16  # items taken ahead of the first one left that are cut from the token list one by one
@@ -193,31 +193,26 @@ class SourceCursor:
             self._pending = np.concatenate(parts, axis=1)
         return self._pending
 
-    def take(self, indices: list[int] | np.ndarray) -> dict[str, np.ndarray]:
+    def take(self, indices: list[int] | np.ndarray) -> np.ndarray:
         """Remove pending items (by pending index) and return what the plan needs of them.
 
-        Columns are int64 arrays in the order of ``indices``; ``key`` is ``(n, 3)``:
-        epoch, shard position, index.
+        One int64 array, a row per column of :data:`_PENDING` (the key's three
+        parts first), its items in the order of ``indices``
+        (:func:`overlord.plan.step.taken_columns` names the rows).
         """
-        rows = self.take_rows(indices)
-        out = dict(zip(_TAKEN, rows[len(_KEY) :]))
-        out["key"] = rows[: len(_KEY)].T.copy()  # (n, 3), each item's key in a row
-        return out
-
-    def take_rows(self, indices: list[int] | np.ndarray) -> np.ndarray:
-        """:meth:`take` as one int64 array: a row per column of :data:`_PENDING`, key first."""
         self._mark = None
         cols = self._joined()
         idx = np.asarray(indices, dtype=np.int64)
+        asked = idx.tolist()
         n = len(self.tokens)
         # the first pending items (most takes) are read by a slice: a view, not a copy
-        prefix = len(idx) <= n and idx.tolist() == list(range(len(idx)))
+        prefix = len(idx) <= n and asked == list(range(len(idx)))
         chosen = cols[:, : len(idx)] if prefix else cols[:, idx]
         ahead: list[int] = []  # the items taken after the first one left, in order
         if prefix:
             first_left = len(idx)
         else:  # a step takes a few of a source's items: plain Python over them
-            taken = set(idx.tolist())
+            taken = set(asked)
             first_left = 0
             while first_left in taken:  # the first pending item not taken (n: none is left)
                 first_left += 1

@@ -110,10 +110,10 @@ def payload_of_runs(runs: list[tuple[ShardItems, int, int]]) -> dict[str, np.nda
             parts.append(slice(a, a + n))
             pieces.append(items)
             continue
-        run = items.length[lo:hi].tolist()
-        start = items.start[lo:hi]
+        length, start = items.length[lo:hi], items.start[lo:hi]
+        run = length.tolist()
         lengths += run
-        if _back_to_back(start, items.length[lo:hi]):
+        if _back_to_back(start, length):
             # a run of items back to back in the piece: one slice of its tokens
             parts.append(slice(int(start[0]), int(start[-1]) + run[-1]))
             pieces.append(items)

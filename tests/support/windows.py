@@ -62,17 +62,14 @@ class ColumnWindow:
             self.read += 1
         return self.pending[i]
 
-    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """The taken items' rows (``overlord.plan.step.TAKEN_ROWS``), as a cursor answers."""
         ids = np.array([self.ids[int(i)] for i in indices], dtype=np.int64)
+        tokens = np.array([self.pending[int(i)] for i in indices], dtype=np.int64)
         gone = {int(i) for i in indices}
         self.pending = [x for i, x in enumerate(self.pending) if i not in gone]
         self.ids = [x for i, x in enumerate(self.ids) if i not in gone]
         zeros = np.zeros(len(ids), dtype=np.int64)
-        return {
-            "key": np.stack([zeros, zeros, ids], axis=1),
-            "loader": ids % self.loaders,
-            "file_index": zeros,
-            "row": ids,
-            "chunk": zeros - 1,
-            "patches": zeros,
-        }
+        # epoch, shard_pos, index, tokens, loader, file_index, row, chunk, patches
+        return np.stack([zeros, zeros, ids, tokens, ids % self.loaders, zeros, ids, zeros - 1,
+                         zeros])  # fmt: skip
