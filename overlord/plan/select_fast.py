@@ -230,7 +230,8 @@ def run(
     with a ``token_array()`` (its pending tokens as an int64 array, as the
     planner's cursors have) is copied whole; a window's ``tokens`` list is
     converted a chunk at a time (doubling). An item past those fetched is
-    ``peek``-ed where ``select_step`` peeks it. Tokens must not be negative.
+    ``peek``-ed where ``select_step`` peeks it, and what the peek fetched is
+    converted from the ``tokens`` list. Tokens must not be negative.
     """
     select = kernel()
     if select is None:
@@ -269,7 +270,9 @@ def run(
             s, i = int(st[_S]), int(st[_I])
             if i >= len(toks[s]):  # where select_step peeks
                 windows[s].peek(i)
-                toks[s] = _tokens_of(windows[s])
+                # the list: only the items fetched past those converted are read from it,
+                # where a window's array would join every pending item again at each peek
+                toks[s] = windows[s].tokens
             grow = len(toks[s]) if isinstance(toks[s], np.ndarray) else 2 * int(have[s])
             more = min(len(toks[s]), max(i + 1, grow))
             have, tok = _convert(toks[s], s, more, have, tok)
