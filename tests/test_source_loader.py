@@ -13,7 +13,7 @@ import pytest
 
 from conftest import make_corpus, on_threads
 from overlord import Loader, LoaderError, load_plan
-from overlord.roles.source_loader import SourceLoader
+from overlord.roles.source_loader import SourceLoader, _last
 from overlord.sources.catalog import job_files
 
 pytestmark = pytest.mark.integration
@@ -280,3 +280,14 @@ def test_one_reader_thread_cuts_its_pieces_on_the_scheduler_more_on_kept_workers
     finally:
         loader.close()
     assert {t for t in cut_on[before + 1 :]} == {"overlord-piece-web-0"}, Counter(cut_on)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 200])
+def test_the_last_key_of_a_take_is_the_greatest_in_source_order(n):
+    # a few keys are compared in plain Python, many by one sort: both are the same order
+    rng = np.random.default_rng(n)
+    for _ in range(30):
+        keys = rng.integers(0, 3, size=(n, 3)) * np.array([1, 1, 1000]) + rng.integers(
+            0, 4, size=(n, 3)
+        )
+        assert _last(keys) == tuple(max(keys.tolist()))

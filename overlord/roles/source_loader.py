@@ -113,6 +113,19 @@ class Progress:
     asked: int = 0  # callers waiting for an item not published yet: they lift the budget
 
 
+def _last(keys: np.ndarray) -> tuple[int, int, int]:
+    """The last of keys ``(n, 3)`` (epoch, shard position, index) in source order.
+
+    >>> _last(np.array([[0, 2, 9], [1, 0, 3], [1, 0, 1]]))
+    (1, 0, 3)
+    """
+    if len(keys) <= FEW:  # plain Python over a few
+        e, p, i = max(keys.tolist())
+    else:  # a step's many items of one loader: one sort of the keys, not a tuple each
+        e, p, i = keys[np.lexsort(keys.T[::-1])[-1]].tolist()
+    return e, p, i
+
+
 class SourceLoader:
     """Reads one source's shards ahead and holds their tokens until taken.
 
@@ -308,7 +321,7 @@ class SourceLoader:
         keys = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
         with self._lock:
             if len(keys):  # the last key in source order read means every key is read
-                e, p, i = max(keys.tolist())
+                e, p, i = _last(keys)
                 if (e, p, i) >= self.progress.last:
                     self._wait_until_read((e, p, i))
             taken, missing = self._held.locate(keys)
