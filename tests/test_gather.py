@@ -83,3 +83,15 @@ def test_an_answer_that_is_not_the_plans_items_is_refused(compiled, monkeypatch)
         gather_mod.gather([(np.array([0, 1]), short)], lengths)
     with pytest.raises(LoaderError, match="for item 2, which the step's 2 items do not have"):
         gather_mod.gather([(np.array([2]), wrong_length)], lengths)
+
+
+def test_one_answer_of_every_item_in_the_plans_order_is_the_steps_tokens_as_they_are():
+    lengths = np.array([2, 0, 3], dtype=np.int64)
+    got = {"tokens": np.arange(5, dtype=np.int32), "lengths": lengths.astype(np.int32)}
+    placed, mask, _ = gather_mod.gather([(np.arange(3), got)], lengths)
+    assert placed is got["tokens"] and mask is None
+    # out of the plan's order, or with more tokens than its items: placed item by item
+    for mine, tokens in ((np.array([0, 2, 1]), np.arange(5)), (np.arange(3), np.arange(6))):
+        other = {"tokens": tokens.astype(np.int32), "lengths": lengths[mine].astype(np.int32)}
+        placed, _, _ = gather_mod.gather([(mine, other)], lengths)
+        assert placed is not other["tokens"] and len(placed) == 5

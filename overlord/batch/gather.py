@@ -63,7 +63,9 @@ def gather(
     ``lengths``, and a chat source's ``mask``). Returns the tokens, their loss
     mask (uint8, 1: a label to keep; None when no answer had one, so that a
     text plan allocates none: the other sources' tokens are all kept) and the
-    answers as a list, for what else the caller reads of them (images).
+    answers as a list, for what else the caller reads of them (images). An answer
+    that holds every item, in the plan's order, gives its tokens as they are
+    (read-only, perhaps): the caller reads them once, to pack the rows.
 
     >>> tokens, mask, _ = gather(
     ...     [(np.array([2, 0]), {"tokens": np.array([7, 8, 9], np.int32),
@@ -74,6 +76,9 @@ def gather(
     >>> tokens.tolist(), mask
     ([8, 9, 5, 7], None)
     """
+    kept = list(answers)
+    if len(kept) == 1 and _whole(*kept[0], lengths):  # one loader's answer is the step itself
+        return kept[0][1]["tokens"], None, kept
     n = len(lengths)
     starts = np.zeros(n, dtype=np.int64)
     if n:
@@ -81,9 +86,7 @@ def gather(
     tokens = scratch(int(lengths.sum()))  # packed into rows, then dropped
     mask: np.ndarray | None = None
     place = _kernel()
-    kept = []
-    for mine, got in answers:
-        kept.append((mine, got))
+    for mine, got in kept:
         if "mask" in got and mask is None:
             mask = np.ones(len(tokens), dtype=np.uint8)
         if place is not None:
@@ -94,6 +97,22 @@ def gather(
         else:
             _place_runs(tokens, mask, starts, lengths, mine, got)
     return tokens, mask, kept
+
+
+def _whole(mine: np.ndarray, got: dict[str, np.ndarray], lengths: np.ndarray) -> bool:
+    """Whether answer ``got`` is every item of ``lengths``, in the plan's order, and no more.
+
+    Its tokens are then the step's as they are (one loader served the whole step, as a
+    plan of one source with one loader has it): copying them would give the same array.
+    """
+    n = len(lengths)
+    return (
+        len(mine) == n
+        and "mask" not in got
+        and len(got["tokens"]) == int(lengths.sum())
+        and bool((mine == np.arange(n)).all())
+        and np.array_equal(got["lengths"], lengths)
+    )
 
 
 def _placed(
