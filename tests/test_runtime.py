@@ -136,7 +136,8 @@ def test_background_one_way_calls_run_in_order_and_name_the_one_that_failed():
             made.append(-1)
             raise ValueError(why)
 
-    h = InlineRuntime().spawn(Log, name="log")
+    # two calls at once: a role that queues no calls, so a thread of the OneWay's makes them
+    h = InlineRuntime().spawn(Log, name="log", options=RoleOptions(max_concurrency=2))
     told = OneWay("the test", background=True)
     told.send(h, Log.add, 0)
     for x in range(1, 40):
@@ -150,6 +151,70 @@ def test_background_one_way_calls_run_in_order_and_name_the_one_that_failed():
     told.send(h, Log.add, 41)
     told.close()
     assert made[-1] == 41
+
+
+def test_a_serial_roles_one_way_calls_run_in_order_before_its_next_call_on_that_thread():
+    """The sender only queues; the role's next call runs them first, on its caller's thread."""
+    made: list[tuple[int, str]] = []
+
+    class Log:
+        handle: Any = None
+
+        def add(self, x: int) -> int:
+            made.append((x, threading.current_thread().name))
+            return x
+
+        def fail(self, why: str) -> None:
+            raise ValueError(why)
+
+        def nested(self, told: OneWay) -> None:
+            told.send(self.handle, Log.add, 7)  # queued during a call of the role's own:
+            self.handle.call(Log.add, 8).result()  # not run by its call to itself
+
+    h = InlineRuntime().spawn(Log, name="log")  # one call at a time: a serial role
+    h.obj.handle = h
+    told = OneWay("the queue", background=True)
+    told.send(h, Log.add, 1)
+    told.send(h, Log.add, 2)
+    assert made == [] and told.pending()
+    assert not [t for t in threading.enumerate() if t.name == "overlord-oneway-the queue"]
+    builder = threading.Thread(target=lambda: h.call(Log.add, 3).result(), name="builder")
+    builder.start()
+    builder.join()
+    assert made == [(1, "builder"), (2, "builder"), (3, "builder")]
+    told.check()
+    assert not told.pending()
+    told.send(h, Log.fail, "lost notice")
+    h.call(Log.add, 4)
+    with pytest.raises(LoaderError, match=r"the queue: the one-way call log\.fail failed.*lost"):
+        told.check()
+    h.call(Log.nested, told)
+    assert [x for x, _ in made[-2:]] == [4, 8]
+    told.send(h, Log.add, 5)  # nobody calls the role: waiting for them runs them here
+    told.flush(timeout=30)
+    assert [x for x, _ in made[-2:]] == [7, 5] and made[-1][1] == "MainThread"
+
+
+def test_waiting_for_a_queued_call_behind_a_long_call_of_the_role_times_out():
+    gate = threading.Event()
+
+    class Slow:
+        def hold(self) -> None:
+            gate.wait(30)
+
+        def add(self, x: int) -> int:
+            return x
+
+    h = InlineRuntime().spawn(Slow, name="slow")
+    busy = threading.Thread(target=lambda: h.call(Slow.hold))
+    busy.start()
+    time.sleep(0.2)  # the long call holds the role
+    told = OneWay("the test", background=True)
+    told.send(h, Slow.add, 1)
+    with pytest.raises(LoaderError, match="did not run within 0.2 s"):
+        told.flush(timeout=0.2)
+    gate.set()
+    busy.join()
 
 
 def test_errors_of_a_dead_role_can_be_expected(runtime):

@@ -67,8 +67,9 @@ class Client(Iterator[Batch]):
         self._sources = sources
         self._constructor, self._planner = constructor, planner
         self._owned = owned  # a constructor in this process that this client closes
-        # sent from a thread of their own (shared by a Loader's clients, which keeps their
-        # order): the trainer's thread never waits for the planner
+        # queued by the trainer's thread (for the planner's next call to run, embedded; for a
+        # thread of their own to send, elsewhere), in order across a Loader's clients, which
+        # share them: the trainer's thread never waits for the planner
         who = f"rank {rank}" if global_rank is None else f"global rank {global_rank}"
         self._shared = notices is not None
         self._notices = notices or OneWay(f"client of {who}", background=True)
@@ -124,8 +125,8 @@ class Client(Iterator[Batch]):
         ``seconds``: the rank's forward and backward on the step, before it waits
         at the gradient all-reduce (where every rank's time is the slowest's).
         ``loss_by_source``: optionally its mean loss per source (keys are the
-        batch's ``source`` names), for a mixture that adapts. Sent one way, from
-        a thread of its own: the trainer does not wait. A report the planner
+        batch's ``source`` names), for a mixture that adapts. Sent one way, as
+        the consumption notices are: the trainer does not wait. A report the planner
         cannot pair (a step it no longer keeps) is counted and dropped; a
         malformed one raises ``ValueError`` here.
         """

@@ -193,6 +193,14 @@ class _Failed(Exception):
         self.what, self.error = what, error
 
 
+def _queued(
+    handle: Handle[Any], method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Ref[Any] | None:
+    """The call queued on the role to run before its next call, where the role queues calls."""
+    defer = getattr(handle, "defer", None)
+    return None if defer is None else defer(method, *args, **kwargs)
+
+
 class OneWay:
     """Calls whose result nobody waits for, whose errors still reach the sender.
 
@@ -204,12 +212,15 @@ class OneWay:
     logged at debug level. At most ``limit`` calls are kept in flight; the
     oldest is waited for beyond that, so memory stays bounded.
 
-    With ``background``, calls are made in order on a thread of their own:
-    the sender's thread only queues them. That matters where a call runs on
-    the caller's thread (the embedded runtime), e.g. a trainer's consumption
-    notice, which would otherwise wait while the planner plans a step. Calls
-    sent while the thread has not started on the ones before them join those
-    (one job, one wake-up): 64 ranks' notices of a step are a job or two, not 64.
+    With ``background``, the sender's thread only queues the calls. That
+    matters where a call runs on the caller's thread (the embedded runtime),
+    e.g. a trainer's consumption notice, which would otherwise wait while
+    the planner plans a step. A role that queues calls (a serial role of the
+    embedded runtime: ``handle.defer``) runs them in order before its next
+    call, on the thread that makes it; to other roles they are made in order
+    on a thread of their own, started when first needed. Calls sent while
+    that thread has not started on the ones before them join those (one job,
+    one wake-up): 64 ranks' notices of a step are a job or two, not 64.
     """
 
     def __init__(
@@ -221,7 +232,8 @@ class OneWay:
     ):
         self.sender, self.ignore, self.limit = sender, ignore, limit
         self._pending: deque[tuple[Ref[Any], str]] = deque()
-        self._thread = Builder(f"overlord-oneway-{sender}") if background else None
+        self._background = background
+        self._thread: Builder | None = None  # started at the first call that needs it
         self._lock = threading.RLock()  # senders on several threads (a Loader's clients)
         # background: the calls of the job queued and not started yet, which later sends join
         self._open: list[_Call] | None = None
@@ -238,8 +250,10 @@ class OneWay:
         ref: Ref[Any]
         what = f"{handle.name}.{method.__name__}"
         with self._lock:
-            if self._thread is None:
+            if not self._background:
                 ref = handle.call(method, *args, **kwargs)
+            elif (queued := _queued(handle, method, args, kwargs)) is not None:
+                ref = queued
             else:
                 call: _Call = (handle, method, args, kwargs, what)
                 with self._open_lock:
@@ -251,6 +265,8 @@ class OneWay:
                 if waiting is not None:
                     self.check()  # as a send that starts a job does (in keep)
                     return
+                if self._thread is None:
+                    self._thread = Builder(f"overlord-oneway-{self.sender}")
                 ref = self._thread.submit(self._run, calls)
             self.keep(ref, what)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +18,50 @@ from overlord.runtime.base import DEFAULT_OPTIONS, Done, Gone, Handle, RoleOptio
 from overlord.runtime.hosting import SEP, HostedHandle, Hosts, close_role, drop, hosted
 
 
+class Queued:
+    """The Ref of a call queued on a role (:meth:`InlineHandle.defer`), not run yet.
+
+    ``result`` runs the role's queued calls on the asking thread if nobody has
+    yet (after the call under way on the role, if any, ends): waiting for one
+    never depends on another call coming.
+    """
+
+    def __init__(self, handle: InlineHandle):
+        self._handle = handle
+        self._done: Done[Any] | None = None
+
+    def settle(self, done: Done[Any]) -> None:
+        """The call ran: what it returned or raised."""
+        self._done = done
+
+    def done(self) -> bool:
+        """Whether the call has run."""
+        return self._done is not None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Its value or its error, running the role's queued calls first if nobody has."""
+        if self._done is None:
+            self._handle.run_queued(timeout)
+        if self._done is None:
+            raise TimeoutError(
+                f"{self._handle.name}: a queued call did not run within {timeout} s "
+                "(a call under way on the role holds it)"
+            )
+        return self._done.result()
+
+
 class InlineHandle:
     """A role object; calls run synchronously in the caller's thread.
 
     ``serial``: one call at a time, as an actor that serves one call at once
     (``RoleOptions.max_concurrency == 1``) does; the planner, for one, is
     called from the trainer's thread and from constructors' build threads.
+
+    A serial role also takes calls that nobody waits for (:meth:`defer`):
+    they are queued, and run in order before the role's next call, on the
+    thread that makes it. A trainer's consumption notices reach the planner
+    this way: the trainer's thread only queues them, and the build thread's
+    next plan runs them, with no thread of their own to wake.
     """
 
     def __init__(
@@ -38,16 +77,64 @@ class InlineHandle:
         self.dead = False  # killed: calls fail as calls to a dead actor do
         self._cls, self._args = cls, args  # to construct it again (restart)
         self._lock: Any = threading.RLock() if serial else contextlib.nullcontext()
+        self._serial = serial
+        # calls queued by defer, run before the next call from outside the role (serial only)
+        self._queued: deque[tuple[Queued, Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
+        self._queued = deque()
+        self._depth = 0  # calls under way (serial: on the one thread that holds the lock)
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Done[Any]:
-        """Run the method now and keep what it returned or raised."""
+        """Run the method now (after the queued calls) and keep what it returned or raised."""
         with self._lock:
-            if self.dead:
-                return Done(error=ActorDiedError(f"{self.name}: the role was killed"))
+            if self._queued and not self._depth:  # not within a call of the role's own
+                self._run_queued()
+            self._depth += 1
             try:
-                return Done(getattr(self.obj, method.__name__)(*args, **kwargs))
-            except Exception as e:  # raised by Done.result, in the caller
-                return Done(error=e)
+                return self._run(method, args, kwargs)
+            finally:
+                self._depth -= 1
+
+    def _run(
+        self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Done[Any]:
+        if self.dead:
+            return Done(error=ActorDiedError(f"{self.name}: the role was killed"))
+        try:
+            return Done(getattr(self.obj, method.__name__)(*args, **kwargs))
+        except Exception as e:  # raised by Done.result, in the caller
+            return Done(error=e)
+
+    def defer(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Queued | None:
+        """Queue ``method(*args)`` to run before the role's next call; its Ref.
+
+        None where the role is not serial: its calls may run at once on several
+        threads, so queued calls would have no next call to run before.
+        """
+        if not self._serial:
+            return None
+        ref = Queued(self)
+        self._queued.append((ref, method, args, kwargs))
+        return ref
+
+    def run_queued(self, timeout: float | None = None) -> None:
+        """Run the queued calls now, once the call under way (if any) ends, or ``timeout``."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        try:
+            if not self._depth:
+                self._run_queued()
+        finally:
+            self._lock.release()
+
+    def _run_queued(self) -> None:
+        """The queued calls, in order (the lock held)."""
+        self._depth += 1
+        try:
+            while self._queued:
+                ref, method, args, kwargs = self._queued.popleft()
+                ref.settle(self._run(method, args, kwargs))
+        finally:
+            self._depth -= 1
 
 
 class InlineRuntime:
