@@ -85,6 +85,8 @@ class InlineHandle:
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Done[Any]:
         """Run the method now (after the queued calls) and keep what it returned or raised."""
+        if not self._serial:  # calls at once on several threads: none is queued
+            return self._run(method, args, kwargs)
         with self._lock:
             if self._queued and not self._depth:  # not within a call of the role's own
                 self._run_queued()
