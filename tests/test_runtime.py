@@ -196,10 +196,11 @@ def test_a_serial_roles_one_way_calls_run_in_order_before_its_next_call_on_that_
 
 
 def test_waiting_for_a_queued_call_behind_a_long_call_of_the_role_times_out():
-    gate = threading.Event()
+    gate, holding = threading.Event(), threading.Event()
 
     class Slow:
         def hold(self) -> None:
+            holding.set()
             gate.wait(30)
 
         def add(self, x: int) -> int:
@@ -208,7 +209,7 @@ def test_waiting_for_a_queued_call_behind_a_long_call_of_the_role_times_out():
     h = InlineRuntime().spawn(Slow, name="slow")
     busy = threading.Thread(target=lambda: h.call(Slow.hold))
     busy.start()
-    time.sleep(0.2)  # the long call holds the role
+    assert holding.wait(30)  # the long call holds the role
     told = OneWay("the test", background=True)
     told.send(h, Slow.add, 1)
     with pytest.raises(LoaderError, match="did not run within 0.2 s"):
