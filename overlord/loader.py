@@ -258,7 +258,8 @@ class Loader:
         except BaseException:
             self.close()
             raise
-        # every client's consumption notices, in order, from one thread (never the trainer's)
+        # every client's consumption notices, in order; a trainer's next() only queues them (the
+        # embedded planner runs them before its next call; a Ray one gets them from a thread)
         self._notices = OneWay("clients", background=build_ahead)
 
     def client(self, rank: int, stop_step: int | None = None) -> RankStream:
