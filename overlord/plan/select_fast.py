@@ -231,7 +231,7 @@ def run(
     planner's cursors have) is copied whole; a window's ``tokens`` list is
     converted a chunk at a time (doubling). An item past those fetched is
     ``peek``-ed where ``select_step`` peeks it, and what the peek fetched is
-    converted from the ``tokens`` list. Tokens must not be negative.
+    converted whole, from the ``tokens`` list. Tokens must not be negative.
     """
     select = kernel()
     if select is None:
@@ -268,13 +268,14 @@ def run(
                 out = np.concatenate([out, np.empty_like(out)], axis=1)
                 continue
             s, i = int(st[_S]), int(st[_I])
-            if i >= len(toks[s]):  # where select_step peeks
+            if i >= len(toks[s]):  # where select_step peeks: what it fetched is converted
                 windows[s].peek(i)
-                # the list: only the items fetched past those converted are read from it,
-                # where a window's array would join every pending item again at each peek
+                # from the list, which holds it past the items converted (a window's array
+                # would join every pending item again at each peek)
                 toks[s] = windows[s].tokens
-            grow = len(toks[s]) if isinstance(toks[s], np.ndarray) else 2 * int(have[s])
-            more = min(len(toks[s]), max(i + 1, grow))
+                more = len(toks[s])
+            else:  # a list not converted whole yet: its next chunk (doubling)
+                more = min(len(toks[s]), max(i + 1, 2 * int(have[s])))
             have, tok = _convert(toks[s], s, more, have, tok)
         got = [out[j, : st[_NOUT]].tolist() for j in range(4)]
     target += w * float(step[0])
