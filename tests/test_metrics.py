@@ -8,11 +8,12 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import two_sources
 from overlord import Loader, load_plan
-from overlord.monitor.figures import Figures, Histogram
+from overlord.monitor.figures import COUNT_STEPS, Figures, Histogram
 from overlord.monitor.prometheus import METRICS
 from overlord.plan.spec import validate_plan
 
@@ -123,6 +124,26 @@ def test_figures_pair_step_times_with_the_previous_steps_cost():
     for x in (0.05, 0.1, 0.5, 7.0):
         h.observe(x)
     assert h.as_dict()["buckets"] == [[0.1, 2], [1.0, 3], [math.inf, 4]]
+
+
+def test_figures_count_every_consumed_steps_tokens_and_samples_when_read():
+    rng = np.random.default_rng(3)
+    f = Figures(["a", "b", "c"], dp=1)
+    source, tokens = [], []
+    for step in range(2 * COUNT_STEPS + 7):  # counted in bulk, and the rest when read
+        n = int(rng.integers(0, 9))
+        source.append(rng.integers(0, 3, n))
+        tokens.append(rng.integers(1, 500, n))
+        f.consumed(source[-1], tokens[-1])
+        if step in (3, COUNT_STEPS - 1, COUNT_STEPS, 2 * COUNT_STEPS + 6):
+            src, tok = np.concatenate(source), np.concatenate(tokens)
+            want_tokens = np.bincount(src, weights=tok, minlength=3).astype(np.int64)
+            d = f.as_dict()  # read first: it counts what was not counted yet
+            assert d["steps"] == step + 1
+            assert list(d["tokens"].values()) == want_tokens.tolist()
+            assert d["share"]["a"] == want_tokens[0] / want_tokens.sum()
+            assert f.tokens.tolist() == want_tokens.tolist()
+            assert f.samples.tolist() == np.bincount(src, minlength=3).tolist()
 
 
 def test_run_report_writes_markdown_and_four_plots(plan, tmp_path):

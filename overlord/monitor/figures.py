@@ -22,6 +22,7 @@ PLAN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.5, 1.0, 5.0)  # fmt: skip
 COST_STEPS_KEPT = 1024  # steps whose per-rank predicted cost is kept to pair with step times
 COST_STEPS_PRUNED = 64  # how many more are kept before the oldest are forgotten together
+COUNT_STEPS = 64  # consumed steps whose tokens and samples by source are counted together
 
 
 class Histogram:
@@ -57,8 +58,10 @@ class Figures:
         self.names, self.dp = names, dp
         self._lock = threading.Lock()
         self.steps = 0
-        self.tokens = np.zeros(len(names), dtype=np.int64)
-        self.samples = np.zeros(len(names), dtype=np.int64)
+        self._tokens = np.zeros(len(names), dtype=np.int64)
+        self._samples = np.zeros(len(names), dtype=np.int64)
+        # consumed steps' (source, tokens) columns not counted yet: counted together
+        self._uncounted: list[tuple[np.ndarray, np.ndarray]] = []
         self.skipped_q = np.zeros(len(names), dtype=np.int64)  # quarantined, in consumed steps
         self.wait = [Histogram(WAIT_BUCKETS) for _ in range(dp)]
         self.plan = Histogram(PLAN_BUCKETS)
@@ -80,12 +83,42 @@ class Figures:
                     del self._costs[old]
 
     def consumed(self, source: np.ndarray, tokens: np.ndarray) -> None:
-        """Every rank consumed a step whose items come from ``source`` with ``tokens`` each."""
-        n = len(self.names)
+        """Every rank consumed a step whose items come from ``source`` with ``tokens`` each.
+
+        Kept as they are (the step's plan columns, which nothing writes) and counted
+        :data:`COUNT_STEPS` steps at a time, or when read: a few numpy calls per step on a
+        step's handful of items cost more than the counting itself.
+        """
         with self._lock:
             self.steps += 1
-            self.tokens += np.bincount(source, weights=tokens, minlength=n).astype(np.int64)
-            self.samples += np.bincount(source, minlength=n)
+            self._uncounted.append((source, tokens))
+            if len(self._uncounted) >= COUNT_STEPS:
+                self._count()
+
+    def _count(self) -> None:
+        """Add the steps not counted yet to the tokens and samples by source (lock held)."""
+        if not self._uncounted:
+            return
+        source = np.concatenate([s for s, _ in self._uncounted])
+        tokens = np.concatenate([t for _, t in self._uncounted])
+        self._uncounted.clear()
+        n = len(self.names)
+        self._tokens += np.bincount(source, weights=tokens, minlength=n).astype(np.int64)
+        self._samples += np.bincount(source, minlength=n)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens of consumed steps, by source (a copy)."""
+        with self._lock:
+            self._count()
+            return self._tokens.copy()
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Samples of consumed steps, by source (a copy)."""
+        with self._lock:
+            self._count()
+            return self._samples.copy()
 
     def quarantined(self, source: np.ndarray) -> None:
         """A step every rank consumed was planned without these quarantined items (by source)."""
@@ -141,13 +174,15 @@ class Figures:
         """The counters and histograms, as plain data."""
         k = self.seconds_per_cost()
         with self._lock:
-            total = max(int(self.tokens.sum()), 1)
+            self._count()
+            tokens = self._tokens.tolist()
+            total = max(sum(tokens), 1)
             return {
                 "steps": self.steps,
-                "tokens": dict(zip(self.names, self.tokens.tolist())),
-                "samples": dict(zip(self.names, self.samples.tolist())),
+                "tokens": dict(zip(self.names, tokens)),
+                "samples": dict(zip(self.names, self._samples.tolist())),
                 "quarantined": dict(zip(self.names, self.skipped_q.tolist())),
-                "share": {n: int(t) / total for n, t in zip(self.names, self.tokens.tolist())},
+                "share": {n: t / total for n, t in zip(self.names, tokens)},
                 "wait": [h.as_dict() for h in self.wait],
                 "plan": self.plan.as_dict(),
                 "rank_cost": list(self.cost),

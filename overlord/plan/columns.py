@@ -55,6 +55,8 @@ def rank_sums(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     >>> rank_sums(x, np.array([0, 3, 3, 20])).tolist() == [x[:3].sum(), 0.0, x[3:].sum()]
     True
     """
+    if len(bounds) == 2:  # one rank (dp 1): its slice, summed as below
+        return np.array([x[int(bounds[0]) : int(bounds[1])].sum()], dtype=np.float64)
     lo = np.asarray(bounds[:-1], dtype=np.int64)
     n = np.asarray(bounds[1:], dtype=np.int64) - lo
     if len(lo) <= _FEW:

@@ -15,7 +15,6 @@ when the trainer asks for it.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -349,15 +348,18 @@ class DataConstructor:
         """
         src, epoch, file_index = rp["source"], rp["key"][:, 0], rp["file_index"]
         sources, catalogs = self.names, self.files
+        made: list[SampleColumns] = []  # once (a cache's wrapper costs more per step)
 
-        @functools.cache
         def columns() -> SampleColumns:
-            file, firsts = _groups(src, epoch, file_index)  # a step's items come from a few files
-            at = zip(src[firsts].tolist(), epoch[firsts].tolist(), file_index[firsts].tolist())
-            files = [catalogs[sources[s]].at(e)[f].name for s, e, f in at]
-            return SampleColumns(
-                sources, files, src, file, rp["rec_row"], rp["chunk"], lengths, rp["row"], names
-            )
+            if not made:
+                file, firsts = _groups(src, epoch, file_index)  # a step's items: a few files
+                at = zip(src[firsts].tolist(), epoch[firsts].tolist(), file_index[firsts].tolist())
+                files = [catalogs[sources[s]].at(e)[f].name for s, e, f in at]
+                row, rec_row, chunk = rp["row"], rp["rec_row"], rp["chunk"]
+                made.append(
+                    SampleColumns(sources, files, src, file, rec_row, chunk, lengths, row, names)
+                )
+            return made[0]
 
         return Samples(columns, lengths)
 

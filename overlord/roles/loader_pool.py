@@ -251,10 +251,11 @@ class LoaderPool:
         calls = []
         for s, k, mine in by_slot(source, loader):
             slot = self.slots[self.names[s]][k]
+            mine_keys = keys if len(mine) == len(keys) else keys[mine]  # one slot: every item
             if slot:
-                calls.append((slot[0], keys[mine]))
+                calls.append((slot[0], mine_keys))
             if len(slot) > 1:
-                self._shadow_keys.setdefault((self.names[s], k), []).append(keys[mine])
+                self._shadow_keys.setdefault((self.names[s], k), []).append(mine_keys)
         self._shadow_steps += 1
         if self._shadow_steps >= SHADOW_RELEASE_STEPS:
             calls += self._to_shadows(list(self._shadow_keys))

@@ -378,7 +378,10 @@ class SourceLoader:
                 few.setdefault((e, p), []).append(i)
             shards = list(few.items())
         else:  # a step's items of a loader lie in a shard or two: grouped by arrays
-            shards = [(at, keys[rows, 2]) for at, rows in by_shard(keys)]
+            shards = [
+                (at, keys[:, 2] if len(rows) == len(keys) else keys[rows, 2])  # one shard: all
+                for at, rows in by_shard(keys)
+            ]
         with self._lock:
             for at, index in shards:
                 self._release_in(at, index)
