@@ -240,7 +240,7 @@ PUBLIC_FACE = (
     "overlord.replays",
 )
 LAYERS: list[tuple[str, ...]] = [
-    ("overlord.errors", "overlord.world"),
+    ("overlord.errors", "overlord.world", "overlord.blocks"),
     ("overlord.plan",),
     ("overlord.sources", "overlord.state", "overlord.monitor", "overlord.runtime"),
     ("overlord.batch",),

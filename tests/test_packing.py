@@ -145,9 +145,9 @@ def test_a_block_is_written_again_only_once_nothing_holds_it():
 def test_a_scratch_array_is_never_one_that_something_still_holds():
     # a step's temporaries come from kept blocks that nothing holds any more, whatever
     # their length, never from one a slice still shows
-    from overlord.batch.rows import _Blocks
+    from overlord.blocks import KeptBlocks
 
-    blocks = _Blocks(keep=2)
+    blocks = KeptBlocks(keep=2)
     first = blocks.flat(100)
     first[:] = 7
     block = id(first.base)  # its id: a name for it would hold it too

@@ -407,6 +407,34 @@ def window_view(w: Any) -> tuple[Any, ...]:
     return (w.rows.tolist(), w.offsets.tolist(), w.cut, texts, w.records, w.empty, w.number)
 
 
+def test_a_windows_block_is_used_again_only_once_its_pieces_are_gone(tmp_path: Path) -> None:
+    pytest.importorskip("numba")
+    from overlord.sources.files import resolve_files
+    from overlord.sources.shard import shard_windows
+
+    rng = np.random.default_rng(4)
+    docs = [np.append(rng.integers(3, 60_000, int(n)), EOS) for n in rng.integers(1, 400, 1500)]
+    np.save(tmp_path / "t.npy", np.concatenate(docs).astype(np.uint16))
+    src = {"path": "t.npy", "format": "tokens", "eos_id": EOS}
+    plan = overlord.load_plan(
+        plan_for(tmp_path, src, shuffle={"block_bytes": 16384, "window_blocks": 2})
+    )
+    spec = plan.sources[0]
+    windows = shard_windows(plan, spec, resolve_files(spec, plan.base_dir), 0, 0)
+
+    def start(w: Any) -> int:  # where its first piece's ids lie: the start of its block
+        return int(w.pieces[0].texts.buffers()[2].address)
+
+    first = next(windows)
+    held, at = first.pieces[0], start(first)  # a piece held: its block must not be written
+    want = held.texts.to_pylist()
+    del first
+    starts = [start(w) for w in windows]  # each window dropped before the next is made
+    assert len(starts) > 4 and at not in starts
+    assert len(set(starts)) < len(starts)  # the blocks of the windows that went, used again
+    assert held.texts.to_pylist() == want
+
+
 @pytest.mark.parametrize("kind", ["npy-uint16", "raw-uint32", "npy-int32", "megatron"])
 def test_a_gathered_window_is_the_window_the_text_way_makes(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch

@@ -16,13 +16,12 @@ sit back to back in a row; the rest of the row is padding. Next to the tokens:
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from overlord.batch import pack_fast
+from overlord.blocks import KeptBlocks
 
 IGNORE_INDEX = pack_fast.IGNORE_INDEX
 
@@ -103,7 +102,7 @@ def _outputs(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     8,192 tokens, four arrays took 3.2 ms a step to allocate and fill on this project's
     machine, one block 0.39 ms. Each output is C-contiguous; one that is kept keeps
     the block. The block is one that nothing holds any more where there is one
-    (:class:`_Blocks`): both packs write every element of it.
+    (:class:`~overlord.blocks.KeptBlocks`): both packs write every element of it.
     """
     shape = (len(_OUTPUTS), rows, seq_len)
     return dict(zip(_OUTPUTS, _BLOCKS.get(shape) if _SOURCE is None else _SOURCE(shape)))
@@ -113,11 +112,11 @@ def scratch(n: int) -> np.ndarray:
     """An int32 array of ``n`` elements for a step's temporaries, uninitialized.
 
     A step's tokens gathered from its loaders, a loader's answer to a take: written
-    whole, read once, then dropped. Kept blocks of the heap are used again once nothing
-    holds them (:class:`_Blocks`), so that in a process whose allocator maps blocks of
-    128 KiB and more apart (a data process, a loader process) they do not fault in
-    fresh pages every time: at 512K tokens a step, these two cost a data process's
-    serving thread about a thousand page faults a step.
+    whole, read once, then dropped. Kept blocks of the heap are used again once
+    nothing holds them (:class:`~overlord.blocks.KeptBlocks`), so that in a process
+    whose allocator maps blocks of 128 KiB and more apart (a data process, a loader
+    process) they do not fault in fresh pages every time: at 512K tokens a step, these
+    two cost a data process's serving thread about a thousand page faults a step.
     """
     return _SCRATCH.flat(n)
 
@@ -125,79 +124,16 @@ def scratch(n: int) -> np.ndarray:
 def use_blocks(source: Callable[[tuple[int, ...]], np.ndarray] | None) -> None:
     """Where this process's packs take their output blocks: ``source(shape)``, an int32 block.
 
-    None: kept blocks of the heap (:class:`_Blocks`), the default. A data process packs
-    straight into the shared memory that its trainers map
+    None: kept blocks of the heap (:class:`~overlord.blocks.KeptBlocks`), the default. A
+    data process packs straight into the shared memory that its trainers map
     (:meth:`overlord.runtime.shm_ring.SlotPool.pack_block`).
     """
     global _SOURCE
     _SOURCE = source
 
 
-class _Blocks:
-    """Output blocks used again once nothing but this holds them (their reference count).
-
-    A batch's arrays are views of its block, and every view (a torch tensor made from
-    one, a slice, a memoryview) holds the block: a block whose only holder is this list
-    is free, whatever the batch went through. So a process that builds batch after
-    batch (a trainer that drops each) writes into the same few blocks instead of mapping
-    fresh memory every step: in a process whose allocator hands blocks of 128 KiB and
-    more back to the system when freed (:func:`overlord.runtime.hosting.lean_allocators`),
-    a fresh block costs a page fault per page. At most ``keep`` blocks of a shape are
-    kept (:meth:`get`), and ``keep`` of any length (:meth:`flat`, a step's temporaries);
-    more are made and freed as before. Thread-safe. (A data process packs into
-    its shared-memory slots instead: :func:`use_blocks`.)
-    """
-
-    def __init__(self, keep: int = 8):
-        self.keep = keep
-        self._kept: dict[tuple[int, ...], list[np.ndarray]] = {}
-        self._flat: list[np.ndarray] = []  # blocks of :meth:`flat`, of any length
-        self._lock = threading.Lock()
-
-    def get(self, shape: tuple[int, ...]) -> np.ndarray:
-        """An int32 block of ``shape``, uninitialized: a free kept one, else a new one."""
-        with self._lock:
-            kept = self._kept.setdefault(shape, [])
-            free = _free(kept)
-            if free:
-                return kept[free[0]]
-            block = np.empty(shape, dtype=np.int32)
-            if len(kept) < self.keep:
-                kept.append(block)
-            return block
-
-    def flat(self, n: int) -> np.ndarray:
-        """An int32 array of ``n`` elements, uninitialized: the start of a free kept block.
-
-        For a step's temporaries, whose length moves from step to step: the smallest
-        free block that holds ``n``, else a new one an eighth longer (kept in place of
-        a smaller free one when ``keep`` are kept already).
-        """
-        with self._lock:
-            kept = self._flat
-            free = _free(kept)
-            fits = [i for i in free if len(kept[i]) >= n]
-            if fits:
-                return kept[min(fits, key=lambda i: len(kept[i]))][:n]
-            block = np.empty(n + n // 8, dtype=np.int32)
-            if len(kept) < self.keep:
-                kept.append(block)
-            elif free:
-                kept[min(free, key=lambda i: len(kept[i]))] = block  # a free one too small
-            return block[:n]
-
-
-def _free(kept: list[np.ndarray]) -> list[int]:
-    """The indexes of the blocks of ``kept`` that nothing else holds (no view of them lives).
-
-    A free block's holders are the list and getrefcount's argument: read by index, with
-    no loop name bound to the block (``enumerate``'s reused tuple would hold one too).
-    """
-    return [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
-
-
-_BLOCKS = _Blocks()
-_SCRATCH = _Blocks(keep=4)  # a step's temporaries (scratch): a gather's, a few answers'
+_BLOCKS = KeptBlocks()
+_SCRATCH = KeptBlocks(keep=4)  # a step's temporaries (scratch): a gather's, a few answers'
 _SOURCE: Callable[[tuple[int, ...]], np.ndarray] | None = None  # see use_blocks
 
 

@@ -146,7 +146,7 @@ class SlotPool:
         The batch's arrays are then views of the slot: :meth:`place` finds them there,
         and the batch reaches trainers without a copy. A slot packed into is used again
         once no trainer holds it and nothing in this process references its buffer (its
-        reference count, as :class:`overlord.batch.rows._Blocks` counts); the room after
+        reference count, as :class:`overlord.blocks.KeptBlocks` counts); the room after
         the block takes the batch's other arrays. A closed pool gives a block of the heap.
         """
         size = 4 * math.prod(shape)

@@ -3,11 +3,17 @@
 A text window (:func:`overlord.sources.shard.shard_windows`) joins its blocks' records
 into one Arrow array, then takes each piece's records out of it. A token file's records
 are ranges of ids already read (:class:`~overlord.sources.token_files.BlockIds`): here the
-window's blocks are put end to end in the file's dtype, and each piece's int32 ids are
-placed from them by one compiled copy that widens them as it goes. After the read, an id
-is copied twice (once in the file's dtype, once into its piece) instead of three times
-as int32 (widened into its block's records, joined, taken). The window is the same,
-piece for piece and byte for byte, as the text way makes of the same blocks' records.
+window's blocks are put end to end in the file's dtype, and the window's int32 ids are
+placed from them, in the window's order, by one compiled copy that widens them as it
+goes, into one block that the pieces are views of. After the read, an id is copied twice
+(once in the file's dtype, once into the window's block) instead of three times as int32
+(widened into its block's records, joined, taken). The window is the same, piece for
+piece and byte for byte, as the text way makes of the same blocks' records.
+
+The block goes when the window's last piece does (its items released): it is then used
+again for a later window (:class:`~overlord.blocks.KeptBlocks`), so that a process whose
+allocator hands large blocks back (a data process, a loader process) does not fault in
+fresh pages for every window.
 
 Where numba does not import (the ``fast`` extra), or a file's ids are not in the
 machine's byte order, the window is made the text way.
@@ -20,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
+from overlord.blocks import KeptBlocks
 from overlord.plan.compiled import copy_kernel
 from overlord.sources.token_files import BlockIds, joined
 from overlord.sources.window import PIECE_BYTES, Packed, Piece, Window, piece_bounds
@@ -62,9 +69,15 @@ def token_window(
     offsets = np.zeros(len(order) + 1, np.int64)
     np.cumsum(lengths[order] * ID_BYTES, out=offsets[1:])
     cut = piece_bounds(offsets, PIECE_BYTES)
-    pieces: list[Piece | Packed | None] = [
-        _piece(ids, starts[order[lo:hi]], lengths[order[lo:hi]]) for lo, hi in cut
-    ]
+    # every piece's ids placed by one compiled copy, in the window's order, into one block
+    # used again once the window's last piece goes (a fresh one costs a fault per page in
+    # a process that hands large blocks back: a data process, a loader process)
+    place = offsets // ID_BYTES
+    out = _WINDOW_IDS.flat(int(place[-1]))
+    copy = copy_kernel()
+    assert copy is not None  # see gathers()
+    copy(out, place[:-1], ids, starts[order], lengths[order])
+    pieces: list[Piece | Packed | None] = [_piece(out, place[lo : hi + 1]) for lo, hi in cut]
     return Window(
         *(epoch, shard_pos, file_index, number),
         rows=rows[order],
@@ -78,16 +91,19 @@ def token_window(
     )
 
 
-def _piece(ids: np.ndarray, start: np.ndarray, n: np.ndarray) -> Piece:
-    """The piece of documents ``ids[start[i] : start[i] + n[i]]``, in order, as int32 records."""
-    copy = copy_kernel()
-    assert copy is not None  # see gathers()
-    at = np.zeros(len(start) + 1, np.int64)
-    np.cumsum(n, out=at[1:])
-    # from Arrow's pool, as a taken piece's were: its memory is kept for the next ones
-    data = pa.allocate_buffer(int(at[-1]) * ID_BYTES)
-    copy(np.frombuffer(data, np.int32), at[:-1], ids, start, n)
+def _piece(out: np.ndarray, at: np.ndarray) -> Piece:
+    """The piece of the documents ``out[at[i] : at[i + 1]]``, in order, as int32 records.
+
+    Its data is a view of ``out``, which it holds: no copy.
+    """
+    base = int(at[0])
+    data = pa.py_buffer(out[base : int(at[-1])])
     texts = pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), len(start), [None, pa.py_buffer(at * ID_BYTES), data]
+        pa.large_binary(), len(at) - 1, [None, pa.py_buffer((at - base) * ID_BYTES), data]
     )
     return Piece(texts)
+
+
+# the windows' ids: a few windows of each source are alive at once (the one being
+# taken, the one read ahead); more are made and freed as before
+_WINDOW_IDS = KeptBlocks(keep=8)
