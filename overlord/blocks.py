@@ -66,6 +66,10 @@ class KeptBlocks:
                 kept[min(free, key=lambda i: len(kept[i]))] = block  # a free one too small
             return block[:n]
 
+    def flat_bytes(self, nbytes: int) -> np.ndarray:
+        """:meth:`flat` as ``nbytes`` bytes (uint8), to be viewed as any dtype or read into."""
+        return self.flat(-(-nbytes // 4)).view(np.uint8)[:nbytes]
+
 
 def _free(kept: list[np.ndarray]) -> list[int]:
     """The indexes of the blocks of ``kept`` that nothing else holds (no view of them lives).

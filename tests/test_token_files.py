@@ -407,6 +407,22 @@ def window_view(w: Any) -> tuple[Any, ...]:
     return (w.rows.tolist(), w.offsets.tolist(), w.cut, texts, w.records, w.empty, w.number)
 
 
+def test_reads_of_ids_are_the_files_bytes_and_a_short_file_is_named(tmp_path: Path) -> None:
+    from overlord.errors import SourceError
+    from overlord.sources.files import Shard
+    from overlord.sources.token_files import KEPT_READ_BYTES, _Ranges
+
+    data = np.random.default_rng(2).integers(0, 256, 3 * KEPT_READ_BYTES, np.uint8).tobytes()
+    (tmp_path / "t.bin").write_bytes(data)
+    ranges = _Ranges("tok", Shard(str(tmp_path / "t.bin"), "t.bin"))
+    held = ranges.read_ids(5, 5 + 2 * KEPT_READ_BYTES)  # into a kept block
+    for lo, hi in [(0, 10), (7, 7 + KEPT_READ_BYTES), (KEPT_READ_BYTES, len(data))]:
+        assert ranges.read_ids(lo, hi).tobytes() == data[lo:hi]  # short ones: the heap's
+    assert held.tobytes() == data[5 : 5 + 2 * KEPT_READ_BYTES]  # not written by later reads
+    with pytest.raises(SourceError, match=f"ends at byte {len(data)}.*truncated"):
+        ranges.read_ids(KEPT_READ_BYTES, len(data) + 1)
+
+
 def test_a_windows_block_is_used_again_only_once_its_pieces_are_gone(tmp_path: Path) -> None:
     pytest.importorskip("numba")
     from overlord.sources.files import resolve_files

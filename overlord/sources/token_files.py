@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from overlord.blocks import KeptBlocks
 from overlord.errors import SourceError
 from overlord.plan.spec import Format, SourceSpec, TokenDtype
 from overlord.sources.files import Shard
@@ -56,13 +57,22 @@ MEGATRON_DTYPES: dict[int, type] = {
 _MEGATRON_FLOATS = {6: "float64", 7: "float32"}
 _SCAN_TOKENS = 4 << 20  # ids counted at once by the eos pass
 _FIRST_REST = 4096  # ids read first of a document's rest past its block (then twice as many)
+# reads of ids kept to be used again from this size (shorter ones come from the heap)
+KEPT_READ_BYTES = 128 << 10
+# blocks of ids read (a window's blocks are read before it is made, then let go), and
+# the masks of their eos ids (one at a time per reading thread)
+_READS = KeptBlocks(keep=16)
+_MASKS = KeptBlocks(keep=2)
 
 
 class _Ranges:
     """Byte ranges of one file: ``os.pread`` on a local file, seek and read on a URL.
 
     Reading by ranges keeps nothing of the file mapped or cached in this process: what a
-    block needs is read into a buffer of its own and freed with it.
+    block needs is read into a buffer of its own and freed with it. The ids of a local
+    file (:meth:`read_ids`) are read into kept blocks, used again once nothing holds them
+    (:class:`~overlord.blocks.KeptBlocks`): a window's reads then do not fault in fresh
+    pages in a process whose allocator hands large blocks back.
     """
 
     def __init__(self, source: str, shard: Shard):
@@ -93,11 +103,27 @@ class _Ranges:
             self._file.seek(lo)
             data = self._file.read(hi - lo)
         if len(data) != hi - lo:
-            raise SourceError(
-                self.source, self.name, None, f"the file ends at byte {lo + len(data)}, "
-                f"before byte {hi} that its index names: it is truncated"
-            )
+            raise self._truncated(lo + len(data), hi)
         return data
+
+    def read_ids(self, lo: int, hi: int) -> np.ndarray:
+        """Bytes ``[lo, hi)`` as uint8, in a kept block (a local file); as :meth:`read`."""
+        if self._fd < 0 or hi - lo < KEPT_READ_BYTES:  # a short read: the heap's, as bytes
+            return np.frombuffer(self.read(lo, hi), np.uint8)
+        out = _READS.flat_bytes(hi - lo)
+        at = lo
+        while at < hi:
+            got = os.preadv(self._fd, [out[at - lo :].data], at)
+            if not got:
+                raise self._truncated(at, hi)
+            at += got
+        return out
+
+    def _truncated(self, end: int, hi: int) -> SourceError:
+        return SourceError(
+            self.source, self.name, None, f"the file ends at byte {end}, "
+            f"before byte {hi} that its index names: it is truncated"
+        )  # fmt: skip
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -257,19 +283,20 @@ class FlatTokenFile(ShardReader):
             raise self._error("a raw token file needs the source's dtype (uint16|uint32|int32)")
         return np.dtype(dtype.value), 0
 
-    def ids(self, lo: int, hi: int) -> np.ndarray:
-        """Ids ``[lo, hi)`` of the file (clipped to its end)."""
-        hi = min(hi, self.n)
+    def ids(self, lo: int, hi: int, kept: bool = True) -> np.ndarray:
+        """Ids ``[lo, hi)`` of the file (clipped to its end); ``kept``: in a kept block."""
         size = self.dtype.itemsize
-        return np.frombuffer(self.file.read(self.start + lo * size, self.start + hi * size),
-                             self.dtype)  # fmt: skip
+        lo_byte, hi_byte = self.start + lo * size, self.start + min(hi, self.n) * size
+        if not kept:  # a read once (the eos pass over the file): no block kept for it
+            return np.frombuffer(self.file.read(lo_byte, hi_byte), self.dtype)
+        return self.file.read_ids(lo_byte, hi_byte).view(self.dtype)
 
     def _eos_before_blocks(self) -> np.ndarray:
         """One pass over the file: how many eos ids lie before each block, and in all."""
         counts = np.zeros(self.blocks_in_file + 1, np.int64)
         step = max(self.per_block, (_SCAN_TOKENS // self.per_block) * self.per_block)
         for lo in range(0, self.n, step):
-            ids = self.ids(lo, lo + step)
+            ids = self.ids(lo, lo + step, kept=False)
             hits = np.flatnonzero(ids == self.eos) + lo
             np.add.at(counts, hits // self.per_block + 1, 1)
         return np.cumsum(counts)
@@ -316,7 +343,10 @@ class FlatTokenFile(ShardReader):
         before = max(lo - 1, 0)
         head = self.ids(before, hi)
         # a document starts after each eos, and at 0
-        eos = np.flatnonzero(head[: hi - 1 - before] == self.eos) + before
+        scan = head[: hi - 1 - before]
+        hit = np.equal(scan, self.eos, out=_MASKS.flat_bytes(len(scan)).view(np.bool_))
+        eos = np.flatnonzero(hit) + before
+        del hit  # its block goes back
         starts = eos + 1
         starts = starts[starts >= lo]
         if lo == 0:
@@ -423,7 +453,7 @@ class MegatronFile(ShardReader):
         rows = np.arange(d0, d1, dtype=np.int64)
         first, end = int(self.doc_start[d0]), int(self.doc_end[d0:d1].max())
         size = self.dtype.itemsize
-        data = np.frombuffer(self.file.read(first, end), self.dtype, (end - first) // size)
+        data = self.file.read_ids(first, end)[: (end - first) // size * size].view(self.dtype)
         starts = (self.doc_start[d0:d1] - first) // size
         ends = (self.doc_end[d0:d1] - first) // size
         try:

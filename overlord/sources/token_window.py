@@ -60,7 +60,10 @@ def token_window(
     # document is one range of them, and a piece is placed by one compiled copy
     sizes = [n for b in blocks for n in (len(b.data), len(b.rest))]
     at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
-    ids = joined([a for b in blocks for a in (b.data, b.rest)], blocks[0].data.dtype)
+    parts = [a for b in blocks for a in (b.data, b.rest)]
+    dtype = blocks[0].data.dtype
+    ids = _WINDOW_IDS.flat_bytes(sum(len(a) for a in parts) * dtype.itemsize).view(dtype)
+    np.concatenate(parts, out=ids)  # (in a kept block: it goes back once the pieces are made)
     starts = joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
     if len(starts) and int(np.maximum.reduce(starts + lengths)) > len(ids):  # compiled: unchecked
         raise ValueError(f"a document of window {number} of {name} lies past its blocks' ids")
@@ -106,4 +109,4 @@ def _piece(out: np.ndarray, at: np.ndarray) -> Piece:
 
 # the windows' ids: a few windows of each source are alive at once (the one being
 # taken, the one read ahead); more are made and freed as before
-_WINDOW_IDS = KeptBlocks(keep=8)
+_WINDOW_IDS = KeptBlocks(keep=4)
