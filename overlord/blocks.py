@@ -4,9 +4,9 @@ A process that builds one large array after another (a batch a step, a window of
 ids a few steps) writes into the same few blocks instead of mapping fresh memory
 each time. In a process whose allocator hands blocks of 128 KiB and more back to
 the system when freed (:func:`overlord.runtime.hosting.lean_allocators`: a data
-process, a loader process), a fresh block costs a page fault per page: measured on
-this project's machine, 0.25 MiB allocated and written cost 296 us so, 33 us from
-a block used again, and 16 MiB (huge pages) 5.4 ms against 1.4.
+process, a loader process), a fresh block costs a page fault per page. On this
+project's machine, allocating and writing 0.25 MiB cost 296 us in such a process and
+33 us in a block used again; 16 MiB (in huge pages) cost 5.4 ms against 1.4.
 
 A block is free when its only holder is its :class:`KeptBlocks` list: every view of it
 (a slice, a tensor made from one, an Arrow buffer over one) holds the block, so a
