@@ -427,6 +427,7 @@ def test_a_windows_block_is_used_again_only_once_its_pieces_are_gone(tmp_path: P
     pytest.importorskip("numba")
     from overlord.sources.files import resolve_files
     from overlord.sources.shard import shard_windows
+    from overlord.sources.token_window import _WINDOW_IDS
 
     rng = np.random.default_rng(4)
     docs = [np.append(rng.integers(3, 60_000, int(n)), EOS) for n in rng.integers(1, 400, 1500)]
@@ -441,11 +442,17 @@ def test_a_windows_block_is_used_again_only_once_its_pieces_are_gone(tmp_path: P
     def start(w: Any) -> int:  # where its first piece's ids lie: the start of its block
         return int(w.pieces[0].texts.buffers()[2].address)
 
+    def kept(address: int) -> bool:  # in one of the blocks kept to be used again
+        return any(b.ctypes.data <= address < b.ctypes.data + b.nbytes for b in _WINDOW_IDS._flat)
+
     first = next(windows)
     held, at = first.pieces[0], start(first)  # a piece held: its block must not be written
     want = held.texts.to_pylist()
     del first
-    starts = [start(w) for w in windows]  # each window dropped before the next is made
+    starts = []
+    for w in windows:  # each window dropped before the next is made
+        starts.append(start(w))
+        assert kept(starts[-1])  # every window placed in a kept block
     assert len(starts) > 4 and at not in starts
     assert len(set(starts)) < len(starts)  # the blocks of the windows that went, used again
     assert held.texts.to_pylist() == want

@@ -102,3 +102,16 @@ def by_slot(source: np.ndarray, loader: np.ndarray) -> list[tuple[int, int, np.n
     ends = [*firsts[1:].tolist(), len(order)]
     slots = zip(source[order[firsts]].tolist(), loader[order[firsts]].tolist())
     return [(int(s), int(k), order[a:b]) for (s, k), a, b in zip(slots, firsts.tolist(), ends)]
+
+
+def group_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``x[rows]`` for ``rows``, one group of :func:`by_slot` (or of ``by_shard``) over ``x``.
+
+    A group of every row holds them in order, so it is ``x`` itself: no copy (most steps'
+    items of a loader are one slot, and lie in one shard).
+
+    >>> x = np.arange(6).reshape(3, 2)
+    >>> group_rows(x, np.arange(3)) is x, group_rows(x, np.array([0, 2])).tolist()
+    (True, [[0, 1], [4, 5]])
+    """
+    return x if len(rows) == len(x) else x[rows]

@@ -31,7 +31,7 @@ import numpy as np
 
 from overlord.errors import ActorDiedError
 from overlord.plan.autoscale import Decision
-from overlord.plan.partition import Partition, Position, by_slot
+from overlord.plan.partition import Partition, Position, by_slot, group_rows
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END, LoaderRole
 from overlord.roles.scaling import Scaling
@@ -251,7 +251,7 @@ class LoaderPool:
         calls = []
         for s, k, mine in by_slot(source, loader):
             slot = self.slots[self.names[s]][k]
-            mine_keys = keys if len(mine) == len(keys) else keys[mine]  # one slot: every item
+            mine_keys = group_rows(keys, mine)
             if slot:
                 calls.append((slot[0], mine_keys))
             if len(slot) > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from overlord.errors import ActorDiedError, LoaderError
+from overlord.plan.partition import group_rows
 from overlord.roles.api import LoaderRole, PoolRole
 from overlord.runtime import call_each
 from overlord.runtime.base import Handle
@@ -52,7 +53,7 @@ class PoolView:
                 handle = self.loaders[s][k]
                 if handle is None:
                     raise LoaderError(f"loader {k} of '{self.names[s]}' was retired")
-                calls.append((handle, keys[mine]))
+                calls.append((handle, group_rows(keys, mine)))
             # loaders that share a process are asked in one call to it
             refs = call_each(LoaderRole.take, calls)
             asked, todo = todo, []

@@ -65,7 +65,7 @@ import numpy as np
 
 from overlord.errors import LoaderError, OverlordError
 from overlord.plan.budget import token_budget
-from overlord.plan.partition import owner
+from overlord.plan.partition import group_rows, owner
 from overlord.plan.spec import Plan
 from overlord.roles.api import SHARD_END as END
 from overlord.roles.api import LoaderRole
@@ -378,10 +378,7 @@ class SourceLoader:
                 few.setdefault((e, p), []).append(i)
             shards = list(few.items())
         else:  # a step's items of a loader lie in a shard or two: grouped by arrays
-            shards = [
-                (at, keys[:, 2] if len(rows) == len(keys) else keys[rows, 2])  # one shard: all
-                for at, rows in by_shard(keys)
-            ]
+            shards = [(at, group_rows(keys, rows)[:, 2]) for at, rows in by_shard(keys)]
         with self._lock:
             for at, index in shards:
                 self._release_in(at, index)

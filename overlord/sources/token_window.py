@@ -57,13 +57,13 @@ def token_window(
     rows = joined([b.rows for b in blocks], np.int64)
     lengths = joined([b.ends - b.starts for b in blocks], np.int64)
     # the blocks' ids end to end, in the file's dtype (each block's, then its rest): every
-    # document is one range of them, and a piece is placed by one compiled copy
+    # document is one range of them
     sizes = [n for b in blocks for n in (len(b.data), len(b.rest))]
     at = np.cumsum([0, *sizes])[0:-1:2]  # where each block's ids start
     parts = [a for b in blocks for a in (b.data, b.rest)]
     dtype = blocks[0].data.dtype
     ids = _WINDOW_IDS.flat_bytes(sum(len(a) for a in parts) * dtype.itemsize).view(dtype)
-    np.concatenate(parts, out=ids)  # (in a kept block: it goes back once the pieces are made)
+    np.concatenate(parts, out=ids)  # (a kept block: it goes back once the window is placed)
     starts = joined([b.starts + a for b, a in zip(blocks, at.tolist())], np.int64)
     if len(starts) and int(np.maximum.reduce(starts + lengths)) > len(ids):  # compiled: unchecked
         raise ValueError(f"a document of window {number} of {name} lies past its blocks' ids")
@@ -73,8 +73,7 @@ def token_window(
     np.cumsum(lengths[order] * ID_BYTES, out=offsets[1:])
     cut = piece_bounds(offsets, PIECE_BYTES)
     # every piece's ids placed by one compiled copy, in the window's order, into one block
-    # used again once the window's last piece goes (a fresh one costs a fault per page in
-    # a process that hands large blocks back: a data process, a loader process)
+    # (see the module's docstring)
     place = offsets // ID_BYTES
     out = _WINDOW_IDS.flat(int(place[-1]))
     copy = copy_kernel()
